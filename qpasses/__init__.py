@@ -1,0 +1,17 @@
+"""qpasses: a compiler-pass framework that turns float ONNX models into quantized QDQ models."""
+from .annotations import Convert, QuantTable, TensorQuant
+from .api import quantize, run_pipeline
+from .config import QuantConfig, load_config
+from .errors import (CalibrationDataError, ConfigError, ModelError, PassFailure, PipelineError,
+                     PreconditionError, QpassesError)
+from .ir import QModel, load, save
+from .pipeline import Pass, PassManager, PassResult, parse_pipeline, print_pipeline
+from .registry import all_passes, register
+
+__version__ = "0.1.0"
+__all__ = [
+    "CalibrationDataError", "ConfigError", "Convert", "ModelError", "Pass", "PassFailure",
+    "PassManager", "PassResult", "PipelineError", "PreconditionError", "QModel", "QpassesError",
+    "QuantConfig", "QuantTable", "TensorQuant", "all_passes", "load", "load_config", "parse_pipeline",
+    "print_pipeline", "quantize", "register", "run_pipeline", "save",
+]

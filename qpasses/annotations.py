@@ -1,0 +1,125 @@
+"""The quantization table: one TensorQuant decision per tensor name, with the reasons for it."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Iterator
+
+import numpy as np
+
+ROLES = ("activation", "weight", "bias")
+
+
+@dataclass
+class Convert:
+    """Readers in ``recv_nodes`` read the tensor re-quantized to ``qtype`` (a DQ->Q pair)."""
+
+    qtype: str
+    recv_nodes: list[str]
+    symmetric: bool | None = None
+    scale: list[float] | None = None
+    zero_point: list[int] | None = None
+
+
+@dataclass
+class TensorQuant:
+    """How one tensor is quantized. ``scale``/``zero_point`` are lists (length 1 when per-tensor)."""
+
+    qtype: str
+    role: str = "activation"
+    symmetric: bool = False
+    axis: int | None = None
+    reduce_range: bool = False
+    restricted: bool = False          # uint8 zero point snapped to 0 or 128
+    rmin: float | None = None         # user-fixed range (overrides calibration)
+    rmax: float | None = None
+    scale: list[float] | None = None
+    zero_point: list[int] | None = None
+    fixed: bool = False               # scale/zero_point given by the user or a preset: never recomputed
+    shares: str | None = None         # takes its qparams from this tensor (shape-only ops)
+    convert: Convert | None = None
+    why: list[str] = field(default_factory=list)
+
+    @property
+    def per_channel(self) -> bool:
+        return self.axis is not None
+
+    def because(self, reason: str) -> "TensorQuant":
+        """Append a reason (returns self, for chaining)."""
+        self.why.append(reason)
+        return self
+
+    def with_qparams(self, scale, zero_point, reason: str | None = None) -> "TensorQuant":
+        new = replace(self, scale=[float(s) for s in np.ravel(scale)],
+                      zero_point=[int(z) for z in np.ravel(zero_point)], why=list(self.why))
+        return new.because(reason) if reason else new
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if v not in (None, False, [])}
+        d["qtype"] = self.qtype
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TensorQuant":
+        d = dict(d)
+        if d.get("convert") is not None:
+            d["convert"] = Convert(**d["convert"])
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+class QuantTable:
+    """tensor name -> TensorQuant. Serialises to JSON for the model's metadata_props."""
+
+    METADATA_KEY = "qpasses.quant_table"
+
+    def __init__(self, entries: dict[str, TensorQuant] | None = None):
+        self._entries: dict[str, TensorQuant] = dict(entries or {})
+
+    def __getitem__(self, name: str) -> TensorQuant:
+        return self._entries[name]
+
+    def __setitem__(self, name: str, tq: TensorQuant) -> None:
+        if tq.role not in ROLES:
+            raise ValueError(f"unknown role {tq.role!r} for tensor {name!r}")
+        self._entries[name] = tq
+
+    def __delitem__(self, name: str) -> None:
+        del self._entries[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, name: str, default=None):
+        return self._entries.get(name, default)
+
+    def items(self):
+        return self._entries.items()
+
+    def rename(self, old: str, new: str) -> None:
+        """Move an entry to a new tensor name and fix every reference to it."""
+        if old in self._entries:
+            self._entries[new] = self._entries.pop(old)
+        for tq in self._entries.values():
+            if tq.shares == old:
+                tq.shares = new
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def to_json(self) -> str:
+        return json.dumps({k: self._entries[k].to_dict() for k in sorted(self._entries)},
+                          sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "QuantTable":
+        return cls({k: TensorQuant.from_dict(v) for k, v in json.loads(text).items()})
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, QuantTable) and self.to_json() == other.to_json()

@@ -1,0 +1,44 @@
+"""Python API: load, run a pipeline, save."""
+from __future__ import annotations
+
+from .config import load_config
+from .instruments import DumpAfter, Reproducer, TimePasses, VerifyEach
+from .ir import QModel, load
+from .pipeline import PassManager, default_pipeline
+
+
+def run_pipeline(model, passes: str | list | None = None, *, config=None, calibration_data=None,
+                 verify_each: str | None = None, dump_after=None, reproducer=None,
+                 time_passes: TimePasses | None = None):
+    """Run ``passes`` (text or Pass list; default: the default pipeline) on a model.
+
+    ``model`` is a path, ModelProto or QModel (edited in place). ``calibration_data`` is a path
+    (.npz, folder) or any iterable of ``{input_name: array}`` dicts or a CalibrationDataReader.
+    Returns ``(model, records)``.
+    """
+    if not isinstance(model, QModel):
+        model = load(model)
+    model.config = load_config(config) if config is not None or model.config is None else model.config
+    if calibration_data is not None:
+        from .calibration.data import open_data
+
+        model.calibration_data = open_data(calibration_data)
+    if passes is None:
+        passes = default_pipeline(quantize=model.calibration_data is not None)
+    instruments = []
+    if time_passes is not None:
+        instruments.append(time_passes)
+    if verify_each:
+        instruments.append(VerifyEach(verify_each))
+    if dump_after:
+        instruments.append(DumpAfter(dump_after))
+    if reproducer:
+        instruments.append(Reproducer(reproducer))
+    manager = PassManager(passes, instruments)
+    records = manager.run(model)
+    return model, records
+
+
+def quantize(model, calibration_data, config=None, passes: str | None = None) -> QModel:
+    """Quantize a float model to QDQ with the default pipeline (or ``passes``)."""
+    return run_pipeline(model, passes, config=config, calibration_data=calibration_data)[0]

@@ -1,0 +1,215 @@
+"""The `qpasses` command line: run | passes | explain | compare.
+
+Exit codes: 0 success, 2 user error (one line on stderr), 1 internal error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from .errors import PassFailure, QpassesError
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except QpassesError as exc:
+        print(f"qpasses: error: {exc}", file=sys.stderr)
+        return 2
+    except PassFailure as exc:
+        print(f"qpasses: internal error: {exc}", file=sys.stderr)
+        _maybe_traceback(args)
+        return 1
+    except KeyboardInterrupt:
+        print("qpasses: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # an internal error: one line, traceback only on request
+        print(f"qpasses: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _maybe_traceback(args)
+        return 1
+
+
+def _maybe_traceback(args) -> None:
+    if getattr(args, "traceback", False) or os.environ.get("QPASSES_TRACEBACK"):
+        import traceback
+
+        traceback.print_exc()
+    else:
+        print("qpasses: run with --traceback for details", file=sys.stderr)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own usage errors: one line, exit 2
+        self.exit(2, f"qpasses: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="qpasses", description="Quantize float ONNX models to QDQ with composable passes.")
+    p.add_argument("--version", action="version", version=f"qpasses {_version()}")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+
+    run = sub.add_parser("run", help="run a pipeline on a model")
+    run.add_argument("model", help="input .onnx model (never modified)")
+    run.add_argument("-o", "--output", required=True, help="output .onnx path")
+    run.add_argument("--passes", help="pipeline text, e.g. 'fold-constants,cleanup' (default: the "
+                                      "default pipeline; it quantizes when --calib is given)")
+    run.add_argument("--config", help="quantization config (JSON or YAML)")
+    run.add_argument("--calib", help="calibration data: .npz, folder of .npz, or ONNX test-data folder")
+    run.add_argument("--eval", help="data to measure the output SNR on (default: the calibration data)")
+    run.add_argument("--report", help="write a JSON run report here")
+    run.add_argument("--verify-each", choices=("structure", "checker", "ort"), help="check the IR after every pass")
+    run.add_argument("--dump-after", metavar="DIR", help="save the model after every pass as DIR/NNN_<pass>.onnx")
+    run.add_argument("--reproducer", metavar="DIR", help="on failure, save the failing pass's input and the rest of the pipeline")
+    run.add_argument("--time-passes", action="store_true", help="print seconds per pass")
+    run.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    run.add_argument("--traceback", action="store_true", help="show a traceback on internal errors")
+    run.set_defaults(func=cmd_run)
+
+    ls = sub.add_parser("passes", help="list every registered pass")
+    ls.set_defaults(func=cmd_passes)
+
+    ex = sub.add_parser("explain", help="why a tensor is quantized the way it is")
+    ex.add_argument("model")
+    ex.add_argument("--tensor", help="tensor name (default: every quantized tensor)")
+    ex.set_defaults(func=cmd_explain)
+
+    exm = sub.add_parser("example", help="write the bundled example model and calibration data to a folder")
+    exm.add_argument("folder")
+    exm.set_defaults(func=cmd_example)
+
+    cmp_ = sub.add_parser("compare", help="SNR and max error of a quantized model against the float one")
+    cmp_.add_argument("float_model")
+    cmp_.add_argument("quant_model")
+    cmp_.add_argument("--data", required=True, help="input data (.npz, folder)")
+    cmp_.set_defaults(func=cmd_compare)
+    return p
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def cmd_run(args) -> int:
+    from .api import run_pipeline
+    from .evaluate import compare
+    from .instruments import TimePasses
+    from .ir import load, save
+
+    src, out = Path(args.model), Path(args.output)
+    if out.resolve() == src.resolve():
+        raise QpassesError(f"{out}: output would overwrite the input model; choose another path")
+    if not out.parent.is_dir():
+        raise QpassesError(f"{out}: output folder '{out.parent}' does not exist")
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
+    timer = TimePasses()
+    model = load(src)
+    model, records = run_pipeline(model, args.passes, config=args.config, calibration_data=args.calib,
+                                  verify_each=args.verify_each, dump_after=args.dump_after,
+                                  reproducer=args.reproducer, time_passes=timer)
+    save(model, out)
+    report = {"input": str(src), "output": str(out),
+              "pipeline": ",".join(r.text for r in records),
+              "passes": [{"pass": r.text, "modified": r.modified, "seconds": round(r.seconds, 4),
+                          "stats": r.stats} for r in records],
+              "facts": sorted(model.facts), "findings": model.report}
+    if "qdq-inserted" in model.facts:
+        from .calibration.data import open_data
+
+        data = open_data(args.eval) if args.eval else model.calibration_data
+        report["accuracy"] = compare(src, out, data, max_samples=32)
+        say(f"qpasses: output SNR vs float: {_fmt_db(report['accuracy']['snr_db'])} "
+            f"over {report['accuracy']['samples']} samples")
+    if args.time_passes and not args.quiet:
+        print(timer.table(), file=sys.stderr)
+    if args.report:
+        _write_json(Path(args.report), report)
+    say(f"qpasses: wrote {out}")
+    return 0
+
+
+def _fmt_db(value: float) -> str:
+    return "inf dB (identical)" if math.isinf(value) and value > 0 else f"{value:.2f} dB"
+
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_default(value):
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def cmd_passes(args) -> int:
+    from .registry import all_passes
+
+    for name, cls in all_passes().items():
+        print(f"{name}: {cls.summary()}")
+        for f in cls.options():
+            print(f"    {f.name} = {_default_text(f)}  {f.metadata.get('help', '')}".rstrip())
+        if cls.requires:
+            print(f"    requires: {', '.join(sorted(cls.requires))}")
+        if cls.establishes:
+            print(f"    establishes: {', '.join(sorted(cls.establishes))}")
+        if cls.invalidates:
+            print(f"    invalidates: {', '.join(sorted(cls.invalidates))}")
+    return 0
+
+
+def _default_text(f) -> str:
+    import dataclasses
+
+    from .pipeline import _format_value
+
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return _format_value(value)
+
+
+def cmd_explain(args) -> int:
+    from .explain import explain_lines
+    from .ir import load
+
+    model = load(args.model)
+    for line in explain_lines(model, args.tensor):
+        print(line)
+    return 0
+
+
+def cmd_example(args) -> int:
+    from .examples import write_example
+
+    model, calib, evald = write_example(args.folder)
+    print(f"wrote {model}, {calib}, {evald}\n"
+          f"next: qpasses run {model} -o {Path(args.folder) / 'model.qdq.onnx'} --calib {calib} --eval {evald}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from .calibration.data import open_data
+    from .evaluate import compare
+
+    result = compare(args.float_model, args.quant_model, open_data(args.data))
+    for name, row in result["outputs"].items():
+        print(f"{name}: SNR {_fmt_db(row['snr_db'])}, max abs error {row['max_abs_error']:.6g}")
+    print(f"samples: {result['samples']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Quantization configuration: snake_case keys, onnxruntime spellings accepted, every key checked."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+from .qtypes import qtype
+
+CALIBRATION_METHODS = ("minmax", "percentile", "entropy", "mse", "pow2")
+
+
+@dataclass
+class CalibrationConfig:
+    method: str = "minmax"
+    percentile: float = 99.999
+    num_bins: int = 2048
+    moving_average: bool = False
+    averaging_constant: float = 0.01
+    symmetric: bool = False  # percentile: clip |x| symmetrically
+
+    def __post_init__(self):
+        self.method = _CALIB_ALIASES.get(str(self.method).lower(), str(self.method).lower())
+        if self.method not in CALIBRATION_METHODS:
+            raise ConfigError(f"calibration.method: unknown method '{self.method}' "
+                              f"(expected one of {', '.join(CALIBRATION_METHODS)})")
+        if not 0 < float(self.percentile) <= 100:
+            raise ConfigError(f"calibration.percentile: {self.percentile} is not in (0, 100]")
+        if int(self.num_bins) < 16:
+            raise ConfigError(f"calibration.num_bins: {self.num_bins} is too small (at least 16)")
+
+
+_CALIB_ALIASES = {"max": "minmax", "min_max": "minmax", "kl": "entropy", "distribution": "mse",
+                  "nonoverflow": "pow2", "power_of_two": "pow2", "calibrationmethod.minmax": "minmax",
+                  "calibrationmethod.entropy": "entropy", "calibrationmethod.percentile": "percentile"}
+
+
+@dataclass
+class QuantConfig:
+    activation_type: str = "uint8"
+    weight_type: str = "int8"
+    per_channel: bool = False
+    activation_symmetric: bool = False
+    weight_symmetric: bool | None = None          # None: symmetric when the weight type is signed
+    activation_restricted_asymmetric: bool = False
+    reduce_range: bool = False
+    minimum_real_range: float | None = None
+    scale_type: str = "float32"                   # or float16
+    op_types_to_quantize: list[str] | None = None  # None: every supported op
+    nodes_to_quantize: list[str] | None = None
+    nodes_to_exclude: list[str] = field(default_factory=list)
+    quantize_bias: bool = True
+    fix_bias_scales: bool = True
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    tensor_overrides: dict = field(default_factory=dict)  # onnxruntime TensorQuantOverrides schema
+    mixed_precision: dict = field(default_factory=dict)   # tensor -> type or {quant_type, symmetric}
+    target: str | None = None
+
+    def __post_init__(self):
+        self.activation_type = qtype(self.activation_type).name
+        self.weight_type = qtype(self.weight_type).name
+        if self.weight_symmetric is None:
+            self.weight_symmetric = qtype(self.weight_type).signed
+        if self.scale_type not in ("float32", "float16"):
+            raise ConfigError(f"scale_type: '{self.scale_type}' is not float32 or float16")
+        if isinstance(self.calibration, dict):
+            self.calibration = _build(CalibrationConfig, self.calibration, "calibration.")
+        if not isinstance(self.tensor_overrides, dict):
+            raise ConfigError("tensor_overrides: expected a mapping of tensor name -> list of overrides")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# onnxruntime names (quantize_static arguments and extra_options) -> our keys
+ORT_NAMES = {
+    "ActivationSymmetric": "activation_symmetric",
+    "WeightSymmetric": "weight_symmetric",
+    "ActivationRestrictedAsymmetric": "activation_restricted_asymmetric",
+    "MinimumRealRange": "minimum_real_range",
+    "TensorQuantOverrides": "tensor_overrides",
+    "QuantizeBias": "quantize_bias",
+    "ForceQuantizeNoInputCheck": None,
+    "AddQDQPairToWeight": None,
+    "DedicatedQDQPair": None,
+    "QDQOpTypePerChannelSupportToAxis": None,
+    "UseQDQContribOps": None,
+    "EnableSubgraph": None,
+    "calibrate_method": "calibration.method",
+    "quant_format": None,
+    "CalibMovingAverage": "calibration.moving_average",
+    "CalibMovingAverageConstant": "calibration.averaging_constant",
+    "CalibTensorRangeSymmetric": "calibration.symmetric",
+    "CalibPercentile": "calibration.percentile",
+    "CalibNumBins": "calibration.num_bins",
+}
+_INVERTED = {"QDQDisableWeightAdjustForInt32Bias": "fix_bias_scales"}
+
+
+def load_config(source=None) -> QuantConfig:
+    """A QuantConfig from a dict, a JSON/YAML file path, or None (the defaults)."""
+    if source is None:
+        return QuantConfig()
+    if isinstance(source, QuantConfig):
+        return source
+    if isinstance(source, (str, Path)):
+        source = _read_file(Path(source))
+    if not isinstance(source, dict):
+        raise ConfigError("config: expected a mapping at the top level")
+    return _build(QuantConfig, _normalise(source), "")
+
+
+def _read_file(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    text = path.read_text()
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return data if data is not None else {}
+
+
+def _normalise(raw: dict) -> dict:
+    """Map onnxruntime spellings onto our keys; flatten ``extra_options``."""
+    out: dict = {}
+    items = list(raw.items()) + list((raw.get("extra_options") or {}).items())
+    for key, value in items:
+        if key == "extra_options":
+            continue
+        if key in _INVERTED:
+            key, value = _INVERTED[key], not value
+        elif key in ORT_NAMES:
+            key = ORT_NAMES[key]
+            if key is None:
+                continue
+        if key.startswith("calibration."):
+            out.setdefault("calibration", {})[key.split(".", 1)[1]] = value
+        elif key == "calibration" and isinstance(value, dict):
+            out.setdefault("calibration", {}).update(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _build(cls, data: dict, prefix: str):
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            raise ConfigError(f"config: unknown key '{prefix}{key}'{hint}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ConfigError(f"config: {exc}") from None

@@ -1,0 +1,39 @@
+"""Explain a tensor's quantization from the table saved in the model."""
+from __future__ import annotations
+
+from .errors import QpassesError
+from .ir import QModel
+
+
+def explain_lines(model: QModel, tensor: str | None = None) -> list[str]:
+    """Lines describing a tensor's type, scale, zero point and the chain of reasons for them."""
+    if not len(model.quant):
+        raise QpassesError("the model carries no quantization table (was it produced by qpasses?)")
+    names = [tensor] if tensor else sorted(model.quant)
+    if tensor and tensor not in model.quant:
+        import difflib
+
+        close = difflib.get_close_matches(tensor, list(model.quant), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise QpassesError(f"tensor '{tensor}' is not in the quantization table{hint}")
+    lines = []
+    for name in names:
+        tq = model.quant[name]
+        granularity = f"per-channel axis {tq.axis}" if tq.per_channel else "per-tensor"
+        lines.append(f"{name}: {tq.qtype} {tq.role}, {'symmetric' if tq.symmetric else 'asymmetric'}, {granularity}")
+        if tq.scale is not None:
+            lines.append(f"  scale {_short(tq.scale)}  zero_point {_short(tq.zero_point)}")
+        if tq.shares:
+            lines.append(f"  shares qparams with '{tq.shares}'")
+        if tq.convert is not None:
+            c = tq.convert
+            lines.append(f"  converted to {c.qtype} for {', '.join(sorted(c.recv_nodes))}")
+        for i, reason in enumerate(tq.why, 1):
+            lines.append(f"  {i}. {reason}")
+    return lines
+
+
+def _short(values) -> str:
+    values = list(values or [])
+    text = ", ".join(f"{v:.6g}" if isinstance(v, float) else str(v) for v in values[:4])
+    return f"[{text}{', ...' if len(values) > 4 else ''}] ({len(values)})" if len(values) > 1 else text

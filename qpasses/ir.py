@@ -1,0 +1,282 @@
+"""QModel: an onnx-graphsurgeon graph plus the quantization table, facts and model-level fields.
+
+All loading, saving and copying goes through this module so the gs seam stays in one place.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from google.protobuf.message import DecodeError
+from onnx import external_data_helper
+
+from .annotations import QuantTable
+from .errors import ModelError
+
+MIN_OPSET = 10
+FACTS_KEY = "qpasses.facts"
+RANGES_KEY = "qpasses.ranges"
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # bytes of tensor data above which we save with external data
+_OUR_KEYS = (QuantTable.METADATA_KEY, FACTS_KEY, RANGES_KEY)
+
+
+class QModel:
+    """A model being compiled: ``graph`` (gs.Graph) plus side tables that gs cannot hold."""
+
+    def __init__(self, graph: gs.Graph, *, quant: QuantTable | None = None, facts=(),
+                 ranges: dict | None = None, ir_version: int = 10, metadata: dict | None = None,
+                 model_fields: dict | None = None, input_order: list[str] | None = None,
+                 input_initializers: dict | None = None, base_dir: Path | None = None):
+        self.graph = graph
+        self.quant = quant if quant is not None else QuantTable()
+        self.facts: set[str] = set(facts)
+        self.ranges: dict[str, tuple[float, float]] = dict(ranges or {})  # calibrated [rmin, rmax]
+        self.ir_version = ir_version
+        self.metadata: dict[str, str] = dict(metadata or {})
+        self.model_fields: dict = dict(model_fields or {})  # producer, domain, model_version, doc
+        self.input_order = list(input_order or [i.name for i in graph.inputs])
+        self.input_initializers: dict[str, onnx.ValueInfoProto] = dict(input_initializers or {})
+        self.base_dir = base_dir
+        self.generation = 0
+        self.config = None         # QuantConfig, attached by the caller of the pipeline
+        self.calibration_data = None  # an iterable of feeds, attached by the caller
+        self.report: dict = {}     # passes add findings worth showing the user (bias fixes, plans)
+        self._cache: dict = {}
+
+    # -- cached indexes ------------------------------------------------------------------
+    def touch(self) -> None:
+        """Mark the graph as changed: cached indexes and the dataflow view are rebuilt on demand."""
+        self.generation += 1
+        self._cache.clear()
+
+    def cached(self, key: str, build):
+        """Return ``build(self)`` cached until the next ``touch()``."""
+        if key not in self._cache:
+            self._cache[key] = build(self)
+        return self._cache[key]
+
+    def tensors(self) -> dict[str, gs.Tensor]:
+        return self.cached("tensors", lambda m: m.graph.tensors())
+
+    @property
+    def opset(self) -> int:
+        return int(self.graph.opset)
+
+    def raise_opset(self, opset: int) -> bool:
+        """Raise the default-domain opset to at least ``opset``; returns True if it changed."""
+        if self.opset >= opset:
+            return False
+        self.graph.opset = opset
+        return True
+
+    # -- conversion ----------------------------------------------------------------------
+    def to_proto(self) -> onnx.ModelProto:
+        """Export to a ModelProto with our metadata, the original signature and a capped IR version."""
+        proto = gs.export_onnx(self.graph, do_type_check=False)
+        _restore_input_initializers(proto, self.input_order, self.input_initializers)
+        for key, value in self.model_fields.items():
+            setattr(proto, key, value)
+        opsets = [(o.domain, o.version) for o in proto.opset_import]
+        proto.ir_version = choose_ir_version(self.ir_version, opsets)
+        meta = dict(self.metadata)
+        meta[QuantTable.METADATA_KEY] = self.quant.to_json()
+        meta[FACTS_KEY] = json.dumps(sorted(self.facts))
+        meta[RANGES_KEY] = json.dumps({k: [float(a), float(b)] for k, (a, b) in sorted(self.ranges.items())})
+        del proto.metadata_props[:]
+        for key in sorted(meta):
+            if key in _OUR_KEYS and meta[key] in ("{}", "[]"):
+                continue
+            proto.metadata_props.add(key=key, value=meta[key])
+        return proto
+
+    def copy(self) -> "QModel":
+        """A deep copy (through a ModelProto: gs.Graph.copy shares arrays and is slow)."""
+        new = from_proto(self.to_proto(), base_dir=self.base_dir)
+        new.config, new.calibration_data = self.config, self.calibration_data
+        new.report = json.loads(json.dumps(self.report, default=str))
+        return new
+
+
+# -- loading ---------------------------------------------------------------------------------
+def load(src, *, base_dir: str | Path | None = None) -> QModel:
+    """Load a model from a path or ModelProto. External data must stay inside the model's folder."""
+    if isinstance(src, onnx.ModelProto):
+        return from_proto(src, base_dir=Path(base_dir) if base_dir else None)
+    path = Path(src)
+    if not path.exists():
+        raise ModelError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelError(f"{path}: is a directory, expected an .onnx file")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, RuntimeWarning, ValueError, OSError) as exc:
+        raise ModelError(f"{path}: not a readable ONNX model ({_first_line(exc)})") from None
+    except Exception as exc:  # protobuf raises assorted types on garbage input
+        raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__})") from None
+    load_external_data(proto, path.parent)
+    return from_proto(proto, base_dir=path.parent)
+
+
+def load_external_data(proto: onnx.ModelProto, base_dir: Path) -> None:
+    """Read external tensor data into the proto, refusing locations outside ``base_dir``."""
+    root = base_dir.resolve()
+    for tensor in external_data_helper._get_all_tensors(proto):
+        if not external_data_helper.uses_external_data(tensor):
+            continue
+        info = external_data_helper.ExternalDataInfo(tensor)
+        target = (root / info.location).resolve()
+        if os.path.isabs(info.location) or root not in target.parents:
+            raise ModelError(f"tensor '{tensor.name}': external data location '{info.location}' "
+                             f"is outside the model's folder (refused)")
+        if not target.is_file():
+            raise ModelError(f"tensor '{tensor.name}': external data file '{info.location}' not found")
+        external_data_helper.load_external_data_for_tensor(tensor, str(root))
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        del tensor.external_data[:]
+
+
+def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None) -> QModel:
+    """Wrap a ModelProto (not modified) as a QModel."""
+    _check_model_proto(proto)
+    initializer_names = {t.name for t in proto.graph.initializer}
+    input_order = [i.name for i in proto.graph.input]
+    input_inits = {i.name: i for i in proto.graph.input if i.name in initializer_names}
+    try:
+        graph = gs.import_onnx(proto)
+    except Exception as exc:
+        raise ModelError(f"cannot import graph: {_first_line(exc)}") from None
+    meta = {p.key: p.value for p in proto.metadata_props}
+    quant = QuantTable.from_json(meta.pop(QuantTable.METADATA_KEY)) if QuantTable.METADATA_KEY in meta else None
+    facts = json.loads(meta.pop(FACTS_KEY, "[]"))
+    ranges = {k: tuple(v) for k, v in json.loads(meta.pop(RANGES_KEY, "{}")).items()}
+    fields = {k: getattr(proto, k) for k in ("producer_name", "producer_version", "domain",
+                                             "model_version", "doc_string")}
+    return QModel(graph, quant=quant, facts=facts, ranges=ranges, ir_version=proto.ir_version,
+                  metadata=meta, model_fields=fields, input_order=input_order,
+                  input_initializers={k: _copy_value_info(v) for k, v in input_inits.items()},
+                  base_dir=base_dir)
+
+
+def _check_model_proto(proto: onnx.ModelProto) -> None:
+    if not proto.HasField("graph"):
+        raise ModelError("model has no graph (not an ONNX model?)")
+    if not proto.graph.node:
+        raise ModelError("model graph is empty (no nodes)")
+    default = [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")]
+    if not default:
+        raise ModelError("model imports no default-domain opset")
+    if default[0] < MIN_OPSET:
+        raise ModelError(f"opset {default[0]} is too old: qpasses needs opset {MIN_OPSET} or newer")
+
+
+def _copy_value_info(vi: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+    new = onnx.ValueInfoProto()
+    new.CopyFrom(vi)
+    return new
+
+
+def _restore_input_initializers(proto, input_order, input_inits) -> None:
+    """Re-list initializers that the source model also declared as graph inputs (gs drops them)."""
+    if not input_inits:
+        return
+    present = {i.name for i in proto.graph.input}
+    inits = {t.name: t for t in proto.graph.initializer}
+    extra = [vi for name, vi in input_inits.items()
+             if name not in present and name in inits and inits[name].data_type
+             == vi.type.tensor_type.elem_type]
+    if not extra:
+        return
+    rank = {name: i for i, name in enumerate(input_order)}
+    merged = sorted(list(proto.graph.input) + extra, key=lambda vi: rank.get(vi.name, len(rank)))
+    del proto.graph.input[:]
+    proto.graph.input.extend(merged)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+# -- IR version ------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def max_ort_ir_version() -> int:
+    """Highest IR version the installed onnxruntime accepts (probed once with a tiny model)."""
+    import onnxruntime as ort
+
+    for version in range(onnx.IR_VERSION, 6, -1):
+        node = onnx.helper.make_node("Identity", ["x"], ["y"])
+        vi = [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1]) for n in "xy"]
+        graph = onnx.helper.make_graph([node], "probe", vi[:1], vi[1:])
+        model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)])
+        model.ir_version = version
+        try:
+            ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+            return version
+        except Exception:
+            continue
+    return 7
+
+
+def choose_ir_version(current: int, opsets) -> int:
+    """Keep the model's IR version, raised to what its opsets need and capped to what ORT runs."""
+    needed = onnx.helper.find_min_ir_version_for(
+        [onnx.helper.make_opsetid(d, v) for d, v in opsets], ignore_unknown=True)
+    return min(max(current, needed), max_ort_ir_version())
+
+
+# -- saving ----------------------------------------------------------------------------------
+def tensor_bytes(proto: onnx.ModelProto) -> int:
+    return sum(len(t.raw_data) or t.ByteSize() for t in external_data_helper._get_all_tensors(proto))
+
+
+def save(model: QModel | onnx.ModelProto, path: str | Path, *, external_data: bool | None = None) -> Path:
+    """Write atomically: a temporary file in the target folder is renamed into place.
+
+    Models whose tensor data exceed ~1.8 GB are written with one external data file
+    ``<name>.data`` beside the model.
+    """
+    proto = model.to_proto() if isinstance(model, QModel) else model
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ModelError(f"{path}: output folder '{path.parent}' does not exist")
+    if external_data is None:
+        external_data = tensor_bytes(proto) > EXTERNAL_DATA_THRESHOLD
+    try:
+        tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot write to '{path.parent}' ({exc.strerror})") from None
+    try:
+        tmp_model = tmpdir / path.name
+        if external_data:
+            location = path.name + ".data"
+            onnx.save_model(proto, str(tmp_model), save_as_external_data=True,
+                            all_tensors_to_one_file=True, location=location, size_threshold=1024)
+            _fsync(tmpdir / location)
+            os.replace(tmpdir / location, path.parent / location)
+        else:
+            with open(tmp_model, "wb") as f:
+                f.write(proto.SerializeToString())
+        _fsync(tmp_model)
+        os.replace(tmp_model, path)
+    except OSError as exc:
+        raise ModelError(f"{path}: write failed ({exc.strerror or exc}); previous file left intact") from None
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return path
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def make_constant(name: str, values) -> gs.Constant:
+    """A gs.Constant from any array-like (numpy scalars are wrapped: gs rejects them)."""
+    return gs.Constant(name, np.ascontiguousarray(np.asarray(values)))

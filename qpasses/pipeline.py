@@ -1,0 +1,220 @@
+"""Pass base class, pipeline text (parse/print) and the pass manager."""
+from __future__ import annotations
+
+import dataclasses
+import time
+import typing
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from .errors import PassFailure, PipelineError, PreconditionError, QpassesError
+from .ir import QModel
+from .registry import establishers, get_pass
+
+
+@dataclass
+class PassResult:
+    model: QModel
+    modified: bool
+    stats: dict = field(default_factory=dict)
+
+
+class Pass:
+    """Base of every pass. Subclasses set ``name``, a docstring, facts, and options as fields."""
+
+    name: ClassVar[str] = ""
+    requires: ClassVar[frozenset] = frozenset()
+    establishes: ClassVar[frozenset] = frozenset()
+    invalidates: ClassVar[frozenset] = frozenset()
+
+    def run(self, model: QModel) -> PassResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @classmethod
+    def summary(cls) -> str:
+        return (cls.__doc__ or "").strip().splitlines()[0]
+
+    @classmethod
+    def options(cls) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(cls) if not f.name.startswith("_")]
+
+    def given_options(self) -> dict[str, str]:
+        """Options as text: those given explicitly (in the order given), then any other non-default."""
+        explicit = getattr(self, "_explicit", ())
+        out = {name: _format_value(getattr(self, name)) for name in explicit}
+        for f in self.options():
+            value = getattr(self, f.name)
+            if f.name not in out and value != _default(f):
+                out[f.name] = _format_value(value)
+        return out
+
+    def text(self) -> str:
+        opts = self.given_options()
+        return self.name + ("{" + ",".join(f"{k}={v}" for k, v in opts.items()) + "}" if opts else "")
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _format_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value).removesuffix(".0") if value.is_integer() else repr(value)
+    return str(value)
+
+
+def _option_type(cls, f: dataclasses.Field):
+    hint = typing.get_type_hints(cls)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args and typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)) else hint
+
+
+def _parse_value(cls, f: dataclasses.Field, text: str):
+    kind = _option_type(cls, f)
+    choices = f.metadata.get("choices")
+    where = f"option '{f.name}' of pass '{cls.name}'"
+    try:
+        if kind is bool:
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            value = text.lower() in ("true", "1", "yes")
+        elif kind is int:
+            value = int(text)
+        elif kind is float:
+            value = float(text)
+        else:
+            value = text
+    except ValueError:
+        raise PipelineError(f"{where}: '{text}' is not a valid {getattr(kind, '__name__', kind)}") from None
+    if choices and value not in choices:
+        raise PipelineError(f"{where}: '{text}' is not one of {', '.join(map(str, choices))}")
+    return value
+
+
+def make_pass(name: str, **options) -> Pass:
+    """Instantiate a registered pass with options given as Python values or text."""
+    cls = get_pass(name)
+    fields = {f.name: f for f in cls.options()}
+    kwargs = {}
+    for key, value in options.items():
+        if key not in fields:
+            import difflib
+
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            valid = ", ".join(fields) or "none"
+            raise PipelineError(f"pass '{name}' has no option '{key}'{hint}; options: {valid}")
+        kwargs[key] = _parse_value(cls, fields[key], value) if isinstance(value, str) else value
+    instance = cls(**kwargs)
+    instance._explicit = tuple(kwargs)
+    return instance
+
+
+def parse_pipeline(text: str) -> list[Pass]:
+    """Parse ``pass,pass{opt=value,opt=value},...`` into pass instances."""
+    passes, i, text = [], 0, text.strip()
+    if not text:
+        raise PipelineError("empty pipeline text")
+    while i < len(text):
+        j = i
+        while j < len(text) and text[j] not in ",{":
+            j += 1
+        name = text[i:j].strip()
+        if not name:
+            raise PipelineError(f"pipeline text: missing pass name at column {i + 1}")
+        options = {}
+        if j < len(text) and text[j] == "{":
+            end = text.find("}", j)
+            if end < 0:
+                raise PipelineError(f"pipeline text: unclosed '{{' after '{name}'")
+            for item in filter(None, (s.strip() for s in text[j + 1:end].split(","))):
+                key, eq, value = item.partition("=")
+                if not eq:
+                    raise PipelineError(f"pipeline text: option '{item}' of '{name}' needs key=value")
+                options[key.strip()] = value.strip()
+            j = end + 1
+        passes.append(make_pass(name, **options))
+        if j < len(text) and text[j] != ",":
+            raise PipelineError(f"pipeline text: expected ',' after '{name}' at column {j + 1}")
+        i = j + 1
+    return passes
+
+
+def print_pipeline(passes) -> str:
+    return ",".join(p.text() for p in passes)
+
+
+BASE_PIPELINE = "fold-constants,fold-batchnorm,cleanup"
+QUANTIZE_PIPELINE = (BASE_PIPELINE + ",calibrate,annotate-types,propagate-mixed-precision,"
+                     "compute-qparams,fix-bias-scales,insert-qdq,insert-converts,cleanup")
+
+
+def default_pipeline(quantize: bool) -> str:
+    """The pipeline `qpasses run` uses without --passes: quantize when calibration data is given."""
+    return QUANTIZE_PIPELINE if quantize else BASE_PIPELINE
+
+
+@dataclass
+class PassRecord:
+    name: str
+    text: str
+    modified: bool
+    seconds: float
+    stats: dict
+
+
+class PassManager:
+    """Runs passes in order, checking required facts and running the instruments around each."""
+
+    def __init__(self, passes, instruments=()):
+        self.passes = parse_pipeline(passes) if isinstance(passes, str) else list(passes)
+        self.instruments = list(instruments)
+
+    @property
+    def text(self) -> str:
+        return print_pipeline(self.passes)
+
+    def run(self, model: QModel) -> list[PassRecord]:
+        records: list[PassRecord] = []
+        for index, p in enumerate(self.passes):
+            self._check_requires(p, model, records)
+            for inst in self.instruments:
+                inst.before(index, p, model)
+            start = time.perf_counter()
+            try:
+                result = p.run(model)
+            except QpassesError:
+                self._failed(index, p, model)
+                raise
+            except Exception as exc:
+                self._failed(index, p, model)
+                ran = ", ".join(r.name for r in records) or "none"
+                raise PassFailure(f"pass '{p.name}' failed: {type(exc).__name__}: {exc} "
+                                  f"(passes run before it: {ran})") from exc
+            seconds = time.perf_counter() - start
+            model = result.model
+            if result.modified:
+                model.touch()
+                model.facts -= set(p.invalidates)
+            model.facts |= set(p.establishes)
+            record = PassRecord(p.name, p.text(), result.modified, seconds, dict(result.stats))
+            records.append(record)
+            for inst in self.instruments:
+                inst.after(index, p, model, record)
+        return records
+
+    def _check_requires(self, p: Pass, model: QModel, records) -> None:
+        for fact in sorted(p.requires - model.facts):
+            by = establishers(fact)
+            hint = f"run {' or '.join(repr(n) for n in by)} before it" if by else "no pass establishes it"
+            raise PreconditionError(f"pass '{p.name}' requires fact '{fact}': {hint}")
+
+    def _failed(self, index, p, model) -> None:
+        for inst in self.instruments:
+            inst.failed(index, p, model, self.passes[index:])

@@ -1,0 +1,69 @@
+"""Quantized data types: value ranges, numpy/ONNX mapping and the opset each one needs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import TensorProto
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class QType:
+    name: str
+    onnx_type: int
+    qmin: int
+    qmax: int
+    min_opset: int
+    storage: type  # numpy dtype used to hold quantized values before export
+
+    @property
+    def bits(self) -> int:
+        return int(np.log2(self.qmax - self.qmin + 1))
+
+    @property
+    def signed(self) -> bool:
+        return self.qmin < 0
+
+    def limits(self, symmetric: bool = False, reduce_range: bool = False) -> tuple[int, int]:
+        """Integer range used for quantization: narrow for signed symmetric, 1 bit less with reduce_range."""
+        qmin, qmax = self.qmin, self.qmax
+        if reduce_range:
+            qmin, qmax = (qmin // 2, qmax // 2) if self.signed else (0, (qmax + 1) // 2 - 1)
+        if symmetric and self.signed:
+            qmin = -qmax
+        return qmin, qmax
+
+
+QTYPES: dict[str, QType] = {
+    t.name: t
+    for t in (
+        QType("uint8", TensorProto.UINT8, 0, 255, 10, np.uint8),
+        QType("int8", TensorProto.INT8, -128, 127, 10, np.int8),
+        QType("uint16", TensorProto.UINT16, 0, 65535, 21, np.uint16),
+        QType("int16", TensorProto.INT16, -32768, 32767, 21, np.int16),
+        QType("uint4", TensorProto.UINT4, 0, 15, 21, np.uint8),
+        QType("int4", TensorProto.INT4, -8, 7, 21, np.int8),
+        QType("int32", TensorProto.INT32, -(2**31), 2**31 - 1, 10, np.int32),
+    )
+}
+
+# Spellings accepted from users: ORT's QuantType names and ONNX names.
+_ALIASES = {
+    "quint8": "uint8", "qint8": "int8", "quint16": "uint16", "qint16": "int16",
+    "quint4": "uint4", "qint4": "int4", "u8": "uint8", "s8": "int8", "u16": "uint16", "s16": "int16",
+}
+
+PER_AXIS_MIN_OPSET = 13
+
+
+def qtype(name) -> QType:
+    """Look up a quantized type by any accepted spelling (``uint8``, ``QUInt8``, ``QuantType.QUInt8``)."""
+    if isinstance(name, QType):
+        return name
+    key = str(getattr(name, "name", name)).lower().replace("quanttype.", "")
+    key = _ALIASES.get(key, key)
+    if key not in QTYPES:
+        raise ConfigError(f"unknown quantized type '{name}' (expected one of {', '.join(QTYPES)})")
+    return QTYPES[key]

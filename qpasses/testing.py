@@ -1,0 +1,59 @@
+"""Helpers for tests: tiny models from ONNX text, random feeds, running in onnxruntime."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.parser
+
+from .evaluate import session
+from .ir import QModel, from_proto
+
+_NP = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
+       onnx.TensorProto.DOUBLE: np.float64, onnx.TensorProto.INT64: np.int64,
+       onnx.TensorProto.INT32: np.int32, onnx.TensorProto.BOOL: np.bool_,
+       onnx.TensorProto.UINT8: np.uint8, onnx.TensorProto.INT8: np.int8}
+
+
+def parse(text: str, *, opset: int = 17, ir_version: int = 10) -> onnx.ModelProto:
+    """A ModelProto from the body of an ONNX text graph (the ``<ir_version, opset_import>`` header is added)."""
+    if not text.lstrip().startswith("<"):
+        text = f'<ir_version: {ir_version}, opset_import: ["" : {opset}]>\n' + text
+    return onnx.parser.parse_model(text)
+
+
+def model_from_text(text: str, **kw) -> QModel:
+    return from_proto(parse(text, **kw))
+
+
+def random_feed(model, seed: int = 0, batch: int = 1) -> dict[str, np.ndarray]:
+    """Random inputs for a model (symbolic dimensions become ``batch``)."""
+    proto = model.to_proto() if isinstance(model, QModel) else model
+    rng = np.random.default_rng(seed)
+    inits = {t.name for t in proto.graph.initializer}
+    feed = {}
+    for vi in proto.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else batch for d in tt.shape.dim]
+        dtype = _NP.get(tt.elem_type, np.float32)
+        if np.issubdtype(dtype, np.floating):
+            feed[vi.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype == np.bool_:
+            feed[vi.name] = rng.integers(0, 2, shape).astype(bool)
+        else:
+            feed[vi.name] = rng.integers(0, 4, shape).astype(dtype)
+    return feed
+
+
+def run(model, feed: dict) -> list[np.ndarray]:
+    """Run a QModel/ModelProto in onnxruntime CPU; returns every output."""
+    sess = session(model)
+    names = {i.name for i in sess.get_inputs()}
+    return sess.run(None, {k: v for k, v in feed.items() if k in names})
+
+
+def assert_same_outputs(before, after, feed, rtol: float = 1e-6, atol: float = 1e-6) -> None:
+    """Both models give the same outputs on ``feed`` (max abs diff <= atol + rtol*|ref|)."""
+    for ref, got in zip(run(before, feed), run(after, feed), strict=True):
+        np.testing.assert_allclose(got, ref, rtol=rtol, atol=atol)

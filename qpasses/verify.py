@@ -1,0 +1,68 @@
+"""IR invariants checked between passes: structure, onnx.checker, and an onnxruntime session."""
+from __future__ import annotations
+
+import onnx
+
+from .errors import ModelError
+from .ir import QModel
+
+LEVELS = ("structure", "checker", "ort")
+
+
+def check_structure(model: QModel) -> None:
+    """Sorted, uniquely named nodes and tensors; every node input produced before it is read."""
+    graph = model.graph
+    available = {t.name for t in graph.inputs}
+    node_names: set[str] = set()
+    for tensor in model.tensors().values():
+        if tensor.__class__.__name__ == "Constant":
+            available.add(tensor.name)
+    for node in graph.nodes:
+        if node.name:
+            if node.name in node_names:
+                raise ModelError(f"duplicate node name '{node.name}'")
+            node_names.add(node.name)
+        for t in node.inputs:
+            if t.name and t.name not in available:
+                raise ModelError(f"node '{node.name}' ({node.op}) reads '{t.name}', which nothing "
+                                 f"produces before it (graph not sorted, or a dangling input)")
+        for t in node.outputs:
+            if t.name in available:
+                raise ModelError(f"tensor '{t.name}' is produced twice")
+            available.add(t.name)
+    for t in graph.outputs:
+        if t.name not in available:
+            raise ModelError(f"graph output '{t.name}' is not produced by any node")
+
+
+def check_onnx(model: QModel | onnx.ModelProto) -> onnx.ModelProto:
+    """Run onnx.checker (full check) on the exported model; returns the proto."""
+    proto = model.to_proto() if isinstance(model, QModel) else model
+    try:
+        if proto.ByteSize() < 2**31 - 1:
+            onnx.checker.check_model(proto, full_check=False)
+    except onnx.checker.ValidationError as exc:
+        raise ModelError(f"onnx.checker: {str(exc).strip().splitlines()[0]}") from None
+    return proto
+
+
+def check_ort(model: QModel | onnx.ModelProto):
+    """Create an onnxruntime CPU session for the model; returns the session."""
+    import onnxruntime as ort
+
+    proto = model.to_proto() if isinstance(model, QModel) else model
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    try:
+        return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise ModelError(f"onnxruntime cannot load the model: {str(exc).strip().splitlines()[0]}") from None
+
+
+def verify(model: QModel, level: str) -> None:
+    """Check the invariants up to ``level`` (structure < checker < ort)."""
+    check_structure(model)
+    if level in ("checker", "ort"):
+        proto = check_onnx(model)
+        if level == "ort":
+            check_ort(proto)
