@@ -1,4 +1,14 @@
-"""The quantization table: one TensorQuant decision per tensor name, with the reasons for it."""
+"""The quantization table: one TensorQuant decision per tensor name, with the reasons for it.
+
+Contract between the passes:
+- annotate-types creates an entry for every tensor it decides to quantize (role, qtype, symmetric,
+  axis, reduce_range, restricted, shares, fixed qparams from overrides) and appends reasons to ``why``.
+- propagate-mixed-precision changes ``qtype`` and sets ``convert`` on entries.
+- compute-qparams fills ``scale``/``zero_point`` (and those of ``convert``) for every entry that is
+  not ``fixed``: activations from ``model.ranges`` (or ``rmin``/``rmax``), weights from their values,
+  biases from ``derived_from`` (input scale * weight scale), ``shares`` from the shared tensor.
+- fix-bias-scales may raise weight scales; insert-qdq and insert-converts only read the table.
+"""
 from __future__ import annotations
 
 import json
@@ -37,6 +47,7 @@ class TensorQuant:
     zero_point: list[int] | None = None
     fixed: bool = False               # scale/zero_point given by the user or a preset: never recomputed
     shares: str | None = None         # takes its qparams from this tensor (shape-only ops)
+    derived_from: list[str] | None = None  # bias: [input activation, weight]; scale = product
     convert: Convert | None = None
     why: list[str] = field(default_factory=list)
 
@@ -109,6 +120,8 @@ class QuantTable:
         for tq in self._entries.values():
             if tq.shares == old:
                 tq.shares = new
+            if tq.derived_from and old in tq.derived_from:
+                tq.derived_from = [new if n == old else n for n in tq.derived_from]
 
     def clear(self) -> None:
         self._entries.clear()

@@ -23,21 +23,23 @@ from .errors import ModelError
 MIN_OPSET = 10
 FACTS_KEY = "qpasses.facts"
 RANGES_KEY = "qpasses.ranges"
+OBSERVED_KEY = "qpasses.observed"
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # bytes of tensor data above which we save with external data
-_OUR_KEYS = (QuantTable.METADATA_KEY, FACTS_KEY, RANGES_KEY)
+_OUR_KEYS = (QuantTable.METADATA_KEY, FACTS_KEY, RANGES_KEY, OBSERVED_KEY)
 
 
 class QModel:
     """A model being compiled: ``graph`` (gs.Graph) plus side tables that gs cannot hold."""
 
     def __init__(self, graph: gs.Graph, *, quant: QuantTable | None = None, facts=(),
-                 ranges: dict | None = None, ir_version: int = 10, metadata: dict | None = None,
+                 ranges: dict | None = None, observed: dict | None = None, ir_version: int = 10, metadata: dict | None = None,
                  model_fields: dict | None = None, input_order: list[str] | None = None,
                  input_initializers: dict | None = None, base_dir: Path | None = None):
         self.graph = graph
         self.quant = quant if quant is not None else QuantTable()
         self.facts: set[str] = set(facts)
         self.ranges: dict[str, tuple[float, float]] = dict(ranges or {})  # calibrated [rmin, rmax]
+        self.observed: dict[str, tuple[float, float]] = dict(observed or {})  # raw min/max seen
         self.ir_version = ir_version
         self.metadata: dict[str, str] = dict(metadata or {})
         self.model_fields: dict = dict(model_fields or {})  # producer, domain, model_version, doc
@@ -88,7 +90,8 @@ class QModel:
         meta = dict(self.metadata)
         meta[QuantTable.METADATA_KEY] = self.quant.to_json()
         meta[FACTS_KEY] = json.dumps(sorted(self.facts))
-        meta[RANGES_KEY] = json.dumps({k: [float(a), float(b)] for k, (a, b) in sorted(self.ranges.items())})
+        meta[RANGES_KEY] = _ranges_json(self.ranges)
+        meta[OBSERVED_KEY] = _ranges_json(self.observed)
         del proto.metadata_props[:]
         for key in sorted(meta):
             if key in _OUR_KEYS and meta[key] in ("{}", "[]"):
@@ -156,9 +159,10 @@ def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None) -> QMode
     quant = QuantTable.from_json(meta.pop(QuantTable.METADATA_KEY)) if QuantTable.METADATA_KEY in meta else None
     facts = json.loads(meta.pop(FACTS_KEY, "[]"))
     ranges = {k: tuple(v) for k, v in json.loads(meta.pop(RANGES_KEY, "{}")).items()}
+    observed = {k: tuple(v) for k, v in json.loads(meta.pop(OBSERVED_KEY, "{}")).items()}
     fields = {k: getattr(proto, k) for k in ("producer_name", "producer_version", "domain",
                                              "model_version", "doc_string")}
-    return QModel(graph, quant=quant, facts=facts, ranges=ranges, ir_version=proto.ir_version,
+    return QModel(graph, quant=quant, facts=facts, ranges=ranges, observed=observed, ir_version=proto.ir_version,
                   metadata=meta, model_fields=fields, input_order=input_order,
                   input_initializers={k: _copy_value_info(v) for k, v in input_inits.items()},
                   base_dir=base_dir)
@@ -174,6 +178,11 @@ def _check_model_proto(proto: onnx.ModelProto) -> None:
         raise ModelError("model imports no default-domain opset")
     if default[0] < MIN_OPSET:
         raise ModelError(f"opset {default[0]} is too old: qpasses needs opset {MIN_OPSET} or newer")
+
+
+def _ranges_json(ranges: dict) -> str:
+    return json.dumps({k: [float(a), float(b)] for k, (a, b) in sorted(ranges.items())},
+                      separators=(",", ":"))
 
 
 def _copy_value_info(vi: onnx.ValueInfoProto) -> onnx.ValueInfoProto:

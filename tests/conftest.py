@@ -1,0 +1,3 @@
+import os
+
+os.environ.setdefault("QPASSES_NO_PROGRESS", "1")
