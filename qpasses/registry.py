@@ -56,3 +56,8 @@ def get_pass(name: str) -> type:
 def establishers(fact: str) -> list[str]:
     """Names of the passes that establish ``fact``."""
     return [n for n, cls in all_passes().items() if fact in cls.establishes]
+
+
+def unregister(name: str) -> None:
+    """Remove a pass from the registry (for tests that register throwaway passes)."""
+    _PASSES.pop(name, None)

@@ -49,7 +49,7 @@ def random_feed(model, seed: int = 0, batch: int = 1) -> dict[str, np.ndarray]:
 def run(model, feed: dict) -> list[np.ndarray]:
     """Run a QModel/ModelProto in onnxruntime CPU; returns every output."""
     sess = session(model)
-    names = {i.name for i in sess.get_inputs()}
+    names = {i.name for i in sess.get_inputs()} | {i.name for i in sess.get_overridable_initializers()}
     return sess.run(None, {k: v for k, v in feed.items() if k in names})
 
 

@@ -1,0 +1,100 @@
+"""The command line: exit codes, one-line errors, no partial outputs, the input never modified."""
+import hashlib
+import json
+import subprocess
+import sys
+
+import onnx
+import pytest
+
+from qpasses.cli import main
+from qpasses.examples import write_example
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("example")
+    return write_example(folder)
+
+
+def _digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _run(capsys, *args):
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_run_default_pipeline_without_calibration(example, tmp_path, capsys):
+    model, _, _ = example
+    before = _digest(model)
+    out, report = tmp_path / "out.onnx", tmp_path / "report.json"
+    code, _, err = _run(capsys, "run", model, "-o", out, "--report", report, "--time-passes")
+    assert code == 0, err
+    assert _digest(model) == before
+    onnx.checker.check_model(onnx.load(out))
+    data = json.loads(report.read_text())
+    assert data["pipeline"].startswith("fold-constants,fold-batchnorm,cleanup")
+    assert "total" in err
+    assert not any(n.op_type == "BatchNormalization" for n in onnx.load(out).graph.node)
+
+
+def _bad_inputs(tmp_path, example):
+    model = example[0]
+    notonnx = tmp_path / "notonnx.onnx"
+    notonnx.write_text("this is text")
+    trunc = tmp_path / "trunc.onnx"
+    trunc.write_bytes(model.read_bytes()[:200])
+    badcfg = tmp_path / "bad.json"
+    badcfg.write_text("{not json")
+    unknown_key = tmp_path / "unknown.json"
+    unknown_key.write_text('{"activaton_type": "uint8"}')
+    out = tmp_path / "out.onnx"
+    return {
+        "missing file": (["run", tmp_path / "nope.onnx", "-o", out], "no such file"),
+        "not onnx": (["run", notonnx, "-o", out], "not a readable ONNX model"),
+        "truncated": (["run", trunc, "-o", out], "ONNX"),
+        "unknown pass": (["run", model, "-o", out, "--passes", "fold-constant"], "did you mean 'fold-constants'"),
+        "bad option value": (["run", model, "-o", out, "--passes", "cleanup{bogus=1}"], "has no option 'bogus'"),
+        "missing output folder": (["run", model, "-o", tmp_path / "no" / "out.onnx"], "does not exist"),
+        "output is input": (["run", model, "-o", model], "overwrite the input"),
+        "config not json": (["run", model, "-o", out, "--config", badcfg], "not valid JSON"),
+        "config unknown key": (["run", model, "-o", out, "--config", unknown_key], "did you mean 'activation_type'"),
+        "missing calib": (["run", model, "-o", out, "--calib", tmp_path / "nope.npz"], "nope.npz"),
+    }
+
+
+CASES = ["missing file", "not onnx", "truncated", "unknown pass", "bad option value",
+         "missing output folder", "output is input", "config not json", "config unknown key", "missing calib"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_exits_2_with_one_line(case, example, tmp_path, capsys):
+    args, message = _bad_inputs(tmp_path, example)[case]
+    before = _digest(example[0])
+    code, out, err = _run(capsys, *args)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qpasses: error:"), err
+    assert message in lines[0]
+    assert "Traceback" not in err
+    assert not (tmp_path / "out.onnx").exists()
+    assert _digest(example[0]) == before
+
+
+def test_passes_lists_every_registered_pass(capsys):
+    from qpasses.registry import all_passes
+
+    code, out, _ = _run(capsys, "passes")
+    assert code == 0
+    for name, cls in all_passes().items():
+        assert f"{name}: {cls.summary()}" in out
+
+
+def test_console_script_exit_code(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "qpasses", "run", str(tmp_path / "x.onnx"), "-o",
+                           str(tmp_path / "y.onnx")], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"qpasses: error: {tmp_path / 'x.onnx'}: no such file"

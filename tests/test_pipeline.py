@@ -1,0 +1,139 @@
+"""Pass manager, pipeline text and registry."""
+from typing import ClassVar
+
+import pytest
+
+from qpasses import Pass, PassManager, PassResult, parse_pipeline, print_pipeline, register
+from qpasses.errors import PassFailure, PipelineError, PreconditionError
+from qpasses.instruments import DumpAfter, Reproducer, TimePasses, VerifyEach
+from qpasses.ir import load
+from qpasses.registry import all_passes, unregister
+from qpasses.testing import model_from_text
+
+TINY = """
+agraph (float[2, 3] x) => (float[2, 3] y) {
+    r = Relu(x)
+    y = Neg(r)
+}
+"""
+
+
+@pytest.fixture
+def toy_passes():
+    @register
+    class Mark(Pass):
+        """Adds a fact and counts."""
+        name = "test-mark"
+        establishes: ClassVar = frozenset({"marked"})
+        level: int = 1
+        ratio: float = 0.5
+        label: str = "x"
+        flag: bool = False
+
+        def run(self, model):
+            return PassResult(model, False, {"level": self.level})
+
+    @register
+    class NeedsMark(Pass):
+        """Requires the mark."""
+        name = "test-needs-mark"
+        requires: ClassVar = frozenset({"marked"})
+
+        def run(self, model):
+            return PassResult(model, False)
+
+    @register
+    class Boom(Pass):
+        """Always fails."""
+        name = "test-boom"
+
+        def run(self, model):
+            model.graph.nodes[0].op = "Broken"
+            raise ZeroDivisionError("boom")
+
+    yield
+    for name in ("test-mark", "test-needs-mark", "test-boom"):
+        unregister(name)
+
+
+@pytest.mark.parametrize("text", [
+    "test-mark",
+    "test-mark{level=3,ratio=99.99}",
+    "test-mark{ratio=0.25,level=1},test-needs-mark",
+    "test-mark{flag=true,label=abc}",
+])
+def test_pipeline_text_round_trips(toy_passes, text):
+    assert print_pipeline(parse_pipeline(text)) == text
+
+
+def test_option_values_are_typed(toy_passes):
+    (p,) = parse_pipeline("test-mark{level=3,ratio=1e-3,flag=yes}")
+    assert (p.level, p.ratio, p.flag) == (3, 0.001, True)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("no-such-pass", "unknown pass 'no-such-pass'"),
+    ("test-mrk", "did you mean 'test-mark'"),
+    ("test-mark{level=abc}", "'abc' is not a valid int"),
+    ("test-mark{levl=3}", "did you mean 'level'"),
+    ("test-mark{level}", "needs key=value"),
+    ("test-mark{level=3", "unclosed"),
+    ("", "empty pipeline"),
+    ("test-mark,,test-mark", "missing pass name"),
+])
+def test_bad_pipeline_text(toy_passes, text, message):
+    with pytest.raises(PipelineError, match=message.replace("(", r"\(")):
+        parse_pipeline(text)
+
+
+def test_requires_names_missing_fact_and_establisher(toy_passes):
+    model = model_from_text(TINY)
+    with pytest.raises(PreconditionError, match="requires fact 'marked': run 'test-mark' before it"):
+        PassManager("test-needs-mark").run(model)
+    records = PassManager("test-mark,test-needs-mark").run(model)
+    assert [r.name for r in records] == ["test-mark", "test-needs-mark"]
+    assert "marked" in model.facts
+
+
+def test_duplicate_registration_is_an_error(toy_passes):
+    class Other(Pass):
+        """Another pass with a taken name."""
+        name = "test-mark"
+
+    with pytest.raises(ValueError, match="registered twice"):
+        register(Other)
+
+
+def test_registry_rejects_bad_names():
+    class Bad(Pass):
+        """Snake case name."""
+        name = "bad_name"
+
+    with pytest.raises(ValueError, match="kebab-case"):
+        register(Bad)
+
+
+def test_internal_failure_names_pass_and_writes_reproducer(toy_passes, tmp_path):
+    model = model_from_text(TINY)
+    repro = tmp_path / "repro"
+    with pytest.raises(PassFailure, match="pass 'test-boom' failed: ZeroDivisionError: boom .*before it: test-mark"):
+        PassManager("test-mark,test-boom,test-mark{level=2}", [Reproducer(repro)]).run(model)
+    assert (repro / "pipeline.txt").read_text().strip() == "test-boom,test-mark{level=2}"
+    saved = load(repro / "input.onnx")
+    assert [n.op for n in saved.graph.nodes] == ["Relu", "Neg"]  # the model before the failing pass
+
+
+def test_instruments_time_verify_dump(toy_passes, tmp_path):
+    model = model_from_text(TINY)
+    timer = TimePasses()
+    PassManager("test-mark,test-mark{level=2}", [timer, VerifyEach("ort"), DumpAfter(tmp_path)]).run(model)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["001_test-mark.onnx", "002_test-mark.onnx"]
+    table = timer.table()
+    assert "test-mark{level=2}" in table and "total" in table
+
+
+def test_builtin_passes_are_registered():
+    names = set(all_passes())
+    assert {"fold-constants", "cleanup"} <= names
+    for cls in all_passes().values():
+        assert cls.summary() and cls.name
