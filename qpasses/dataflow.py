@@ -2,7 +2,8 @@
 
 Nodes are integers: one per op node (attribute ``kind="op"``), graph input (``"input"``),
 constant tensor (``"initializer"``) and graph output (``"output"``). Every edge carries the tensor
-name as its key, so a tensor read twice by one node gives two parallel edges.
+name as its key and ``slots``, the input positions at which the reader reads it (a tensor read
+twice by one node is one edge with two slots).
 """
 from __future__ import annotations
 
@@ -66,12 +67,16 @@ def _build(model: QModel) -> Dataflow:
         next_id += 1
         g.add_node(nid, kind="op", name=node.name, op=node.op)
         node_id[node.name] = nid
-        for tensor in node.inputs:
+        for slot, tensor in enumerate(node.inputs):
             if not tensor.name:  # omitted optional input
                 continue
             if tensor.name not in producer:
                 source(tensor)
-            g.add_edge(producer[tensor.name], nid, key=tensor.name)
+            src = producer[tensor.name]
+            if g.has_edge(src, nid, key=tensor.name):
+                g.edges[src, nid, tensor.name]["slots"].append(slot)
+                continue
+            g.add_edge(src, nid, key=tensor.name, slots=[slot])
             consumers.setdefault(tensor.name, []).append(nid)
         for tensor in node.outputs:
             if tensor.name:
@@ -79,7 +84,7 @@ def _build(model: QModel) -> Dataflow:
     for tensor in model.graph.outputs:
         g.add_node(next_id, kind="output", name=tensor.name)
         if tensor.name in producer:
-            g.add_edge(producer[tensor.name], next_id, key=tensor.name)
+            g.add_edge(producer[tensor.name], next_id, key=tensor.name, slots=[0])
         consumers.setdefault(tensor.name, []).append(next_id)
         next_id += 1
     return Dataflow(nx.freeze(g), node_id, producer, consumers)
