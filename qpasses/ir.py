@@ -155,6 +155,7 @@ def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None) -> QMode
         graph = gs.import_onnx(proto)
     except Exception as exc:
         raise ModelError(f"cannot import graph: {_first_line(exc)}") from None
+    _name_nodes(graph)
     meta = {p.key: p.value for p in proto.metadata_props}
     quant = QuantTable.from_json(meta.pop(QuantTable.METADATA_KEY)) if QuantTable.METADATA_KEY in meta else None
     facts = json.loads(meta.pop(FACTS_KEY, "[]"))
@@ -178,6 +179,22 @@ def _check_model_proto(proto: onnx.ModelProto) -> None:
         raise ModelError("model imports no default-domain opset")
     if default[0] < MIN_OPSET:
         raise ModelError(f"opset {default[0]} is too old: qpasses needs opset {MIN_OPSET} or newer")
+
+
+def _name_nodes(graph: gs.Graph) -> None:
+    """Give unnamed (or duplicate-named) nodes unique, deterministic names: ``<op>_<index>``."""
+    taken = {n.name for n in graph.nodes if n.name}
+    seen: set[str] = set()
+    for index, node in enumerate(graph.nodes):
+        if node.name and node.name not in seen:
+            seen.add(node.name)
+            continue
+        base = f"{node.name or node.op}_{index}"
+        name, k = base, 1
+        while name in taken or name in seen:
+            name, k = f"{base}_{k}", k + 1
+        node.name = name
+        seen.add(name)
 
 
 def _ranges_json(ranges: dict) -> str:
