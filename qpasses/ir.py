@@ -19,8 +19,8 @@ from onnx import external_data_helper
 
 from .annotations import QuantTable
 from .errors import ModelError
+from .validate import validate_proto
 
-MIN_OPSET = 10
 FACTS_KEY = "qpasses.facts"
 RANGES_KEY = "qpasses.ranges"
 OBSERVED_KEY = "qpasses.observed"
@@ -147,7 +147,7 @@ def load_external_data(proto: onnx.ModelProto, base_dir: Path) -> None:
 
 def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None) -> QModel:
     """Wrap a ModelProto (not modified) as a QModel."""
-    _check_model_proto(proto)
+    validate_proto(proto)
     initializer_names = {t.name for t in proto.graph.initializer}
     input_order = [i.name for i in proto.graph.input]
     input_inits = {i.name: i for i in proto.graph.input if i.name in initializer_names}
@@ -167,18 +167,6 @@ def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None) -> QMode
                   metadata=meta, model_fields=fields, input_order=input_order,
                   input_initializers={k: _copy_value_info(v) for k, v in input_inits.items()},
                   base_dir=base_dir)
-
-
-def _check_model_proto(proto: onnx.ModelProto) -> None:
-    if not proto.HasField("graph"):
-        raise ModelError("model has no graph (not an ONNX model?)")
-    if not proto.graph.node:
-        raise ModelError("model graph is empty (no nodes)")
-    default = [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")]
-    if not default:
-        raise ModelError("model imports no default-domain opset")
-    if default[0] < MIN_OPSET:
-        raise ModelError(f"opset {default[0]} is too old: qpasses needs opset {MIN_OPSET} or newer")
 
 
 def _name_nodes(graph: gs.Graph) -> None:

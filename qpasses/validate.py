@@ -1,0 +1,98 @@
+"""Checks on a ModelProto before it becomes a QModel: each problem is one ModelError line."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from .errors import ModelError
+
+MIN_OPSET = 10
+_FIXED_SIZE = {t: np.dtype(helper.tensor_dtype_to_np_dtype(t)).itemsize
+               for t in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+                         onnx.TensorProto.BFLOAT16, onnx.TensorProto.INT8, onnx.TensorProto.UINT8,
+                         onnx.TensorProto.INT16, onnx.TensorProto.UINT16, onnx.TensorProto.INT32,
+                         onnx.TensorProto.UINT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT64,
+                         onnx.TensorProto.BOOL)}
+
+
+def validate_proto(proto: onnx.ModelProto) -> None:
+    """Graph present and non-empty, a supported opset, sane initializers, every input produced once."""
+    if not proto.HasField("graph"):
+        raise ModelError("model has no graph (not an ONNX model?)")
+    graph = proto.graph
+    if not graph.node:
+        raise ModelError("model graph is empty (no nodes)")
+    _check_opset(proto)
+    for tensor in graph.initializer:
+        _check_initializer(tensor)
+    produced = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    produced |= {t.name for t in graph.sparse_initializer}
+    for node in graph.node:
+        for name in node.output:
+            if not name:
+                continue
+            if name in produced:
+                raise ModelError(f"tensor '{name}' is produced twice (node '{node.name or node.op_type}' "
+                                 f"and an earlier node, input or initializer)")
+            produced.add(name)
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in produced:
+                raise ModelError(f"node '{node.name or node.op_type}' reads '{name}', which no node, "
+                                 f"graph input or initializer produces")
+    for out in graph.output:
+        if out.name not in produced:
+            raise ModelError(f"graph output '{out.name}' is not produced by any node")
+
+
+def _check_opset(proto: onnx.ModelProto) -> None:
+    default = [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")]
+    if not default:
+        raise ModelError("model imports no default-domain opset")
+    if default[0] < MIN_OPSET:
+        raise ModelError(f"opset {default[0]} is too old: qpasses needs opset {MIN_OPSET} or newer "
+                         f"(upgrade with onnx.version_converter)")
+    newest = max_ort_opset()
+    if default[0] > newest:
+        raise ModelError(f"opset {default[0]} is newer than the installed onnxruntime runs (up to {newest})")
+
+
+def _check_initializer(tensor: onnx.TensorProto) -> None:
+    if tensor.data_location == onnx.TensorProto.EXTERNAL or tensor.data_type not in _FIXED_SIZE:
+        return
+    count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
+    if tensor.raw_data:
+        expected = count * _FIXED_SIZE[tensor.data_type]
+        if len(tensor.raw_data) != expected:
+            raise ModelError(f"initializer '{tensor.name}': {len(tensor.raw_data)} bytes of data for shape "
+                             f"{list(tensor.dims)} (expected {expected})")
+        return
+    field = helper.tensor_dtype_to_field(tensor.data_type)
+    have = len(getattr(tensor, field))
+    if tensor.data_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) or have == count:
+        return
+    raise ModelError(f"initializer '{tensor.name}': {have} values for shape {list(tensor.dims)} (expected {count})")
+
+
+@functools.lru_cache(maxsize=1)
+def max_ort_opset() -> int:
+    """Newest default-domain opset the installed onnxruntime accepts (probed once)."""
+    import onnxruntime as ort
+
+    from .ir import max_ort_ir_version
+
+    for opset in range(onnx.defs.onnx_opset_version(), 6, -1):
+        node = helper.make_node("Identity", ["x"], ["y"])
+        vi = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1]) for n in "xy"]
+        model = helper.make_model(helper.make_graph([node], "probe", vi[:1], vi[1:]),
+                                  opset_imports=[helper.make_opsetid("", opset)])
+        model.ir_version = max_ort_ir_version()
+        try:
+            ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+            return opset
+        except Exception:
+            continue
+    return MIN_OPSET
