@@ -76,11 +76,16 @@ class QModel:
         if self.opset >= opset:
             return False
         self.graph.opset = opset
+        if self.graph.import_domains is not None:  # gs exports these, not graph.opset: new protos
+            self.graph.import_domains = [              # (the imported ones belong to the user's proto)
+                onnx.helper.make_opsetid(d.domain, opset if d.domain in ("", "ai.onnx") else d.version)
+                for d in self.graph.import_domains]
         return True
 
     # -- conversion ----------------------------------------------------------------------
     def to_proto(self) -> onnx.ModelProto:
         """Export to a ModelProto with our metadata, the original signature and a capped IR version."""
+        _pack_subbyte_constants(self.graph.tensors().values())
         proto = gs.export_onnx(self.graph, do_type_check=False)
         _restore_input_initializers(proto, self.input_order, self.input_initializers)
         for key, value in self.model_fields.items():
@@ -289,6 +294,18 @@ def save(model: QModel | onnx.ModelProto, path: str | Path, *, external_data: bo
 def _fsync(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+
+
+_SUBBYTE = ("int4", "uint4")
+
+
+def _pack_subbyte_constants(tensors) -> None:
+    """gs exports constants one byte per value: hand int4/uint4 arrays over as packed TensorProtos."""
+    from onnx_graphsurgeon.ir.tensor import LazyValues
+
+    for t in tensors:
+        if isinstance(t, gs.Constant) and isinstance(t._values, np.ndarray) and t._values.dtype.name in _SUBBYTE:
+            t._values = LazyValues(onnx.numpy_helper.from_array(t._values, t.name))
 
 
 def make_constant(name: str, values) -> gs.Constant:
