@@ -155,7 +155,9 @@ def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None) -> QMode
     validate_proto(proto)
     initializer_names = {t.name for t in proto.graph.initializer}
     input_order = [i.name for i in proto.graph.input]
-    input_inits = {i.name: i for i in proto.graph.input if i.name in initializer_names}
+    # IR < 4 had to list every initializer as an input; only from IR 4 on can the user feed them
+    input_inits = ({i.name: i for i in proto.graph.input if i.name in initializer_names}
+                   if proto.ir_version >= 4 else {})
     try:
         graph = gs.import_onnx(proto)
     except Exception as exc:
