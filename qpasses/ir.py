@@ -312,4 +312,4 @@ def _pack_subbyte_constants(tensors) -> None:
 
 def make_constant(name: str, values) -> gs.Constant:
     """A gs.Constant from any array-like (numpy scalars are wrapped: gs rejects them)."""
-    return gs.Constant(name, np.ascontiguousarray(np.asarray(values)))
+    return gs.Constant(name, np.asarray(values, order="C"))  # keeps 0-d (ascontiguousarray makes it 1-d)
