@@ -1,0 +1,290 @@
+"""compute-qparams: fill scale/zero_point of every table entry from ranges, weight values and biases."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import ClassVar
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from ..annotations import TensorQuant
+from ..config import QuantConfig
+from ..errors import ModelError
+from ..ir import QModel
+from ..pipeline import Pass, PassResult
+from ..qparams import bias_qparams, compute_qparams, is_finite_range, value_range
+from ..qtypes import qtype
+from ..registry import register
+
+CLIPPING_METHODS = ("percentile", "entropy", "mse")
+NAME = "compute-qparams"
+
+
+def config_of(model: QModel) -> QuantConfig:
+    return model.config if model.config is not None else QuantConfig()
+
+
+def qparams_options(tq: TensorQuant, config: QuantConfig, *, symmetric: bool | None = None) -> dict:
+    """Keyword options of qparams.compute_qparams for a table entry under a config."""
+    return {
+        "symmetric": tq.symmetric if symmetric is None else symmetric,
+        "reduce_range": tq.reduce_range,
+        "restricted": tq.restricted,
+        "minimum_real_range": config.minimum_real_range,
+        "power_of_two": config.calibration.method == "pow2",
+        "scale_type": config.scale_type,
+    }
+
+
+def describe_options(qt: str, opts: dict) -> str:
+    """Short text for a ``why`` line: 'int8 symmetric, pow2'."""
+    mode = "symmetric" if opts["symmetric"] else "restricted" if opts["restricted"] else "asymmetric"
+    extra = [name for name, on in (("reduce-range", opts["reduce_range"]), ("pow2", opts["power_of_two"]),
+                                   ("float16 scale", opts["scale_type"] == "float16")) if on]
+    if opts["minimum_real_range"]:
+        extra.append(f"minimum range {opts['minimum_real_range']:g}")
+    return ", ".join([f"{qt} {mode}"] + extra)
+
+
+def _fmt(x) -> str:
+    return f"{float(x):.6g}"
+
+
+def activation_range(model: QModel, name: str, tq: TensorQuant, qt: str):
+    """(rmin, rmax, source text) for an activation, or None when nothing gives it a range.
+
+    The entry's own rmin/rmax win; otherwise the calibrated range, or the observed min/max for
+    types wider than 8 bits when the calibration method clips.
+    """
+    method = config_of(model).calibration.method
+    base, source = model.ranges.get(name), f"calibration ({method})"
+    if qtype(qt).bits > 8 and method in CLIPPING_METHODS and name in model.observed:
+        base = model.observed[name]
+        source = f"observed min/max ({qt} is wider than 8 bits: the {method} range would waste precision)"
+    if tq.rmin is not None and tq.rmax is not None:
+        return float(tq.rmin), float(tq.rmax), "the entry's rmin/rmax"
+    if base is None:
+        return None
+    rmin = float(base[0]) if tq.rmin is None else float(tq.rmin)
+    rmax = float(base[1]) if tq.rmax is None else float(tq.rmax)
+    if tq.rmin is not None or tq.rmax is not None:
+        source += " with a bound from the entry"
+    return rmin, rmax, source
+
+
+def weight_range(model: QModel, name: str, tq: TensorQuant):
+    """(rmin, rmax, source) of a constant weight, per channel along ``tq.axis``; None if not constant."""
+    tensor = model.tensors().get(name)
+    if not isinstance(tensor, gs.Constant):
+        return None
+    values = np.asarray(tensor.values)
+    if tq.axis is not None and not -values.ndim <= tq.axis < values.ndim:
+        raise ModelError(f"weight '{name}': axis {tq.axis} is out of range for shape {list(values.shape)}")
+    rmin, rmax = value_range(values, tq.axis)
+    if tq.rmin is not None:
+        rmin = np.full_like(rmin, float(tq.rmin))
+    if tq.rmax is not None:
+        rmax = np.full_like(rmax, float(tq.rmax))
+    where = "" if tq.axis is None else f" per channel (axis {tq.axis}, {np.size(rmin)} channels)"
+    return rmin, rmax, f"the weight's values{where}"
+
+
+def bias_axis(model: QModel, name: str, channels: int) -> int | None:
+    """Axis of a per-channel bias with ``channels`` values: (N) -> 0, (1, N) -> 1."""
+    if channels <= 1:
+        return None
+    tensor = model.tensors().get(name)
+    shape = list(getattr(tensor, "shape", None) or [channels])
+    for axis in range(len(shape) - 1, -1, -1):
+        if shape[axis] == channels:
+            return axis
+    raise ModelError(f"bias '{name}': shape {shape} has no axis of size {channels} (the weight's channels)")
+
+
+def _key(tq: TensorQuant):
+    conv = tq.convert
+    return (tq.qtype, tq.scale, tq.zero_point, tq.axis,
+            None if conv is None else (conv.qtype, conv.scale, conv.zero_point))
+
+
+class _Planner:
+    """Computes the new entries; ``dropped`` maps tensors that cannot be quantized to a reason."""
+
+    def __init__(self, model: QModel):
+        self.model, self.table, self.config = model, model.quant, config_of(model)
+        self.done: dict[str, TensorQuant] = {}
+        self.reasons: dict[str, str] = {}
+        self.dropped: dict[str, str] = {}
+        self.kind: dict[str, str] = {}
+        self._busy: set[str] = set()
+
+    def plan(self):
+        for name in self.table:
+            self.resolve(name)
+        return self.done, self.reasons, self.dropped
+
+    def resolve(self, name: str) -> None:
+        """Compute ``name``, following a chain of ``shares`` iteratively (cycles are internal errors)."""
+        chain: list[str] = []
+        current = name
+        while current not in self.done and current not in self.dropped:
+            if current in chain:
+                raise RuntimeError(f"'shares' cycle in the table: {' -> '.join(chain + [current])}")
+            tq = self.table.get(current)
+            if tq is None:
+                raise RuntimeError(f"tensor '{chain[-1]}' shares qparams with '{current}', which has no table entry")
+            chain.append(current)
+            if tq.fixed or tq.shares is None:
+                self._compute(current, tq)
+                break
+            current = tq.shares
+        for sharer in reversed(chain):
+            if sharer not in self.done and sharer not in self.dropped:
+                self._share(sharer, self.table[sharer])
+
+    def _compute(self, name: str, tq: TensorQuant) -> None:
+        if name in self._busy:
+            raise RuntimeError(f"bias '{name}' is derived from itself")
+        self._busy.add(name)
+        try:
+            if tq.fixed:
+                self.kind[name] = "fixed"
+                self._finish(name, replace(tq, why=list(tq.why)), None)
+            elif tq.role == "bias":
+                self._bias(name, tq)
+            else:
+                self._from_range(name, tq)
+        finally:
+            self._busy.discard(name)
+
+    def _from_range(self, name: str, tq: TensorQuant) -> None:
+        found = weight_range(self.model, name, tq) if tq.role == "weight" else None
+        if found is None:
+            found = activation_range(self.model, name, tq, tq.qtype)
+        if found is None:
+            self.dropped[name] = "no calibrated range"
+            return
+        rmin, rmax, source = found
+        if not is_finite_range(rmin, rmax):
+            self.dropped[name] = f"range from {source} is not finite"
+            return
+        opts = qparams_options(tq, self.config)
+        scale, zp = compute_qparams(rmin, rmax, tq.qtype, **opts)
+        new = tq.with_qparams(scale, zp)
+        self.kind[name] = tq.role
+        self._finish(name, new, f"{NAME}: range [{_fmt(np.min(rmin))}, {_fmt(np.max(rmax))}] from {source}; "
+                                f"{describe_options(tq.qtype, opts)}")
+
+    def _share(self, name: str, tq: TensorQuant) -> None:
+        target = tq.shares
+        if target in self.dropped:
+            self.dropped[name] = f"shares qparams with '{target}', which is not quantized"
+            return
+        src = self.done[target]
+        new = replace(tq, qtype=src.qtype, scale=list(src.scale or []) or None,
+                      zero_point=list(src.zero_point or []) or None, axis=src.axis, why=list(tq.why))
+        self.kind[name] = "shared"
+        self._finish(name, new, f"{NAME}: qparams shared with '{target}'")
+
+    def _bias(self, name: str, tq: TensorQuant) -> None:
+        if not tq.derived_from or len(tq.derived_from) != 2:
+            raise RuntimeError(f"bias '{name}' needs derived_from = [input, weight], got {tq.derived_from}")
+        for dep in tq.derived_from:
+            if dep not in self.table:
+                raise RuntimeError(f"bias '{name}' is derived from '{dep}', which has no table entry")
+            self.resolve(dep)
+            if dep in self.dropped:
+                self.dropped[name] = f"derived from '{dep}', which is not quantized"
+                return
+        inp, weight = (self.done[d] for d in tq.derived_from)
+        if not inp.scale or not weight.scale:
+            raise RuntimeError(f"bias '{name}': '{tq.derived_from[0]}' or '{tq.derived_from[1]}' has no scale")
+        if len(inp.scale) > 1 and len(weight.scale) > 1 and len(inp.scale) != len(weight.scale):
+            raise ModelError(f"bias '{name}': input and weight scales have {len(inp.scale)} and "
+                             f"{len(weight.scale)} channels")
+        scale, zp = bias_qparams(inp.scale, weight.scale, self.config.scale_type)
+        axis = None
+        if scale.size > 1:
+            axis = tq.axis if tq.axis is not None else bias_axis(self.model, name, scale.size)
+        new = replace(tq.with_qparams(scale, zp), axis=axis)
+        self.kind[name] = "bias"
+        self._finish(name, new, f"{NAME}: scale = scale('{tq.derived_from[0]}') * scale('{tq.derived_from[1]}')")
+
+    def _finish(self, name: str, new: TensorQuant, reason: str | None) -> None:
+        if new.convert is not None:
+            reason = self._convert(name, new, reason)
+        self.done[name] = new
+        if reason:
+            self.reasons[name] = reason
+
+    def _convert(self, name: str, tq: TensorQuant, reason: str | None) -> str | None:
+        conv = tq.convert
+        found = activation_range(self.model, name, tq, conv.qtype)
+        if found is None and tq.shares and tq.shares in self.done:
+            found = activation_range(self.model, tq.shares, self.table[tq.shares], conv.qtype)
+        if found is None or not is_finite_range(found[0], found[1]):
+            raise ModelError(f"tensor '{name}': no finite range for its convert to {conv.qtype}")
+        opts = qparams_options(tq, self.config, symmetric=conv.symmetric)
+        scale, zp = compute_qparams(found[0], found[1], conv.qtype, **opts)
+        tq.convert = replace(conv, scale=[float(s) for s in np.ravel(scale)],
+                             zero_point=[int(z) for z in np.ravel(zp)])
+        text = (f"{NAME}: convert to {describe_options(conv.qtype, opts)} from range "
+                f"[{_fmt(found[0])}, {_fmt(found[1])}] ({found[2]})")
+        return f"{reason}; {text}" if reason else text
+
+
+def apply_plan(model: QModel, planned: dict, reasons: dict, dropped: dict, pass_name: str = NAME) -> int:
+    """Write planned entries whose qparams changed (with their reason) and drop the unquantizable.
+
+    Returns the number of table changes."""
+    changed = 0
+    for name, new in planned.items():
+        if _key(new) != _key(model.quant[name]):
+            model.quant[name] = new.because(reasons[name]) if name in reasons else new
+            changed += 1
+    if dropped:
+        unquantized = {u["tensor"]: u for u in model.report.get("unquantized", [])}
+        for name in sorted(dropped):
+            del model.quant[name]
+            unquantized[name] = {"tensor": name, "reason": dropped[name], "pass": pass_name}
+            changed += 1
+        model.report["unquantized"] = [unquantized[k] for k in sorted(unquantized)]
+    return changed
+
+
+@register
+class ComputeQParams(Pass):
+    """Compute scale and zero point of every quantized tensor from its range.
+
+    Reads: the table, model.ranges / model.observed (activations), constant values (weights),
+    model.config (minimum_real_range, scale_type, calibration.method).
+    Writes: scale/zero_point of every entry not `fixed` (and of its `convert`); biases get
+    input_scale * weight_scale; `shares` entries copy their target. Activations without a range
+    leave the table and are listed in report["unquantized"].
+    Invariants: zero points are integers in the type's range; scales are finite, positive and
+    representable in the scale type; 0.0 is exactly representable.
+    """
+
+    name: ClassVar[str] = NAME
+    requires: ClassVar[frozenset] = frozenset({"calibrated", "types-annotated"})
+    establishes: ClassVar[frozenset] = frozenset({"qparams-computed"})
+    invalidates: ClassVar[frozenset] = frozenset({"bias-scales-fixed"})
+    example: ClassVar[str] = """
+g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] w = {0.5, -0.25, 0.125, 1.0}, float[2] b = {0.1, -0.2}>
+{
+  c = Conv(x, w, b)
+  y = Relu(c)
+}
+"""
+    example_prelude: ClassVar[str] = "calibrate,annotate-types"
+
+    def run(self, model: QModel) -> PassResult:
+        planner = _Planner(model)
+        planned, reasons, dropped = planner.plan()
+        changed = apply_plan(model, planned, reasons, dropped)
+        stats = {"changed": changed}
+        for kind in planner.kind.values():
+            stats[kind] = stats.get(kind, 0) + 1
+        stats["converts"] = sum(1 for tq in planned.values() if tq.convert is not None)
+        stats["unquantized"] = len(dropped)
+        return PassResult(model, changed > 0, stats)
