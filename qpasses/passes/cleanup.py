@@ -1,0 +1,110 @@
+"""cleanup: remove dead nodes and unused initializers, merge duplicate initializers, sort the graph."""
+from __future__ import annotations
+
+import hashlib
+from typing import ClassVar
+
+import numpy as np
+import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.ir.tensor import LazyValues
+
+from ..graphutil import node_reads, overridable_initializers, remove_nodes, replace_all_uses, topological_order
+from ..ir import QModel
+from ..pipeline import Pass, PassResult
+from ..registry import register
+
+
+@register
+class Cleanup(Pass):
+    """Remove dead nodes and unused initializers, merge identical initializers, sort topologically.
+
+    Reads: the graph; graph outputs define what is live (subgraph reads of outer tensors count).
+
+    Writes: drops nodes that no graph output depends on (initializers only they read go too);
+    initializers with the same dtype, shape and bytes are merged into the first one in graph order
+    (readers rewired; never initializers that are graph outputs or that the user may feed, nor two
+    with different quantization-table entries); nodes are left in a stable topological order.
+
+    Invariants: graph inputs and outputs are unchanged; a second run changes nothing.
+    """
+
+    name: ClassVar[str] = "cleanup"
+    establishes: ClassVar[frozenset] = frozenset({"clean"})
+    example: ClassVar[str] = """\
+<ir_version: 10, opset_import: ["" : 17]>
+g (float[2] x) => (float[2] y) <float[2] a = {1,2}, float[2] b = {1,2}, float[2] c = {3,4}> {
+   y = Add (t, b)
+   t = Mul (x, a)
+   unused = Sub (x, c)
+}"""
+    example_prelude: ClassVar[str] = ""
+
+    def run(self, model: QModel) -> PassResult:
+        graph = model.graph
+        order = topological_order(graph)
+        live_names = {t.name for t in graph.outputs}
+        live, dead = [], []
+        for node in reversed(order):
+            if any(t.name in live_names for t in node.outputs):
+                live.append(node)
+                live_names.update(node_reads(node))
+            else:
+                dead.append(node)
+        live.reverse()
+        before = _initializers(order, graph)
+        remove_nodes(graph, dead)
+        reordered = any(a is not b for a, b in zip(live, graph.nodes))
+        graph.nodes = live
+        merged = _merge_duplicates(model, live)
+        removed = len(before) - len(_initializers(live, graph)) - merged
+        stats = {"nodes_removed": len(dead), "initializers_removed": removed,
+                 "initializers_merged": merged, "reordered": int(reordered)}
+        return PassResult(model, bool(dead or merged or reordered or removed), stats)
+
+
+def _initializers(nodes, graph: gs.Graph) -> set[str]:
+    names = {t.name for node in nodes for t in node.inputs if isinstance(t, gs.Constant)}
+    return names | {t.name for t in graph.outputs if isinstance(t, gs.Constant)}
+
+
+def _raw_bytes(t: gs.Constant) -> bytes:
+    values = t._values
+    if isinstance(values, LazyValues) and values.tensor.raw_data:
+        return values.tensor.raw_data
+    return np.ascontiguousarray(t.values).tobytes()
+
+
+def _merge_duplicates(model: QModel, nodes: list[gs.Node]) -> int:
+    """Rewire readers of initializers equal to an earlier one; returns how many were merged."""
+    graph = model.graph
+    protected = overridable_initializers(model) | {t.name for t in graph.outputs} | {t.name for t in graph.inputs}
+    by_shape: dict[tuple, list[gs.Constant]] = {}
+    seen: set[int] = set()
+    for node in nodes:
+        for t in node.inputs:
+            if isinstance(t, gs.Constant) and id(t) not in seen and t.name not in protected:
+                seen.add(id(t))
+                if not isinstance(t._values, (np.ndarray, LazyValues)):
+                    continue  # sparse
+                by_shape.setdefault((str(t.dtype), tuple(t.shape)), []).append(t)
+    merged = 0
+    for group in by_shape.values():
+        if len(group) < 2:
+            continue
+        first: dict[bytes, gs.Constant] = {}
+        for t in group:
+            data = _raw_bytes(t)
+            key = hashlib.blake2b(data, digest_size=16).digest()
+            keep = first.setdefault(key, t)
+            if keep is t or _raw_bytes(keep) != data or not _same_quant(model, keep.name, t.name):
+                continue
+            if t.name in model.quant:
+                model.quant.rename(t.name, keep.name)
+            replace_all_uses(t, keep)
+            merged += 1
+    return merged
+
+
+def _same_quant(model: QModel, a: str, b: str) -> bool:
+    qa, qb = model.quant.get(a), model.quant.get(b)
+    return (qa is None and qb is None) or (qa is not None and qb is not None and qa.to_dict() == qb.to_dict())
