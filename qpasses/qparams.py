@@ -157,8 +157,8 @@ def bias_qparams(input_scale, weight_scale, scale_type: str = "float32"):
     return scale, np.zeros(scale.shape, np.int64)
 
 
-def bias_min_scale(bias_absmax, scale_type: str = "float32") -> np.ndarray:
-    """Smallest bias scale at which |bias| <= bias_absmax quantizes to int32 without clipping
-    (with the BIAS_SAFETY margin); never below the scale type's smallest normal value."""
+def bias_min_scale(bias_absmax, scale_type: str = "float32", qmax: int = INT32_MAX) -> np.ndarray:
+    """Smallest bias scale at which |bias| <= bias_absmax quantizes (to int32, or ``qmax``) without
+    clipping, with the BIAS_SAFETY margin; never below the scale type's smallest normal value."""
     tiny = float(np.finfo(SCALE_TYPES[scale_type]).tiny)
-    return np.maximum(np.asarray(bias_absmax, np.float64) / (INT32_MAX * BIAS_SAFETY), tiny)
+    return np.maximum(np.asarray(bias_absmax, np.float64) / (qmax * BIAS_SAFETY), tiny)

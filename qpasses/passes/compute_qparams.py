@@ -89,6 +89,12 @@ def weight_range(model: QModel, name: str, tq: TensorQuant):
     return rmin, rmax, f"the weight's values{where}"
 
 
+def entry_range(model: QModel, name: str, tq: TensorQuant):
+    """(rmin, rmax, source) from a constant weight's values, else the activation range; or None."""
+    found = weight_range(model, name, tq) if tq.role == "weight" else None
+    return found if found is not None else activation_range(model, name, tq, tq.qtype)
+
+
 def bias_axis(model: QModel, name: str, channels: int) -> int | None:
     """Axis of a per-channel bias with ``channels`` values: (N) -> 0, (1, N) -> 1."""
     if channels <= 1:
@@ -158,9 +164,7 @@ class _Planner:
             self._busy.discard(name)
 
     def _from_range(self, name: str, tq: TensorQuant) -> None:
-        found = weight_range(self.model, name, tq) if tq.role == "weight" else None
-        if found is None:
-            found = activation_range(self.model, name, tq, tq.qtype)
+        found = entry_range(self.model, name, tq)
         if found is None:
             self.dropped[name] = "no calibrated range"
             return
