@@ -1,0 +1,352 @@
+"""Streaming per-tensor statistics whose memory does not grow with the number of samples, and the
+pure functions that turn them into a calibrated range.
+
+``Histogram`` keeps ``bins`` integer counts on a grid anchored at 0 with a power-of-two bin width
+``w``: bin ``k`` (absolute index) counts values in ``[k*w, (k+1)*w)``. When new values do not fit in
+``bins`` bins, ``w`` doubles (adjacent absolute bins merge: ``k -> k >> 1``) as many times as needed
+and the window slides; counts stay exact, only resolution is lost. Because ``w`` is a power of two,
+``x / w`` is exact in floating point, and because the grid is anchored at 0 the histogram of ``|x|``
+is exact too (bin ``-k-1`` mirrors onto bin ``k``).
+
+Finalisers (``minmax_range``, ``percentile_range``, ``entropy_range``, ``mse_range``,
+``pow2_range``) are pure functions of the statistics. A tensor that never held a finite value gets
+the range (0, 0); a constant tensor gets (v, v).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+MIN_EXPONENT = -100       # bins are never narrower than 2**-100
+INDEX_BITS = 22           # |x / w| < 2**22: bin indices are exact even in float32 arithmetic
+
+
+def _ceil_log2(value: float) -> int:
+    """Smallest e with 2**e >= value (value > 0)."""
+    mantissa, exponent = math.frexp(value)
+    return exponent - 1 if mantissa == 0.5 else exponent
+
+
+class Histogram:
+    """Exact counts on a growing power-of-two grid anchored at 0 (see the module docstring)."""
+
+    def __init__(self, bins: int = 8192):
+        self.bins = int(bins)
+        self.counts = np.zeros(self.bins, np.int64)
+        self.exponent: int | None = None   # bin width = 2**exponent
+        self.offset = 0                    # absolute index of counts[0]
+        self.lo, self.hi = math.inf, -math.inf  # extremes of the values counted
+
+    @property
+    def width(self) -> float:
+        return math.ldexp(1.0, self.exponent) if self.exponent is not None else 0.0
+
+    @property
+    def total(self) -> int:
+        return int(self.counts.sum())
+
+    def _index(self, value: float, exponent: int) -> int:
+        return math.floor(math.ldexp(value, -exponent))
+
+    def _exponent_for(self, lo: float, hi: float) -> int:
+        amax = max(abs(lo), abs(hi))
+        e = MIN_EXPONENT if self.exponent is None else self.exponent
+        if amax > 0:
+            e = max(e, _ceil_log2(amax) - INDEX_BITS)
+        if hi > lo:
+            e = max(e, _ceil_log2((hi - lo) / (self.bins - 1)))
+        while self._index(hi, e) - self._index(lo, e) >= self.bins:
+            e += 1
+        return e
+
+    def add(self, x: np.ndarray, lo: float | None = None, hi: float | None = None) -> None:
+        """Count the values of ``x`` (all finite; ``lo``/``hi`` are its min/max if known)."""
+        if x.size == 0:
+            return
+        if x.dtype not in (np.float32, np.float64):
+            x = x.astype(np.float32)
+        lo = float(x.min()) if lo is None else float(lo)
+        hi = float(x.max()) if hi is None else float(hi)
+        lo, hi = min(lo, self.lo), max(hi, self.hi)
+        e = self._exponent_for(lo, hi)
+        k_lo, k_hi = self._index(lo, e), self._index(hi, e)
+        self._regrid(e, k_lo, k_hi)
+        self.lo, self.hi = lo, hi
+        # x * 2**-e is exact; minus the (integer) offset it stays exact and >= 0, so truncation = floor
+        t = np.multiply(x, x.dtype.type(math.ldexp(1.0, -e)))
+        np.subtract(t, x.dtype.type(self.offset), out=t)
+        counts = np.bincount(t.astype(np.intp).ravel(), minlength=self.bins)
+        if counts.size > self.bins:  # cannot happen with exact arithmetic; keep counts total anyway
+            counts[self.bins - 1] += counts[self.bins:].sum()
+            counts = counts[:self.bins]
+        self.counts += counts
+
+    def _regrid(self, e: int, k_lo: int, k_hi: int) -> None:
+        if self.exponent is None:
+            self.exponent, self.offset = e, k_lo
+            return
+        shift = e - self.exponent
+        if shift == 0 and self.offset <= k_lo and k_hi < self.offset + self.bins:
+            return
+        occupied = np.flatnonzero(self.counts)
+        absolute = (self.offset + occupied) >> min(shift, 62)   # arithmetic shift: floor division
+        merged = np.zeros(self.bins, np.int64)
+        np.add.at(merged, absolute - k_lo, self.counts[occupied])
+        self.counts, self.exponent, self.offset = merged, e, k_lo
+
+    # -- views for the finalisers --------------------------------------------------------------
+    def occupied(self) -> tuple[np.ndarray, np.ndarray]:
+        """(edges, counts) over the occupied bins; the outer edges are the exact lo and hi."""
+        nz = np.flatnonzero(self.counts)
+        if nz.size == 0:
+            return np.array([0.0, 0.0]), np.zeros(1, np.int64)
+        first, last = int(nz[0]), int(nz[-1])
+        counts = self.counts[first:last + 1]
+        edges = (np.arange(first, last + 2, dtype=np.float64) + self.offset) * self.width
+        edges[0], edges[-1] = self.lo, self.hi
+        return edges, counts
+
+    def abs_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(edges, counts) of ``|x|`` from 0; the last edge is max|x|."""
+        nz = np.flatnonzero(self.counts)
+        if nz.size == 0:
+            return np.array([0.0, 0.0]), np.zeros(1, np.int64)
+        k = self.offset + nz
+        mirrored = np.where(k >= 0, k, -k - 1)
+        counts = np.zeros(int(mirrored.max()) + 1, np.int64)
+        np.add.at(counts, mirrored, self.counts[nz])
+        edges = np.arange(counts.size + 1, dtype=np.float64) * self.width
+        edges[-1] = max(abs(self.lo), abs(self.hi))
+        return edges, counts
+
+
+class TensorStats:
+    """Running statistics of one tensor: raw min/max, optional moving-average min/max (onnxruntime's
+    rule: ``m += c * (new - m)`` per sample) and an optional Histogram."""
+
+    def __init__(self, histogram_bins: int = 0, averaging_constant: float | None = None):
+        self.samples = 0
+        self.min, self.max = math.inf, -math.inf
+        self.avg: list[float] | None = None
+        self.averaging_constant = averaging_constant
+        self.hist = Histogram(histogram_bins) if histogram_bins else None
+
+    def update(self, x: np.ndarray, lo: float | None = None, hi: float | None = None) -> None:
+        """Add one sample's values (non-finite values are ignored)."""
+        x = np.asarray(x)
+        if x.size and (lo is None or hi is None):
+            lo, hi = x.min(), x.max()
+        if x.size and not (math.isfinite(lo) and math.isfinite(hi)):
+            x = x[np.isfinite(x)]
+            lo, hi = (x.min(), x.max()) if x.size else (None, None)
+        if x.size == 0 or lo is None:
+            self.samples += 1
+            return
+        if self.hist is not None:
+            self.hist.add(x, lo, hi)
+        self.update_range(lo, hi)
+
+    def update_range(self, lo: float, hi: float) -> None:
+        """Add one sample known only by its min and max (ignored when not finite)."""
+        self.samples += 1
+        lo, hi = float(lo), float(hi)
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return
+        self.min, self.max = min(self.min, lo), max(self.max, hi)
+        if self.averaging_constant is not None:
+            if self.avg is None:
+                self.avg = [lo, hi]
+            else:
+                c = self.averaging_constant
+                self.avg = [self.avg[0] + c * (lo - self.avg[0]), self.avg[1] + c * (hi - self.avg[1])]
+
+    @property
+    def observed(self) -> tuple[float, float]:
+        """Raw extremes; (0, 0) when no finite value was seen."""
+        return (self.min, self.max) if self.min <= self.max else (0.0, 0.0)
+
+
+# -- finalisers -----------------------------------------------------------------------------------
+def _symmetric(lo: float, hi: float) -> tuple[float, float]:
+    m = max(abs(lo), abs(hi))
+    return (-m, m)
+
+
+def minmax_range(stats: TensorStats, symmetric: bool = False, moving_average: bool = False) -> tuple[float, float]:
+    """The observed (or moving-average) min and max."""
+    lo, hi = stats.observed
+    if moving_average and stats.avg is not None:
+        lo, hi = stats.avg
+    return _symmetric(lo, hi) if symmetric else (lo, hi)
+
+
+def pow2_range(stats: TensorStats, symmetric: bool = False) -> tuple[float, float]:
+    """The raw min/max (never clips); compute-qparams makes the scale a power of two."""
+    return minmax_range(stats, symmetric)
+
+
+def _quantile(edges: np.ndarray, counts: np.ndarray, fraction: float) -> float:
+    """Value below which ``fraction`` of the counts lie (values uniform inside a bin)."""
+    cum = np.concatenate([[0], np.cumsum(counts)])
+    target = fraction * cum[-1]
+    j = int(np.clip(np.searchsorted(cum, target, side="left"), 1, counts.size))
+    inside = (target - cum[j - 1]) / counts[j - 1] if counts[j - 1] else 0.0
+    return float(edges[j - 1] + min(max(inside, 0.0), 1.0) * (edges[j] - edges[j - 1]))
+
+
+def percentile_range(hist: Histogram, percentile: float, symmetric: bool = False) -> tuple[float, float]:
+    """Asymmetric: the (100-p)th and p-th percentiles of x. Symmetric: [-t, t], t = p-th percentile of |x|."""
+    if hist.total == 0:
+        return (0.0, 0.0)
+    if symmetric:
+        t = _quantile(*hist.abs_counts(), percentile / 100.0)
+        return (-t, t)
+    edges, counts = hist.occupied()
+    lo = _quantile(edges, counts, 1.0 - percentile / 100.0)
+    hi = _quantile(edges, counts, percentile / 100.0)
+    return (min(lo, hi), max(lo, hi))
+
+
+def _rebin(edges: np.ndarray, counts: np.ndarray, new_edges: np.ndarray) -> np.ndarray:
+    """Counts on ``new_edges`` (values assumed uniform inside the old bins)."""
+    cum = np.concatenate([[0.0], np.cumsum(counts, dtype=np.float64)])
+    return np.diff(np.interp(new_edges, edges, cum))
+
+
+def _xlogx(x: np.ndarray) -> np.ndarray:
+    out = np.zeros_like(x, dtype=np.float64)
+    pos = x > 0
+    out[pos] = x[pos] * np.log(x[pos])
+    return out
+
+
+def kl_thresholds(p: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """KL(P_i || Q_i) for every candidate i in levels..len(p): P_i is ``p[:i]`` with the outliers
+    ``p[i:]`` added to its last bin, Q_i is ``p[:i]`` merged into ``levels`` groups and spread back
+    evenly over the non-empty bins of each group (TensorRT's scheme). Vectorised over candidates
+    with prefix sums. Returns (candidates, kl)."""
+    n = p.size
+    cand = np.arange(levels, n + 1)
+    S = np.concatenate([[0.0], np.cumsum(p)])
+    Z = np.concatenate([[0], np.cumsum(p > 0)])
+    PL = np.concatenate([[0.0], np.cumsum(_xlogx(p))])
+    total = S[-1]
+    outliers = total - S[cand]
+    last = p[cand - 1]
+    bounds = (np.arange(levels + 1)[None, :] * cand[:, None] + levels - 1) // levels   # (C, L+1)
+    A = S[bounds[:, 1:]] - S[bounds[:, :-1]]              # level sums of p[:i]
+    N = (Z[bounds[:, 1:]] - Z[bounds[:, :-1]]).astype(np.float64)
+    N[:, -1] += (last == 0) & (outliers > 0)              # the last bin holds outliers
+    eps = 1e-12 * total
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(A > 0, A / np.maximum(N, 1), 0.0)
+        cross = np.where(A > 0, A * np.log(np.maximum(q, eps)), 0.0).sum(axis=1)
+        cross += outliers * np.log(np.maximum(q[:, -1], eps))
+    inside = S[cand]
+    p_log_p = PL[cand - 1] + _xlogx(last + outliers) - _xlogx(np.asarray(total))
+    q_norm = (inside + outliers) * np.log(np.maximum(inside, eps))
+    kl = (p_log_p - (cross - q_norm)) / total
+    return cand, kl
+
+
+def entropy_range(hist: Histogram, num_bins: int = 2048, bits: int = 8,
+                  symmetric: bool = False) -> tuple[float, float]:
+    """KL-divergence threshold (TensorRT style) on a ``num_bins`` histogram of |x| over [0, max|x|].
+
+    Candidate thresholds are the upper edges of bins ``levels..num_bins``; ``levels`` is ``2**bits``
+    for one-sided tensors (e.g. after ReLU) and ``2**(bits-1)`` for two-sided ones. The range is
+    [-t, t] intersected with the observed range ([-t, t] when ``symmetric``). When ``levels`` is
+    not below ``num_bins`` (16-bit activations) no clipping is worth it: the observed range.
+    """
+    if hist.total == 0 or hist.hi <= hist.lo:
+        return _degenerate(hist, symmetric)
+    lo, hi = hist.lo, hist.hi
+    one_sided = lo >= 0 or hi <= 0
+    levels = 2 ** bits if one_sided else 2 ** (bits - 1)
+    amax = max(abs(lo), abs(hi))
+    if levels >= num_bins:
+        t = amax
+    else:
+        edges, counts = hist.abs_counts()
+        p = _rebin(edges, counts, np.linspace(0.0, amax, num_bins + 1))
+        p[0] = min(p[0], p[1])  # exact zeros (ReLU) quantize without error: do not let their spike steer t
+        cand, kl = kl_thresholds(p, levels)
+        t = float(cand[int(np.argmin(kl))]) * amax / num_bins
+    if symmetric:
+        return (-t, t)
+    return (max(lo, -t), min(hi, t)) if not one_sided else ((lo, max(min(hi, t), lo)) if lo >= 0 else (min(max(lo, -t), hi), hi))
+
+
+def _degenerate(hist: Histogram, symmetric: bool) -> tuple[float, float]:
+    lo, hi = (hist.lo, hist.hi) if hist.total else (0.0, 0.0)
+    return _symmetric(lo, hi) if symmetric else (lo, hi)
+
+
+def _clip_costs(centres: np.ndarray, counts: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each cut c: (sum of n*(x-c)^2 over x > c, number of x > c), from prefix sums."""
+    n = counts.astype(np.float64)
+    suffix = lambda v: np.concatenate([np.cumsum(v[::-1])[::-1], [0.0]])  # noqa: E731
+    s0, s1, s2 = suffix(n), suffix(n * centres), suffix(n * centres**2)
+    j = np.searchsorted(centres, cuts, side="right")        # first bin strictly above the cut
+    cost = s2[j] - 2 * cuts * s1[j] + cuts**2 * s0[j]
+    return np.maximum(cost, 0.0), s0[j]
+
+
+def mse_range(hist: Histogram, bits: int = 8, symmetric: bool = False, candidates: int = 256) -> tuple[float, float]:
+    """The range minimising the expected quantisation MSE: clipping error (exact, from the histogram)
+    plus rounding noise step**2/12 for each value inside, for a ``bits``-bit grid that contains 0.
+
+    Asymmetric: a grid of candidate lower (in [lo, 0]) and upper (in [0, hi]) bounds, every pair tried.
+    Symmetric: candidate t in (0, max|x|], step 2t/(2**bits - 2).
+    """
+    if hist.total == 0 or hist.hi <= hist.lo:
+        return _degenerate(hist, symmetric)
+    steps = 2 ** bits - 1
+    fractions = np.arange(1, candidates + 1) / candidates
+    if symmetric:
+        edges, counts = hist.abs_counts()
+        centres = 0.5 * (edges[:-1] + edges[1:])
+        t = fractions * edges[-1]
+        clip, outside = _clip_costs(centres, counts, t)
+        cost = clip + (counts.sum() - outside) * (2 * t / (steps - 1)) ** 2 / 12
+        best = float(t[int(np.argmin(cost))])
+        return (-best, best)
+    edges, counts = hist.occupied()
+    centres = 0.5 * (edges[:-1] + edges[1:])
+    lo, hi = hist.lo, hist.hi
+    uppers = fractions * hi if hi > 0 else np.zeros(1)
+    lowers = fractions * lo if lo < 0 else np.zeros(1)
+    right, n_right = _clip_costs(centres, counts, uppers)
+    left, n_left = _clip_costs(-centres[::-1], counts[::-1], -lowers)
+    inside = counts.sum() - n_left[:, None] - n_right[None, :]
+    step = (uppers[None, :] - lowers[:, None]) / steps
+    cost = left[:, None] + right[None, :] + inside * step**2 / 12
+    i, j = np.unravel_index(int(np.argmin(cost)), cost.shape)
+    return (max(float(lowers[i]), lo), min(float(uppers[j]), hi))
+
+
+def finalise(method: str, stats: TensorStats, *, percentile: float = 99.999, num_bins: int = 2048,
+             bits: int = 8, symmetric: bool = False, moving_average: bool = False) -> tuple[float, float]:
+    """The calibrated range of one tensor for ``method`` (a config.CALIBRATION_METHODS name)."""
+    if method == "minmax":
+        return minmax_range(stats, symmetric, moving_average)
+    if method == "pow2":
+        return pow2_range(stats, symmetric)
+    if stats.hist is None:
+        raise ValueError(f"method '{method}' needs a histogram")
+    if method == "percentile":
+        return percentile_range(stats.hist, percentile, symmetric)
+    if method == "entropy":
+        return entropy_range(stats.hist, num_bins, bits, symmetric)
+    if method == "mse":
+        return mse_range(stats.hist, bits, symmetric)
+    raise ValueError(f"unknown calibration method '{method}'")
+
+
+HISTOGRAM_METHODS = frozenset({"percentile", "entropy", "mse"})
+
+
+def histogram_bins(num_bins: int) -> int:
+    """Internal resolution: 4x num_bins guarantees >= num_bins bins over [0, max|x|] after merging."""
+    return 4 * int(num_bins)

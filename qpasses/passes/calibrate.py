@@ -1,0 +1,70 @@
+"""calibrate: run the float model on calibration data and record a range per float activation."""
+from __future__ import annotations
+
+from dataclasses import field
+from typing import ClassVar
+
+from ..calibration.data import open_data
+from ..calibration.runner import calibrate_ranges
+from ..config import CALIBRATION_METHODS, CalibrationConfig, QuantConfig
+from ..errors import CalibrationDataError
+from ..ir import QModel
+from ..pipeline import Pass, PassResult
+from ..qtypes import qtype
+from ..registry import register
+
+
+@register
+class Calibrate(Pass):
+    """Run the float model on calibration data and record a range for every float activation.
+
+    Reads: the calibration data (``data`` option, else the data attached to the model), options not
+    given come from ``config.calibration``; the activation bit width from ``config.activation_type``.
+    Writes: ``model.ranges[t] = (rmin, rmax)`` chosen by the method and ``model.observed[t] =
+    (min, max)`` seen, for every float graph input and non-constant float node output.
+    Invariants: the graph is not changed; memory does not grow with the number of samples.
+    """
+
+    name: ClassVar[str] = "calibrate"
+    establishes: ClassVar[frozenset] = frozenset({"calibrated"})
+    example: ClassVar[str] = """
+        <ir_version: 10, opset_import: ["" : 17]>
+        g (float[1, 4] x) => (float[1, 4] y) {
+            h = Relu(x)
+            y = Sigmoid(h)
+        }
+    """
+    example_prelude: ClassVar[str] = ""
+
+    method: str = field(default="", metadata={
+        "help": "minmax | percentile | entropy | mse | pow2 (empty: config.calibration.method)",
+        "choices": ("",) + CALIBRATION_METHODS})
+    percentile: float | None = field(default=None, metadata={"help": "percentile method: p in (0, 100]"})
+    num_bins: int | None = field(default=None, metadata={"help": "entropy histogram bins (at least 16)"})
+    moving_average: bool | None = field(default=None, metadata={
+        "help": "minmax: moving average of per-sample min/max instead of the extremes"})
+    symmetric: bool | None = field(default=None, metadata={"help": "ranges symmetric around 0"})
+    max_samples: int = field(default=0, metadata={"help": "use at most this many samples (0: all)"})
+    data: str = field(default="", metadata={"help": "calibration data path (empty: the model's --calib data)"})
+
+    def settings(self, config: QuantConfig | None) -> CalibrationConfig:
+        """config.calibration with this pass's explicit options applied (checked like the config)."""
+        base = (config or QuantConfig()).calibration
+        given = {k: getattr(self, k) for k in ("method", "percentile", "num_bins", "moving_average", "symmetric")}
+        merged = {k: (base.__dict__[k] if v in (None, "") else v) for k, v in given.items()}
+        return CalibrationConfig(**merged, averaging_constant=base.averaging_constant)
+
+    def run(self, model: QModel) -> PassResult:
+        cal = self.settings(model.config)
+        source = self.data or model.calibration_data
+        if source is None or source == "":
+            raise CalibrationDataError("calibrate: no calibration data (pass --calib ...)")
+        config = model.config or QuantConfig()
+        ranges, observed, samples = calibrate_ranges(
+            model, open_data(source), method=cal.method, percentile=float(cal.percentile),
+            num_bins=int(cal.num_bins), bits=qtype(config.activation_type).bits, symmetric=bool(cal.symmetric),
+            moving_average=bool(cal.moving_average), averaging_constant=float(cal.averaging_constant),
+            max_samples=int(self.max_samples))
+        modified = ranges != model.ranges or observed != model.observed
+        model.ranges, model.observed = ranges, observed
+        return PassResult(model, modified, {"tensors": len(ranges), "samples": samples, "method": cal.method})
