@@ -1,0 +1,136 @@
+"""propagate-mixed-precision: turn the user's mixed_precision requests into a valid typed table."""
+from __future__ import annotations
+
+from dataclasses import field
+from typing import ClassVar
+
+import numpy as np
+import onnx
+
+from ..annotations import Convert, QuantTable
+from ..config import QuantConfig
+from ..dataflow import dataflow
+from ..ir import QModel
+from ..mixed_precision import MixedPrecisionPlan, load_constraints, parse_requests, plan_mixed_precision
+from ..oprules import holds, rule_for
+from ..pipeline import Pass, PassResult
+from ..registry import register
+
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+_FLOAT_ONNX = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+
+
+@register
+class PropagateMixedPrecision(Pass):
+    """Grow each mixed_precision request into a region of that type, with converts at its borders.
+
+    Reads: config ``mixed_precision`` ({tensor: type | {quant_type, symmetric}}), the dataflow view,
+    the quantization table, and ``targets/<config.target>.constraints.json`` when it exists.
+    Writes: ``qtype``/``symmetric``/``convert`` of table entries (with ``why`` lines) and
+    ``model.report["mixed_precision_plan"]``; plan entries for tensors the table does not quantize
+    are skipped and listed under ``skipped``.
+    Invariants: every node's quantized activation inputs and outputs share one type once converts are
+    applied; the plan equals onnxruntime's MixedPrecisionTensorQuantOverridesFixer output when
+    ``extend_through_shape_ops=false`` and the target has no op constraints.
+    """
+
+    name = "propagate-mixed-precision"
+    requires = frozenset({"types-annotated"})
+    establishes = frozenset({"mixed-precision-planned"})
+    example: ClassVar[str] = """
+    g (float[1,8] x) => (float[1,8] y) {
+      a = Sigmoid (x)
+      b = Tanh (a)
+      c = Mul (a, b)
+      y = Relu (c)
+    }"""
+    example_prelude: ClassVar[str] = "calibrate,annotate-types"
+
+    extend_through_shape_ops: bool = field(default=True, metadata={
+        "help": "grow regions through shape-only ops (Reshape, Transpose, ...) so no convert sits "
+                "between such an op and its input; false gives onnxruntime's plan exactly"})
+
+    def run(self, model: QModel) -> PassResult:
+        config = model.config or QuantConfig()
+        if not config.mixed_precision:
+            return PassResult(model, False, {})
+        plan = plan_mixed_precision(
+            dataflow(model), parse_requests(config.mixed_precision), float_tensors(model),
+            config.activation_type, config.activation_symmetric,
+            extend_through_shape_ops=self.extend_through_shape_ops, sharing_nodes=sharing_nodes(model),
+            constraints=load_constraints(config.target))
+        changed, skipped = apply_plan(model.quant, plan, prefix=f"{self.name}: ")
+        report = plan.to_dict()
+        report["skipped"] = skipped
+        model.report["mixed_precision_plan"] = report
+        if changed:
+            _apply_target_rules(model)
+        stats = {"requests": len(config.mixed_precision), "retyped": changed, "converts": plan.converts,
+                 "skipped": len(skipped)}
+        return PassResult(model, bool(changed), stats)
+
+
+def apply_plan(table: QuantTable, plan: MixedPrecisionPlan, prefix: str = "") -> tuple[int, list[str]]:
+    """Write the plan into the table; returns (entries changed, planned tensors the table lacks)."""
+    changed, skipped = 0, []
+    for tensor, (override,) in plan.overrides.items():
+        tq = table.get(tensor)
+        if tq is None:
+            skipped.append(tensor)
+            continue
+        before = (tq.qtype, tq.symmetric, _convert_key(tq.convert))
+        tq.qtype = override["quant_type"]
+        tq.symmetric = override.get("symmetric", tq.symmetric)
+        conv = override.get("convert")
+        if conv and _convert_key(tq.convert) != (conv["quant_type"], conv.get("symmetric"), conv["recv_nodes"]):
+            tq.convert = Convert(conv["quant_type"], list(conv["recv_nodes"]), conv.get("symmetric"))
+        if (tq.qtype, tq.symmetric, _convert_key(tq.convert)) != before:
+            changed += 1
+            tq.why.extend(prefix + line for line in plan.why.get(tensor, ()) if prefix + line not in tq.why)
+    return changed, skipped
+
+
+def _convert_key(conv: Convert | None):
+    return None if conv is None else (conv.qtype, conv.symmetric, sorted(conv.recv_nodes))
+
+
+def sharing_nodes(model: QModel) -> set[str]:
+    """Names of the nodes whose outputs share input 0's qparams (oprules ``shares`` and its condition)."""
+    out = set()
+    for node in model.graph.nodes:
+        rule = rule_for(node.op, model.opset)
+        if rule is not None and rule.shares and holds(rule.share_if, node):
+            out.add(node.name)
+    return out
+
+
+def float_tensors(model: QModel) -> set[str]:
+    """Names of the float32/float16 tensors (dtypes from the graph, else from ONNX shape inference)."""
+    floats, unknown = set(), False
+    for name, tensor in model.tensors().items():
+        if tensor.dtype is None:
+            unknown = True
+        elif _is_float(tensor.dtype):
+            floats.add(name)
+    if unknown:
+        inferred = onnx.shape_inference.infer_shapes(model.to_proto()).graph
+        for vi in list(inferred.value_info) + list(inferred.input) + list(inferred.output):
+            if vi.type.tensor_type.elem_type in _FLOAT_ONNX:
+                floats.add(vi.name)
+    return floats
+
+
+def _is_float(dtype) -> bool:
+    try:
+        return np.dtype(dtype) in _FLOAT_DTYPES
+    except TypeError:
+        return False
+
+
+def _apply_target_rules(model: QModel) -> None:
+    """Let the target re-apply its rules (fixed qparams per type, ...) after types changed."""
+    try:
+        from ..targets import apply_target_rules
+    except ImportError:
+        return
+    apply_target_rules(model)
