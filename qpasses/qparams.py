@@ -21,6 +21,8 @@ How a range becomes (scale, zero_point), in order:
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .qtypes import QType, qtype
@@ -69,6 +71,8 @@ def prepare_range(rmin, rmax, minimum_real_range: float | None = None):
 
 def is_finite_range(rmin, rmax) -> bool:
     """True when every bound is a finite number."""
+    if isinstance(rmin, float) and isinstance(rmax, float):
+        return math.isfinite(rmin) and math.isfinite(rmax)
     return bool(np.all(np.isfinite(np.asarray(rmin, np.float64)) & np.isfinite(np.asarray(rmax, np.float64))))
 
 

@@ -50,15 +50,15 @@ def _fmt(x) -> str:
     return f"{float(x):.6g}"
 
 
-def activation_range(model: QModel, name: str, tq: TensorQuant, qt: str):
+def activation_range(model: QModel, name: str, tq: TensorQuant, qt: str, config: QuantConfig | None = None):
     """(rmin, rmax, source text) for an activation, or None when nothing gives it a range.
 
     The entry's own rmin/rmax win; otherwise the calibrated range, or the observed min/max for
     types wider than 8 bits when the calibration method clips.
     """
-    method = config_of(model).calibration.method
+    method = (config or config_of(model)).calibration.method
     base, source = model.ranges.get(name), f"calibration ({method})"
-    if qtype(qt).bits > 8 and method in CLIPPING_METHODS and name in model.observed:
+    if method in CLIPPING_METHODS and name in model.observed and qtype(qt).bits > 8:
         base = model.observed[name]
         source = f"observed min/max ({qt} is wider than 8 bits: the {method} range would waste precision)"
     if tq.rmin is not None and tq.rmax is not None:
@@ -89,10 +89,10 @@ def weight_range(model: QModel, name: str, tq: TensorQuant):
     return rmin, rmax, f"the weight's values{where}"
 
 
-def entry_range(model: QModel, name: str, tq: TensorQuant):
+def entry_range(model: QModel, name: str, tq: TensorQuant, config: QuantConfig | None = None):
     """(rmin, rmax, source) from a constant weight's values, else the activation range; or None."""
     found = weight_range(model, name, tq) if tq.role == "weight" else None
-    return found if found is not None else activation_range(model, name, tq, tq.qtype)
+    return found if found is not None else activation_range(model, name, tq, tq.qtype, config)
 
 
 def bias_axis(model: QModel, name: str, channels: int) -> int | None:
@@ -125,9 +125,28 @@ class _Planner:
         self._busy: set[str] = set()
 
     def plan(self):
+        self._precompute()
         for name in self.table:
             self.resolve(name)
         return self.done, self.reasons, self.dropped
+
+    def _precompute(self) -> None:
+        """Ranges of every directly computed entry; scalar ranges are computed in one numpy call per
+        (qtype, options) group (per-entry numpy calls dominate the time on large tables)."""
+        self.found: dict = {}
+        self.computed: dict = {}
+        groups: dict = {}
+        for name, tq in self.table.items():
+            if tq.fixed or tq.shares is not None or tq.role == "bias":
+                continue
+            found = self.found[name] = entry_range(self.model, name, tq, self.config)
+            if found is not None and np.ndim(found[0]) == 0 and np.ndim(found[1]) == 0:
+                opts = qparams_options(tq, self.config)
+                groups.setdefault((tq.qtype, tuple(opts.items())), []).append(name)
+        for (qt, opts), names in groups.items():
+            bounds = np.array([self.found[n][:2] for n in names], np.float64)
+            scales, zps = compute_qparams(bounds[:, 0], bounds[:, 1], qt, **dict(opts))
+            self.computed.update((n, (scales[i], zps[i])) for i, n in enumerate(names))
 
     def resolve(self, name: str) -> None:
         """Compute ``name``, following a chain of ``shares`` iteratively (cycles are internal errors)."""
@@ -164,7 +183,7 @@ class _Planner:
             self._busy.discard(name)
 
     def _from_range(self, name: str, tq: TensorQuant) -> None:
-        found = entry_range(self.model, name, tq)
+        found = self.found[name]
         if found is None:
             self.dropped[name] = "no calibrated range"
             return
@@ -173,7 +192,7 @@ class _Planner:
             self.dropped[name] = f"range from {source} is not finite"
             return
         opts = qparams_options(tq, self.config)
-        scale, zp = compute_qparams(rmin, rmax, tq.qtype, **opts)
+        scale, zp = self.computed.get(name) or compute_qparams(rmin, rmax, tq.qtype, **opts)
         new = tq.with_qparams(scale, zp)
         self.kind[name] = tq.role
         self._finish(name, new, f"{NAME}: range [{_fmt(np.min(rmin))}, {_fmt(np.max(rmax))}] from {source}; "
@@ -223,9 +242,9 @@ class _Planner:
 
     def _convert(self, name: str, tq: TensorQuant, reason: str | None) -> str | None:
         conv = tq.convert
-        found = activation_range(self.model, name, tq, conv.qtype)
+        found = activation_range(self.model, name, tq, conv.qtype, self.config)
         if found is None and tq.shares and tq.shares in self.done:
-            found = activation_range(self.model, tq.shares, self.table[tq.shares], conv.qtype)
+            found = activation_range(self.model, tq.shares, self.table[tq.shares], conv.qtype, self.config)
         if found is None or not is_finite_range(found[0], found[1]):
             raise ModelError(f"tensor '{name}': no finite range for its convert to {conv.qtype}")
         opts = qparams_options(tq, self.config, symmetric=conv.symmetric)
@@ -263,8 +282,8 @@ class ComputeQParams(Pass):
     Reads: the table, model.ranges / model.observed (activations), constant values (weights),
     model.config (minimum_real_range, scale_type, calibration.method).
     Writes: scale/zero_point of every entry not `fixed` (and of its `convert`); biases get
-    input_scale * weight_scale; `shares` entries copy their target. Activations without a range
-    leave the table and are listed in report["unquantized"].
+    input_scale * weight_scale; `shares` entries copy their target. Tensors without a finite range
+    (and the entries depending on them) leave the table and are listed in report["unquantized"].
     Invariants: zero points are integers in the type's range; scales are finite, positive and
     representable in the scale type; 0.0 is exactly representable.
     """

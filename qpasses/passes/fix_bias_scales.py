@@ -65,13 +65,13 @@ def plan_bias_fixes(model: QModel) -> dict[str, WeightNeed]:
 
 def _raise_weight(model: QModel, weight: str, need: WeightNeed):
     """New (scale, zero_point, factor per channel) of a weight, raised only where needed; None if it can't be."""
-    tq = model.quant[weight]
-    found = entry_range(model, weight, tq)
+    tq, config = model.quant[weight], config_of(model)
+    found = entry_range(model, weight, tq, config)
     if tq.fixed or found is None:
         return None
     old_s = np.asarray(tq.scale, np.float64)
     old_zp = np.asarray(tq.zero_point, np.int64)
-    new_s, new_zp = compute_qparams(found[0], found[1], tq.qtype, **qparams_options(tq, config_of(model)),
+    new_s, new_zp = compute_qparams(found[0], found[1], tq.qtype, **qparams_options(tq, config),
                                     min_scale=need.required)
     grow = (need.required > 0) & (new_s > old_s)
     scale = np.where(grow, new_s, old_s)
