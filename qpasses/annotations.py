@@ -66,7 +66,8 @@ class TensorQuant:
         return new.because(reason) if reason else new
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if v not in (None, False, [])}
+        # ``is``/``==`` tests, not ``in``: axis 0 == False would be dropped by a membership test
+        d = {k: v for k, v in asdict(self).items() if v is not None and v is not False and v != []}
         d["qtype"] = self.qtype
         return d
 
