@@ -57,11 +57,19 @@ class QuantConfig:
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     tensor_overrides: dict = field(default_factory=dict)  # onnxruntime TensorQuantOverrides schema
     mixed_precision: dict = field(default_factory=dict)   # tensor -> type or {quant_type, symmetric}
-    target: str | None = None
+    target: str | None = None                     # preset in qpasses/targets/<target>.json
+    keep_removable_activations: bool = False      # keep Relu/Clip instead of merging them
+    op_types_to_exclude_output_quantization: list[str] = field(default_factory=list)
+    per_channel_axes: dict = field(default_factory=dict)  # op type -> weight channel axis
+    force_quantize_no_input_check: bool = False   # quantize data-movement ops outside quantized regions
 
     def __post_init__(self):
-        self.activation_type = qtype(self.activation_type).name
-        self.weight_type = qtype(self.weight_type).name
+        _check_types(self)
+        self.activation_type = _qtype_name("activation_type", self.activation_type)
+        self.weight_type = _qtype_name("weight_type", self.weight_type)
+        self.nodes_to_exclude = list(self.nodes_to_exclude or [])
+        self.op_types_to_quantize = list(self.op_types_to_quantize) if self.op_types_to_quantize else None
+        self.nodes_to_quantize = list(self.nodes_to_quantize) if self.nodes_to_quantize else None
         if self.weight_symmetric is None:
             self.weight_symmetric = qtype(self.weight_type).signed
         if self.scale_type not in ("float32", "float16"):
@@ -74,6 +82,60 @@ class QuantConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @property
+    def given(self) -> frozenset:
+        """Keys the user wrote (load_config records them); else every key that differs from its default."""
+        recorded = getattr(self, "_given", None)
+        if recorded is not None:
+            return recorded
+        out = set()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "weight_symmetric":
+                default = qtype(self.weight_type).signed
+            elif f.default is not dataclasses.MISSING:
+                default = f.default
+            else:
+                default = f.default_factory()
+            if value != default:
+                out.add(f.name)
+        return frozenset(out)
+
+
+def _qtype_name(key: str, value) -> str:
+    try:
+        return qtype(value).name
+    except ConfigError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+_BOOL_KEYS = ("per_channel", "activation_symmetric", "activation_restricted_asymmetric", "reduce_range",
+              "quantize_bias", "fix_bias_scales", "keep_removable_activations",
+              "force_quantize_no_input_check")
+_LIST_KEYS = ("op_types_to_quantize", "nodes_to_quantize", "nodes_to_exclude",
+              "op_types_to_exclude_output_quantization")
+
+
+def _check_types(cfg: "QuantConfig") -> None:
+    """One-line errors for values of the wrong kind (a string where a list belongs, ...)."""
+    for key in _BOOL_KEYS:
+        value = getattr(cfg, key)
+        if type(value).__name__ not in ("bool", "bool_"):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        setattr(cfg, key, bool(value))
+    if cfg.weight_symmetric is not None and not isinstance(cfg.weight_symmetric, bool):
+        raise ConfigError(f"weight_symmetric: expected true, false or null, got {cfg.weight_symmetric!r}")
+    for key in _LIST_KEYS:
+        value = getattr(cfg, key)
+        if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set))
+                                  or not all(isinstance(v, str) for v in value)):
+            raise ConfigError(f"{key}: expected a list of names, got {value!r}")
+    if not isinstance(cfg.per_channel_axes, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in cfg.per_channel_axes.values()):
+        raise ConfigError(f"per_channel_axes: expected a mapping of op type -> axis, got {cfg.per_channel_axes!r}")
+    if cfg.target is not None and not isinstance(cfg.target, str):
+        raise ConfigError(f"target: expected a preset name, got {cfg.target!r}")
+
 
 # onnxruntime names (quantize_static arguments and extra_options) -> our keys
 ORT_NAMES = {
@@ -83,10 +145,14 @@ ORT_NAMES = {
     "MinimumRealRange": "minimum_real_range",
     "TensorQuantOverrides": "tensor_overrides",
     "QuantizeBias": "quantize_bias",
-    "ForceQuantizeNoInputCheck": None,
+    "ForceQuantizeNoInputCheck": "force_quantize_no_input_check",
+    "QDQKeepRemovableActivations": "keep_removable_activations",
+    "OpTypesToExcludeOutputQuantization": "op_types_to_exclude_output_quantization",
     "AddQDQPairToWeight": None,
     "DedicatedQDQPair": None,
-    "QDQOpTypePerChannelSupportToAxis": None,
+    "CalibStridedMinMax": None,          # memory/speed only: calibration is streamed anyway
+    "CalibMaxIntermediateOutputs": None,
+    "QDQOpTypePerChannelSupportToAxis": "per_channel_axes",
     "UseQDQContribOps": None,
     "EnableSubgraph": None,
     "calibrate_method": "calibration.method",
@@ -98,6 +164,8 @@ ORT_NAMES = {
     "CalibNumBins": "calibration.num_bins",
 }
 _INVERTED = {"QDQDisableWeightAdjustForInt32Bias": "fix_bias_scales"}
+# onnxruntime options that change the result and that qpasses does not implement
+_UNSUPPORTED = ("SmoothQuant", "SmoothQuantAlpha", "SmoothQuantFolding", "BlockSize", "MatMulConstBOnly")
 
 
 def load_config(source=None) -> QuantConfig:
@@ -110,7 +178,14 @@ def load_config(source=None) -> QuantConfig:
         source = _read_file(Path(source))
     if not isinstance(source, dict):
         raise ConfigError("config: expected a mapping at the top level")
-    return _build(QuantConfig, _normalise(source), "")
+    data = _normalise(source)
+    config = _build(QuantConfig, data, "")
+    config._given = frozenset(data)
+    if config.target is not None:
+        from .targets import apply_target_defaults
+
+        config = apply_target_defaults(config)
+    return config
 
 
 def _read_file(path: Path) -> dict:
@@ -139,6 +214,10 @@ def _normalise(raw: dict) -> dict:
     for key, value in items:
         if key == "extra_options":
             continue
+        if key in _UNSUPPORTED:
+            raise ConfigError(f"config: onnxruntime option '{key}' is not supported by qpasses")
+        if key == "quant_format" and "qoperator" in str(getattr(value, "name", value)).lower():
+            raise ConfigError("config: quant_format QOperator is not supported (qpasses writes QDQ models)")
         if key in _INVERTED:
             key, value = _INVERTED[key], not value
         elif key in ORT_NAMES:

@@ -1,0 +1,414 @@
+"""annotate-types: decide which tensors are quantized, to which type, and why."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from ..annotations import Convert, TensorQuant
+from ..config import QuantConfig
+from ..dataflow import dataflow
+from ..ir import QModel
+from ..oprules import ACTIVATION, BIAS, FLOAT, WEIGHT, OpRule, holds, rule_for, weight_axis
+from ..overrides import TensorOverride, validate
+from ..pipeline import Pass, PassResult
+from ..qtypes import qtype
+from ..registry import register
+from ..targets import apply_target_defaults, apply_target_rules, load_target
+
+_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+_FLOAT_ONNX = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+_QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+_OWN_QPARAM_KEYS = {"quant_type", "scale", "zero_point", "symmetric", "rmin", "rmax"}
+
+
+@register
+class AnnotateTypes(Pass):
+    """Create a table entry (role, type, symmetry, axis, sharing, why) for every tensor the selected ops quantize.
+
+    Reads: the graph, the op rules (qpasses.oprules), the config (types, symmetry, per_channel,
+    reduce_range, op/node selection, quantize_bias, tensor_overrides) and its target preset.
+    Writes: ``model.quant``, rebuilt from scratch (no scale/zero_point except fixed ones from overrides
+    or the preset); a bias constant read by several quantized nodes is copied so each has its own.
+    Invariants: only float tensors get entries; ``shares`` and ``derived_from`` name table entries;
+    invalid overrides or node names raise one ConfigError before anything changes.
+    """
+
+    name = "annotate-types"
+    establishes = frozenset({"types-annotated"})
+    invalidates = frozenset({"mixed-precision-planned", "qparams-computed", "bias-scales-fixed"})
+    example: ClassVar[str] = """
+    g (float[1,3,8,8] x, float[1,4,8,8] s) => (float[1,4,8,8] y) <float[4,3,1,1] w = {1,2,3,4,5,6,7,8,9,10,11,12}, float[4] b = {1,2,3,4}> {
+      c = Conv (x, w, b)
+      r = Relu (c)
+      a = Add (r, s)
+      y = Transpose <perm = [0,1,3,2]> (a)
+    }"""
+    example_prelude: ClassVar[str] = "calibrate"
+
+    def run(self, model: QModel) -> PassResult:
+        config = resolve_config(model)
+        overrides = validate(model, config)
+        copies = unshare_biases(model, config, overrides)
+        if copies:
+            model.touch()
+        planner = TypePlanner(model, config, overrides)
+        entries = planner.plan()
+        before = model.quant.to_json()
+        model.quant.clear()
+        for name, tq in entries.items():
+            model.quant[name] = tq
+        target_changes = apply_target_rules(model)
+        if planner.report:
+            model.report[self.name] = planner.report
+        else:
+            model.report.pop(self.name, None)
+        roles = [tq.role for _, tq in model.quant.items()]
+        stats = {"activations": roles.count("activation"), "weights": roles.count("weight"),
+                 "biases": roles.count("bias"), **planner.stats, "target_rules": target_changes,
+                 "bias_copies": copies}
+        return PassResult(model, bool(copies) or model.quant.to_json() != before,
+                          {k: v for k, v in stats.items() if v})
+
+
+def resolve_config(model: QModel) -> QuantConfig:
+    """The model's config with its target preset's defaults applied (attached back to the model)."""
+    config = model.config or QuantConfig()
+    resolved = apply_target_defaults(config)
+    if resolved is not config:
+        model.config = resolved
+    return resolved
+
+
+def selected(node: gs.Node, rule: OpRule | None, config: QuantConfig) -> bool:
+    """Whether ``node`` is quantized under the config's op/node selection."""
+    return (rule is not None
+            and (not config.op_types_to_quantize or node.op in config.op_types_to_quantize)
+            and (not config.nodes_to_quantize or node.name in config.nodes_to_quantize)
+            and node.name not in config.nodes_to_exclude)
+
+
+def _is_float_constant(t) -> bool:
+    return isinstance(t, gs.Constant) and np.dtype(t.values.dtype) in _FLOAT_DTYPES
+
+
+def unshare_biases(model: QModel, config: QuantConfig, overrides: dict) -> int:
+    """Give every quantized bias its own constant (a bias's scale depends on its node); returns copies made."""
+    if not config.quantize_bias:
+        return 0
+    flow = dataflow(model)
+    remaining = {name: len(ids) for name, ids in flow.consumers.items()}
+    taken = set(model.tensors())
+    copies = 0
+    for node in model.graph.nodes:
+        rule = rule_for(node.op, model.opset)
+        if not selected(node, rule, config):
+            continue
+        for i, t in enumerate(node.inputs):
+            if rule.slot(i).kind != BIAS or not _is_float_constant(t) or t.name in overrides:
+                continue
+            if remaining.get(t.name, 0) > 1:
+                remaining[t.name] -= 1
+                name = _unique(f"{t.name}_{node.name}", taken)
+                node.inputs[i] = gs.Constant(name, np.array(t.values, copy=True))
+                copies += 1
+    return copies
+
+
+def _unique(base: str, taken: set[str]) -> str:
+    name, n = base, 1
+    while name in taken:
+        name, n = f"{base}_{n}", n + 1
+    taken.add(name)
+    return name
+
+
+def float_tensors(model: QModel) -> set[str]:
+    """Names of float32/float16 tensors: graph dtypes, else ONNX shape inference (cached per generation)."""
+    def build(m: QModel) -> set[str]:
+        floats, unknown = set(), False
+        for name, tensor in m.tensors().items():
+            if tensor.dtype is None:
+                unknown = True
+            else:
+                try:
+                    if np.dtype(tensor.dtype) in _FLOAT_DTYPES:
+                        floats.add(name)
+                except TypeError:
+                    pass
+        if unknown:
+            try:
+                graph = onnx.shape_inference.infer_shapes(m.to_proto()).graph
+            except Exception:  # inference is best effort: unknown dtypes stay float-less
+                return floats
+            for vi in list(graph.value_info) + list(graph.output):
+                if vi.type.tensor_type.elem_type in _FLOAT_ONNX:
+                    floats.add(vi.name)
+        return floats
+
+    return model.cached("annotate-types.floats", build)
+
+
+class TypePlanner:
+    """Builds the table entries for one model and config (reads the graph, changes nothing)."""
+
+    def __init__(self, model: QModel, config: QuantConfig, overrides: dict[str, TensorOverride]):
+        self.model, self.config, self.overrides = model, config, overrides
+        self.flow = dataflow(model)
+        self.floats = float_tensors(model)
+        self.qdq_outputs = {t.name for n in model.graph.nodes if n.op in _QDQ_OPS for t in n.outputs}
+        self.nodes = [(n, rule_for(n.op, model.opset)) for n in model.graph.nodes]
+        self.nodes = [(n, r) for n, r in self.nodes if selected(n, r, config)]
+        self.entries: dict[str, TensorQuant] = {}
+        self.kind: dict[str, str] = {}          # activation | act_const | weight | bias | shared
+        self.biases: list[tuple[gs.Node, OpRule, int]] = []
+        self.stats = {"shared": 0, "merged": 0, "overrides": 0}
+        self.report: dict = {}
+        given = config.given
+        defaults = load_target(config.target).defaults if config.target else {}
+        self.source = {key: f"target {config.target} default" if key in defaults and key not in given
+                       else "config default" for key in ("activation_type", "weight_type")}
+
+    # -- driver -----------------------------------------------------------------------------
+    def plan(self) -> dict[str, TensorQuant]:
+        force = self.config.force_quantize_no_input_check
+        for node, rule in self.nodes:                       # ops that start quantized regions
+            if not rule.needs or (force and rule.removable_if is None):
+                self.quantize_node(node, rule)
+        for node, rule in self.nodes:                       # ops quantized only inside regions
+            if rule.needs and not (force and rule.removable_if is None) and self.meets_needs(node, rule):
+                self.quantize_node(node, rule)
+        self.apply_overrides()
+        self.resolve_shares()
+        self.derive_biases()
+        self.merge_removable()
+        self.stats["shared"] = sum(tq.shares is not None for tq in self.entries.values())
+        return self.entries
+
+    def quantizable(self, t) -> bool:
+        return bool(t.name) and t.name in self.floats and t.name not in self.qdq_outputs
+
+    def meets_needs(self, node: gs.Node, rule: OpRule) -> bool:
+        for i in rule.needs:
+            t = node.inputs[i] if i < len(node.inputs) else None
+            if t is None or not t.name:
+                return False
+            if t.name not in self.entries and not (rule.constant_meets_needs and isinstance(t, gs.Constant)
+                                                   and self.quantizable(t)):
+                return False
+        return True
+
+    # -- entries ----------------------------------------------------------------------------
+    def quantize_node(self, node: gs.Node, rule: OpRule) -> None:
+        where = f"{node.op} '{node.name}'"
+        for i, t in enumerate(node.inputs):
+            slot = rule.slot(i)
+            if slot.kind == FLOAT or not self.quantizable(t):
+                continue
+            if slot.kind == BIAS:
+                if isinstance(t, gs.Constant):
+                    if t.name in self.overrides:      # onnxruntime: an overridden bias is a weight
+                        self.add_weight(t, node, slot, f"bias of {where}, overridden, so quantized as a weight")
+                    elif self.config.quantize_bias:
+                        self.biases.append((node, rule, i))
+            elif slot.kind == WEIGHT and isinstance(t, gs.Constant):
+                self.add_weight(t, node, slot, f"weight of {where}")
+            elif isinstance(t, gs.Constant):
+                self.add_activation(t.name, f"constant read as an activation by {where}: typed like the "
+                                            "op's other inputs so they match", constant=True)
+            else:
+                self.add_activation(t.name, f"input of {where}")
+        if node.op in self.config.op_types_to_exclude_output_quantization:
+            return
+        share = rule.shares and holds(rule.share_if, node) and node.inputs and node.inputs[0].name in self.entries
+        indices = range(len(node.outputs)) if rule.outputs is None else rule.outputs
+        for i in indices:
+            if i < len(node.outputs) and self.quantizable(node.outputs[i]):
+                if share:
+                    self.add_shared(node.outputs[i].name, node.inputs[0].name, node)
+                else:
+                    self.add_activation(node.outputs[i].name, f"output of {where}")
+
+    def _new(self, name: str, kind: str, tq: TensorQuant) -> None:
+        self.entries[name], self.kind[name] = tq, kind
+
+    def add_activation(self, name: str, where: str, constant: bool = False) -> None:
+        if name in self.entries:
+            return
+        cfg = self.config
+        tq = TensorQuant(cfg.activation_type, "weight" if constant else "activation",
+                         symmetric=cfg.activation_symmetric,
+                         reduce_range=cfg.reduce_range if constant else False,
+                         why=[f"{self.source['activation_type']} activation_type={cfg.activation_type} ({where})"])
+        tq.restricted = self.restricted(tq)
+        self._new(name, "act_const" if constant else "activation", tq)
+
+    def add_weight(self, t: gs.Constant, node: gs.Node, slot, where: str) -> None:
+        if t.name in self.entries:
+            return
+        cfg = self.config
+        axis = None
+        if cfg.per_channel:
+            axis = weight_axis(slot, node.attrs, len(t.shape), cfg.per_channel_axes.get(node.op))
+        line = f"{self.source['weight_type']} weight_type={cfg.weight_type} ({where}"
+        line += f", per-channel axis {axis})" if axis is not None else ")"
+        tq = TensorQuant(cfg.weight_type, "weight", symmetric=self.weight_symmetric(cfg.weight_type, axis),
+                         axis=axis, reduce_range=cfg.reduce_range, why=[line])
+        if axis is not None and not self.weight_symmetric(cfg.weight_type, None):
+            tq.because("symmetric: per-channel weights are symmetric (as onnxruntime)")
+        self._new(t.name, "weight", tq)
+
+    def add_shared(self, name: str, source: str, node: gs.Node) -> None:
+        src = self.entries[source]
+        if src.convert is not None and node.name in src.convert.recv_nodes:
+            self.add_activation(name, f"output of {node.op} '{node.name}', not shared: its input is converted")
+            return
+        self._new(name, "shared", TensorQuant(
+            src.qtype, "activation", shares=source,
+            why=[f"same type as '{source}': {node.op} '{node.name}' only moves data, so its output "
+                 "shares the input's qparams"]))
+
+    def weight_symmetric(self, qt: str, axis: int | None) -> bool:
+        """Per-channel: symmetric; else the config's weight_symmetric, or the type's signedness if not given."""
+        if axis is not None:
+            return True
+        if "weight_symmetric" in self.config.given:
+            return bool(self.config.weight_symmetric)
+        return qtype(qt).signed
+
+    def restricted(self, tq: TensorQuant) -> bool:
+        return (self.config.activation_restricted_asymmetric and tq.qtype == "uint8" and not tq.symmetric)
+
+    # -- overrides ----------------------------------------------------------------------------
+    def apply_overrides(self) -> None:
+        unused = []
+        for name in sorted(self.overrides):
+            ov = self.overrides[name]
+            if name not in self.entries:
+                unused.append(name)
+                continue
+            if ov.keys:
+                self.apply_override(name, ov)
+                self.stats["overrides"] += 1
+        if unused:
+            self.report["unused_overrides"] = unused
+
+    def apply_override(self, name: str, ov: TensorOverride) -> None:
+        tq, kind = self.entries[name], self.kind[name]
+        keys = set(ov.keys)
+        if kind == "shared" and keys & _OWN_QPARAM_KEYS:
+            tq.because(f"override: own qparams instead of sharing '{tq.shares}'")
+            tq.shares, kind = None, "activation"
+            self.kind[name] = kind
+            tq.symmetric = self.config.activation_symmetric
+        if ov.quant_type is not None and ov.quant_type != tq.qtype:
+            tq.why.insert(0, f"override quant_type={ov.quant_type} (default was {tq.qtype})")
+            tq.qtype = ov.quant_type
+        if kind in ("weight", "act_const") and tq.axis != ov.axis:
+            tq.because(f"override axis={ov.axis} (per-channel)" if ov.axis is not None
+                       else "override is per-tensor (no 'axis')")
+            tq.axis = ov.axis
+        if kind == "weight":
+            tq.symmetric = self.weight_symmetric(tq.qtype, tq.axis)
+        elif kind in ("activation", "act_const"):
+            tq.symmetric = self.config.activation_symmetric
+        for key in ("symmetric", "reduce_range", "rmin", "rmax"):
+            value = getattr(ov, key)
+            if value is not None:
+                setattr(tq, key, value)
+                tq.because(f"override {key}={value}")
+        if kind in ("activation", "act_const"):
+            tq.restricted = self.restricted(tq)
+        if ov.fixed:
+            tq.scale, tq.zero_point, tq.fixed = list(ov.scale), list(ov.zero_point), True
+            shown = ov.scale[0] if len(ov.scale) == 1 else f"{len(ov.scale)} channels"
+            tq.because(f"override scale/zero_point: fixed ({shown})")
+        if ov.convert is not None:
+            cv = ov.convert
+            recv = cv.recv_nodes if cv.recv_nodes is not None else sorted(self.flow.readers(name))
+            symmetric = cv.symmetric if cv.symmetric is not None else self.config.activation_symmetric
+            tq.convert = Convert(cv.quant_type, list(recv), symmetric,
+                                 None if cv.scale is None else [cv.scale],
+                                 None if cv.zero_point is None else [cv.zero_point])
+            tq.because(f"override convert to {cv.quant_type} for {', '.join(recv) or 'no reader'}")
+
+    # -- derived decisions --------------------------------------------------------------------
+    def resolve_shares(self) -> None:
+        """Shared outputs take their source's type (sources come first: graph order)."""
+        for name, tq in self.entries.items():
+            if tq.shares is None:
+                continue
+            src = self.entries[tq.shares]
+            if src.axis is not None:
+                tq.because(f"not shared: '{tq.shares}' is per-channel")
+                tq.shares = None
+                self.kind[name] = "activation"
+                continue
+            tq.qtype, tq.symmetric, tq.restricted = src.qtype, src.symmetric, src.restricted
+
+    def derive_biases(self) -> None:
+        left_float = []
+        for node, rule, i in self.biases:
+            bias = node.inputs[i]
+            if bias.name in self.entries:
+                continue
+            inp = node.inputs[rule.first(ACTIVATION)].name
+            w_index = rule.first(WEIGHT)
+            weight = node.inputs[w_index].name if w_index is not None and w_index < len(node.inputs) else ""
+            problem, axis = self.bias_problem(node, bias, inp, weight)
+            if problem:
+                left_float.append(f"{bias.name} ({node.op} '{node.name}'): {problem}")
+                continue
+            self._new(bias.name, "bias", TensorQuant(
+                "int32", "bias", symmetric=True, axis=axis, derived_from=[inp, weight],
+                why=[f"int32 bias of {node.op} '{node.name}': scale = scale('{inp}') * scale('{weight}')"]))
+        if left_float:
+            self.report["float_biases"] = left_float
+
+    def bias_problem(self, node, bias, inp: str, weight: str) -> tuple[str | None, int | None]:
+        tin, tw = self.entries.get(inp), self.entries.get(weight)
+        if tin is None or tw is None:
+            return f"'{inp if tin is None else weight or '(none)'}' is not quantized", None
+        if tin.axis is not None:
+            return f"input '{inp}' is per-channel", None
+        for name, tq in ((inp, tin), (weight, tw)):
+            if tq.convert is not None and node.name in tq.convert.recv_nodes:
+                return f"'{name}' is converted for this node", None
+        if tw.axis is None:
+            return None, None
+        channels = self.model.tensors()[weight].shape[tw.axis]
+        if len(bias.shape) != 1 or bias.shape[0] != channels:
+            return (f"shape {list(bias.shape)} does not match the {channels} channels of '{weight}' "
+                    f"(axis {tw.axis})"), None
+        return None, 0
+
+    def merge_removable(self) -> None:
+        """Relu/Clip reading a quantized producer's output: the input shares the output's qparams."""
+        for node, rule in self.nodes:
+            if rule.removable_if is None or not node.inputs or not node.outputs:
+                continue
+            inp, out = node.inputs[0].name, node.outputs[0].name
+            tin, tout = self.entries.get(inp), self.entries.get(out)
+            if tin is None or tout is None or not self.can_merge(node, rule, inp, tin, tout):
+                continue
+            tin.shares, tin.qtype, tin.symmetric, tin.restricted = out, tout.qtype, False, tout.restricted
+            exact = ("the output range starts at 0" if node.op == "Relu"
+                     else "min <= 0 <= max, and quantizing to the output's range clips the same way")
+            tin.because(f"{node.op} merged into the producer's range (exact: {exact}): {node.op} "
+                        f"'{node.name}' is dropped and '{inp}' shares the qparams of '{out}'")
+            self.stats["merged"] += 1
+
+    def can_merge(self, node, rule, inp: str, tin: TensorQuant, tout: TensorQuant) -> bool:
+        cfg = self.config
+        consumers = self.flow.consumers.get(inp, [])
+        return (not cfg.keep_removable_activations
+                and holds(rule.removable_if, node)
+                and self.flow.writer(inp) is not None            # produced by a node (not an input)
+                and len(consumers) == 1                           # read only here, not a graph output
+                and inp not in self.overrides and self.kind.get(inp) == "activation"
+                and tin.shares is None and not tin.fixed and tin.rmin is None and tin.rmax is None
+                and tin.convert is None and tout.convert is None
+                and tin.qtype == tout.qtype and not tin.symmetric and not tout.symmetric
+                and not cfg.calibration.symmetric)
