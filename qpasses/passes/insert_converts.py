@@ -1,0 +1,142 @@
+"""insert-converts: re-quantize a tensor to a second type for the readers that need it (DQ -> Q)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import ClassVar
+
+import onnx_graphsurgeon as gs
+
+from ..errors import ModelError
+from ..ir import QModel
+from ..pipeline import Pass, PassResult
+from ..qdq import (Namer, Placement, QParams, dequantizer, float_dtype, make_dq, make_q, min_opset,
+                   qparam_constants, redirect, require_opset, scale_dtype)
+from ..registry import register
+
+NAME = "insert-converts"
+
+
+@dataclass(frozen=True)
+class ConvertFacts:
+    """Where a converted tensor's value reaches its readers today."""
+
+    dequantized: str           # the DQ output its readers read (the tensor itself for graph outputs)
+    readers: tuple[str, ...]   # nodes reading that DQ output
+    is_output: bool            # that DQ output is a graph output
+    dtype: str                 # its float type
+
+
+@dataclass(frozen=True)
+class ConvertStep:
+    tensor: str
+    qparams: QParams
+    dtype: str
+    recv: tuple[str, ...]      # readers to move onto the converted value
+    clone: bool                # others still read the original DQ: feed the convert from a copy of it
+
+
+def analyse(model: QModel) -> dict[str, ConvertFacts]:
+    """For every table entry with a convert: the DQ output carrying its value (graph order)."""
+    tensors = model.tensors()
+    outputs = {t.name for t in model.graph.outputs}
+    facts = {}
+    for name, entry in model.quant.items():
+        if entry.convert is None or name not in tensors:
+            continue
+        dq = dequantizer(tensors[name])
+        if dq is None:
+            raise ModelError(f"tensor '{name}' has a convert to {entry.convert.qtype} but no Q/DQ "
+                             f"(run insert-qdq first)")
+        out = dq.outputs[0]
+        facts[name] = ConvertFacts(out.name, tuple(dict.fromkeys(n.name for n in out.outputs)),
+                                   out.name in outputs, float_dtype(out).name)
+    return facts
+
+
+def plan_converts(table, facts: dict[str, ConvertFacts]) -> list[ConvertStep]:
+    """The converts still to insert (readers already moved are done); pure."""
+    steps = []
+    for name, f in facts.items():
+        conv = table[name].convert
+        wanted = set(conv.recv_nodes) if conv.recv_nodes else set(f.readers)
+        recv = tuple(r for r in f.readers if r in wanted)
+        if not recv:
+            continue
+        if conv.scale is not None and len(conv.scale) > 1:
+            raise ModelError(f"tensor '{name}': a convert must be per-tensor, got {len(conv.scale)} scales")
+        qp = QParams.make(name, conv.qtype, conv.scale, conv.zero_point)
+        clone = f.is_output or len(recv) < len(f.readers)
+        steps.append(ConvertStep(name, qp, f.dtype, recv, clone))
+    return steps
+
+
+def apply_converts(model: QModel, steps: list[ConvertStep], facts: dict[str, ConvertFacts]) -> Counter:
+    """Insert [DQ copy ->] Q -> DQ after each tensor's DQ and move the receiving readers onto it."""
+    tensors = model.tensors()
+    namer, place = Namer(model), Placement(model.graph)
+    counts: Counter = Counter()
+    for step in steps:
+        base = f"{step.tensor}_convert"
+        dq_out = tensors[facts[step.tensor].dequantized]
+        dq = dq_out.inputs[0]
+        src, new = dq_out, []
+        if step.clone:
+            copy = gs.Node(dq.op, namer(f"{base}_in_dq"), attrs=dict(dq.attrs), inputs=list(dq.inputs),
+                           outputs=[gs.Variable(namer(f"{base}_in"), dtype=dq_out.dtype, shape=dq_out.shape)])
+            src = copy.outputs[0]
+            new.append(copy)
+            counts["dq_nodes"] += 1
+        params = qparam_constants(namer, base, step.qparams, scale_dtype(step.dtype))
+        q = make_q(namer, base, src, params, step.qparams)
+        dq2 = make_dq(namer, base, q.outputs[0], params, step.qparams, scale_dtype(step.dtype),
+                      shape=dq_out.shape)
+        new += [q, dq2]
+        redirect(dq_out, dq2.outputs[0], only=set(step.recv))
+        place.after(dq, new)
+        counts["converts"] += 1
+        counts["q_nodes"] += 1
+        counts["dq_nodes"] += 1
+        counts["readers_moved"] += len(step.recv)
+    place.apply()
+    model.touch()
+    return counts
+
+
+@register
+class InsertConverts(Pass):
+    """Re-quantize tensors with a `convert` to the second type for their receiving readers.
+
+    Reads: the table's `convert` entries (qtype, recv_nodes, scale, zero_point); the Q/DQ that
+    insert-qdq placed.
+    Writes: the receiving nodes read DQ(original) -> Q(convert type) -> DQ(convert type); other
+    readers and graph outputs keep the original DQ (a copy of it feeds the convert then). No
+    recv_nodes means every reader converts. Raises the opset when the convert type needs it.
+    Invariants: graph outputs keep their name and float type; a second run changes nothing.
+    """
+
+    name: ClassVar[str] = NAME
+    requires: ClassVar[frozenset] = frozenset({"qdq-inserted"})
+    establishes: ClassVar[frozenset] = frozenset({"converts-inserted"})
+    example: ClassVar[str] = """
+g (float[1,4] x) => (float[1,4] y, float[1,4] z)
+{
+  a = Relu(x)
+  y = Sigmoid(a)
+  z = Tanh(a)
+}
+"""
+    example_prelude: ClassVar[str] = "calibrate,annotate-types,propagate-mixed-precision,compute-qparams,insert-qdq"
+
+    def run(self, model: QModel) -> PassResult:
+        stats = Counter(converts=0, q_nodes=0, dq_nodes=0, readers_moved=0)
+        facts = analyse(model)
+        steps = plan_converts(model.quant, facts)
+        if not steps:
+            return PassResult(model, False, dict(stats))
+        opset = max(min_opset(s.qparams, scale_dtype(s.dtype)) for s in steps)
+        if require_opset(model, opset):  # the graph may have been rewritten by the version converter
+            facts = analyse(model)
+            steps = plan_converts(model.quant, facts)
+        stats.update(apply_converts(model, steps, facts))
+        return PassResult(model, True, dict(stats))

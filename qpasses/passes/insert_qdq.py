@@ -1,0 +1,296 @@
+"""insert-qdq: put QuantizeLinear/DequantizeLinear around every tensor of the quantization table."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from ..errors import ModelError
+from ..ir import QModel
+from ..pipeline import Pass, PassResult
+from ..qdq import (Namer, Placement, QParams, float_dtype, is_float, is_quantized, make_dq, make_q,
+                   min_opset, producer, qparam_constants, quantized_values, redirect, require_opset,
+                   scale_dtype)
+from ..registry import register
+
+NAME = "insert-qdq"
+CLAMPS = ("Relu", "Clip")
+_CLIP6_DEFAULT = 3.4028234663852886e38  # Clip-6 attribute defaults: float32 lowest/max
+
+
+# -- analyse: what the plan needs to know about the graph ------------------------------------
+@dataclass(frozen=True)
+class TensorFacts:
+    kind: str                  # "node" | "input" | "constant" | "feedable" (initializer that is also an input)
+    readers: tuple[str, ...]   # names of the nodes reading it
+    is_output: bool
+    quantized: bool            # already has Q/DQ (produced by a DQ or read by a Q)
+    dtype: str                 # float type name ("float32", "float16", ...); "" for non-float tensors
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Clamp:
+    """A Relu/Clip node that may be merged into its input's Q/DQ."""
+
+    node: str
+    input: str
+    output: str
+    lo: float
+    hi: float
+
+
+@dataclass
+class GraphFacts:
+    tensors: dict[str, TensorFacts]   # table tensors present in the graph, in graph order
+    clamps: list[Clamp] = field(default_factory=list)
+
+
+def analyse(model: QModel) -> GraphFacts:
+    """Facts about the table's tensors and the Relu/Clip nodes between two table tensors."""
+    graph, table, tensors = model.graph, model.quant, model.tensors()
+    outputs = {t.name for t in graph.outputs}
+    order: dict[str, None] = {}
+    for t in graph.inputs:
+        order[t.name] = None
+    clamps = []
+    for node in graph.nodes:
+        for t in list(node.inputs) + list(node.outputs):
+            if t.name in table:
+                order[t.name] = None
+        if node.op in CLAMPS and node.inputs and node.outputs:
+            clamp = _clamp(node, model.opset)
+            if clamp and clamp.input in table and clamp.output in table:
+                clamps.append(clamp)
+    for t in graph.outputs:
+        order[t.name] = None
+    facts = {}
+    for name in order:
+        if name not in table or name not in tensors:
+            continue
+        t = tensors[name]
+        if isinstance(t, gs.Constant):
+            kind = "feedable" if name in model.input_initializers else "constant"
+            dtype = t.dtype.name if np.dtype(t.dtype).name in ("float32", "float16", "bfloat16") else ""
+        else:
+            kind = "node" if producer(t) is not None else "input"
+            dtype = float_dtype(t).name if is_float(t) else ""
+        shape = getattr(t, "shape", None)
+        facts[name] = TensorFacts(kind, tuple(dict.fromkeys(n.name for n in t.outputs)), name in outputs,
+                                  is_quantized(t), dtype, None if shape is None else len(shape))
+    return GraphFacts(facts, clamps)
+
+
+def _clamp(node: gs.Node, opset: int) -> Clamp | None:
+    if node.op == "Relu":
+        return Clamp(node.name, node.inputs[0].name, node.outputs[0].name, 0.0, math.inf)
+    if opset < 11:
+        lo, hi = node.attrs.get("min", -_CLIP6_DEFAULT), node.attrs.get("max", _CLIP6_DEFAULT)
+    else:
+        bounds = []
+        for i, default in ((1, -math.inf), (2, math.inf)):
+            t = node.inputs[i] if len(node.inputs) > i else None
+            if t is None or not t.name:
+                bounds.append(default)
+            elif (value := _scalar(t)) is not None:
+                bounds.append(value)
+            else:
+                return None
+        lo, hi = bounds
+    return Clamp(node.name, node.inputs[0].name, node.outputs[0].name, float(lo), float(hi))
+
+
+def _scalar(t: gs.Tensor) -> float | None:
+    """The value of a one-element constant (an initializer or a Constant node's output)."""
+    node = producer(t)
+    if node is not None and node.op == "Constant" and isinstance(node.attrs.get("value"), gs.Constant):
+        t = node.attrs["value"]
+    if isinstance(t, gs.Constant) and np.size(t.values) == 1:
+        return float(np.ravel(t.values)[0])
+    return None
+
+
+# -- plan: a pure function of the table and the facts ----------------------------------------
+@dataclass(frozen=True)
+class Insert:
+    tensor: str
+    how: str                   # "pair": Q -> DQ after the producer; "stored": quantized initializer -> DQ
+    role: str
+    qparams: QParams
+    dtype: str                 # float type of the tensor, hence of its scale and DQ output
+    params_of: str             # tensor whose scale/zero-point initializers are used (itself unless shared)
+    dq_writes: str | None = None   # existing tensor the DQ writes (graph output, merged Relu/Clip output)
+    merged: str | None = None      # Relu/Clip node removed: the DQ writes its output
+
+
+@dataclass
+class Plan:
+    inserts: list[Insert]
+    skipped: dict[str, str]    # tensor -> why it is left float
+    opset: int                 # oldest default opset the new Q/DQ need
+
+
+def plan_qdq(table, facts: GraphFacts) -> Plan:
+    """Decide every Q/DQ to insert, keyed by tensor name; touches no graph."""
+    merged = {c.input: c for c in facts.clamps if _mergeable(table, facts, c)}
+    merged_outputs = {c.output for c in merged.values()}
+    inserts: dict[str, Insert] = {}
+    skipped: dict[str, str] = {}
+    for name, f in facts.tensors.items():
+        entry = table[name]
+        if name in merged_outputs or f.quantized or (f.kind == "constant" and not f.readers):
+            continue
+        if not f.dtype:
+            skipped[name] = "not a float tensor"
+            continue
+        stored = f.kind == "constant"
+        if entry.role == "bias" and not stored:
+            skipped[name] = "bias is not a constant (no int32 QuantizeLinear)"
+            continue
+        qp = QParams.of(name, entry, f.rank)
+        if not stored and qp.qtype.name == "int32":
+            raise ModelError(f"tensor '{name}': QuantizeLinear cannot produce int32 (only constant biases can be int32)")
+        clamp = merged.get(name)
+        dq_writes = clamp.output if clamp else name if f.kind == "node" and f.is_output else None
+        inserts[name] = Insert(name, "stored" if stored else "pair", entry.role, qp, f.dtype, name,
+                               dq_writes, clamp.node if clamp else None)
+    for name, ins in inserts.items():
+        inserts[name] = replace(ins, params_of=_share_root(table, inserts, name))
+    opset = max((min_opset(i.qparams, scale_dtype(i.dtype)) for i in inserts.values()), default=0)
+    return Plan(list(inserts.values()), skipped, opset)
+
+
+def _share_root(table, inserts: dict[str, Insert], name: str) -> str:
+    """Follow ``shares`` while the next tensor gets identical Q/DQ in this plan (reuse its initializers)."""
+    root, seen = name, {name}
+    while True:
+        nxt = table[root].shares
+        if nxt is None or nxt in seen or nxt not in inserts:
+            return root
+        a, b = inserts[root], inserts[nxt]
+        if (a.qparams, a.dtype) != (b.qparams, b.dtype):
+            return root
+        root = nxt
+        seen.add(root)
+
+
+def _mergeable(table, facts: GraphFacts, c: Clamp) -> bool:
+    """A Relu/Clip can go when its input shares its output's qparams and the Q saturates exactly as it clamps."""
+    ex, ey = table.get(c.input), table.get(c.output)
+    fx, fy = facts.tensors.get(c.input), facts.tensors.get(c.output)
+    if ex is None or ey is None or fx is None or fy is None:
+        return False
+    if ex.shares != c.output or ex.convert or ey.convert or ex.role != "activation" or ey.role != "activation":
+        return False
+    if fx.kind not in ("node", "input") or fx.is_output or fx.readers != (c.node,) or fx.quantized or fy.quantized:
+        return False
+    if fx.dtype != fy.dtype or not fx.dtype:
+        return False
+    qx, qy = QParams.of(c.input, ex), QParams.of(c.output, ey)
+    if qx != qy or qx.axis is not None:
+        return False
+    scale, zp, qt = qx.scale[0], qx.zero_point[0], qx.qtype
+    return (qt.qmin - zp) * scale >= c.lo - scale / 2 and (qt.qmax - zp) * scale <= c.hi + scale / 2
+
+
+# -- apply -----------------------------------------------------------------------------------
+def apply_plan(model: QModel, plan: Plan) -> Counter:
+    """Edit the graph as planned; returns the counts for the stats."""
+    tensors = model.tensors()
+    namer, place = Namer(model), Placement(model.graph)
+    by_name = {i.tensor: i for i in plan.inserts}
+    made: dict[str, tuple[gs.Constant, gs.Constant]] = {}
+    counts: Counter = Counter()
+
+    def params(name: str):
+        if name not in made:
+            ins = by_name[name]
+            made[name] = qparam_constants(namer, name, ins.qparams, scale_dtype(ins.dtype))
+        return made[name]
+
+    for ins in plan.inserts:
+        name, qp, t = ins.tensor, ins.qparams, tensors[ins.tensor]
+        qdq_params = params(ins.params_of)
+        dtype = scale_dtype(ins.dtype)
+        if ins.how == "stored":
+            stored = gs.Constant(namer(f"{name}_quantized"), quantized_values(t.values, qp))
+            dq = make_dq(namer, name, stored, qdq_params, qp, t.values.dtype, shape=t.shape)
+            place.before_first_reader(t, [dq])
+            redirect(t, dq.outputs[0])
+            counts["biases_quantized" if ins.role == "bias" else "weights_quantized"] += 1
+            counts["dq_nodes"] += 1
+            continue
+        src, out, anchor = t, None, producer(t)
+        if ins.merged:
+            out = tensors[ins.dq_writes]
+            clamp = producer(out)
+            place.drop(clamp)
+            clamp.inputs.clear()
+            clamp.outputs.clear()
+            counts["merged"] += 1
+        elif ins.dq_writes == name:  # graph output: the producer writes <t>_float, the DQ writes t
+            src = gs.Variable(namer(f"{name}_float"), dtype=t.dtype, shape=t.shape)
+            anchor.outputs[[o is t for o in anchor.outputs].index(True)] = src
+            out = t
+        q = make_q(namer, name, src, qdq_params, qp)
+        dq = make_dq(namer, name, q.outputs[0], qdq_params, qp, dtype, out=out, shape=t.shape)
+        if out is None:
+            redirect(t, dq.outputs[0], skip=[q])
+        place.after(anchor, [q, dq])
+        counts["q_nodes"] += 1
+        counts["dq_nodes"] += 1
+    place.apply()
+    model.touch()
+    return counts
+
+
+@register
+class InsertQDQ(Pass):
+    """Insert QuantizeLinear/DequantizeLinear for every tensor in the quantization table.
+
+    Reads: the table (qtype, scale, zero_point, axis, shares, role); model.opset.
+    Writes: activations get producer -> Q -> DQ -> readers (one pair per tensor; graph outputs keep
+    their name, written by the DQ); weights and biases become `<w>_quantized` initializers -> DQ;
+    a Relu/Clip whose input shares its output's qparams is dropped when the Q clamps exactly as it
+    does. Raises the default opset when the types need it (per-axis 13, fp16 scales 19,
+    int16/uint16/int4/uint4 21), rewriting ops with onnx.version_converter if a plain bump is unsafe.
+    Invariants: graph inputs/outputs keep names and float types; tensors that already have Q/DQ are
+    left alone, so a second run changes nothing.
+    """
+
+    name: ClassVar[str] = NAME
+    requires: ClassVar[frozenset] = frozenset({"qparams-computed"})
+    establishes: ClassVar[frozenset] = frozenset({"qdq-inserted"})
+    example: ClassVar[str] = """
+g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] w = {0.5, -0.25, 0.125, 1.0}, float[2] b = {0.1, -0.2}>
+{
+  c = Conv(x, w, b)
+  y = Relu(c)
+}
+"""
+    example_prelude: ClassVar[str] = "calibrate,annotate-types,compute-qparams"
+
+    def run(self, model: QModel) -> PassResult:
+        plan = plan_qdq(model.quant, analyse(model))
+        stats = Counter(q_nodes=0, dq_nodes=0, weights_quantized=0, biases_quantized=0, merged=0)
+        if plan.skipped:
+            _report(model, plan.skipped)
+        if not plan.inserts:
+            return PassResult(model, False, dict(stats))
+        raised = require_opset(model, plan.opset)
+        if raised:  # the graph may have been rewritten by the version converter
+            plan = plan_qdq(model.quant, analyse(model))
+        stats.update(apply_plan(model, plan))
+        stats["opset"] = model.opset if raised else 0
+        return PassResult(model, True, dict(stats))
+
+
+def _report(model: QModel, skipped: dict[str, str]) -> None:
+    rows = {r["tensor"]: r for r in model.report.get("unquantized", [])}
+    for name in sorted(skipped):
+        rows[name] = {"tensor": name, "reason": skipped[name], "pass": NAME}
+    model.report["unquantized"] = [rows[k] for k in sorted(rows)]

@@ -1,0 +1,344 @@
+"""Building blocks shared by insert-qdq and insert-converts.
+
+Quantization parameters of one Q/DQ (``QParams``), unique readable names (``Namer``), scale and
+zero-point initializers, Q and DQ nodes, quantized initializers, rewiring readers, placing new
+nodes in a sorted graph, and raising the opset safely (``require_opset``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx.defs
+import onnx_graphsurgeon as gs
+
+from .errors import ModelError
+from .ir import QModel, from_proto
+from .qparams import quantize
+from .qtypes import PER_AXIS_MIN_OPSET, QType, qtype
+
+Q_OP, DQ_OP = "QuantizeLinear", "DequantizeLinear"
+FLOAT_SCALE_MIN_OPSET = 19   # float16/bfloat16 scales (and DQ outputs)
+_SUBBYTE = {"int4": ml_dtypes.int4, "uint4": ml_dtypes.uint4}
+_FLOATS = ("float32", "float16", "bfloat16")
+
+
+# -- quantization parameters -----------------------------------------------------------------
+@dataclass(frozen=True)
+class QParams:
+    """What one Q or DQ node needs: type, scale and zero point (one value, or one per ``axis`` index)."""
+
+    qtype: QType
+    scale: tuple[float, ...]
+    zero_point: tuple[int, ...]
+    axis: int | None = None
+
+    @classmethod
+    def make(cls, tensor: str, qtype_name: str, scale, zero_point, axis=None, rank=None) -> "QParams":
+        """Validated QParams; one value means per-tensor (``axis`` dropped)."""
+        qt = qtype(qtype_name)
+        if not scale or not zero_point:
+            raise ModelError(f"tensor '{tensor}': no scale/zero point in the table (run compute-qparams)")
+        scale = tuple(float(s) for s in scale)
+        zero_point = tuple(int(z) for z in zero_point)
+        if len(zero_point) != len(scale):
+            raise ModelError(f"tensor '{tensor}': {len(scale)} scales but {len(zero_point)} zero points")
+        if not all(np.isfinite(s) and s > 0 for s in scale):
+            raise ModelError(f"tensor '{tensor}': scale must be finite and positive, got {list(scale)}")
+        if not all(qt.qmin <= z <= qt.qmax for z in zero_point):
+            raise ModelError(f"tensor '{tensor}': zero point outside the {qt.name} range")
+        if len(scale) == 1:
+            return cls(qt, scale, zero_point, None)
+        if axis is None:
+            raise ModelError(f"tensor '{tensor}': {len(scale)} scales but no axis")
+        if rank is not None:
+            if not -rank <= axis < rank:
+                raise ModelError(f"tensor '{tensor}': axis {axis} is out of range for rank {rank}")
+            axis %= rank
+        return cls(qt, scale, zero_point, int(axis))
+
+    @classmethod
+    def of(cls, tensor: str, entry, rank=None) -> "QParams":
+        """From a TensorQuant table entry."""
+        return cls.make(tensor, entry.qtype, entry.scale, entry.zero_point, entry.axis, rank)
+
+    def scale_array(self, dtype) -> np.ndarray:
+        values = np.asarray(self.scale, dtype=np.float64).astype(dtype)
+        return values.reshape(()) if self.axis is None else values
+
+    def zero_point_array(self) -> np.ndarray:
+        values = np.asarray(self.zero_point, dtype=self.qtype.storage)
+        values = values.reshape(()) if self.axis is None else values
+        return to_onnx_storage(values, self.qtype)
+
+
+def to_onnx_storage(values: np.ndarray, qt: QType) -> np.ndarray:
+    """Integer values in the numpy dtype gs exports as ``qt`` (ml_dtypes int4/uint4 for 4-bit types)."""
+    return values.astype(_SUBBYTE.get(qt.name, qt.storage))
+
+
+def quantized_values(values, qp: QParams) -> np.ndarray:
+    """A float array quantized with ``qp`` (qpasses.qparams.quantize), in its ONNX storage dtype."""
+    values = np.asarray(values)
+    if qp.axis is not None and values.shape[qp.axis] != len(qp.scale):
+        raise ModelError(f"shape {list(values.shape)} has {values.shape[qp.axis]} channels on axis "
+                         f"{qp.axis}, but {len(qp.scale)} scales")
+    return to_onnx_storage(quantize(values, qp.scale, qp.zero_point, qp.qtype, qp.axis), qp.qtype)
+
+
+def float_dtype(tensor: gs.Tensor) -> np.dtype:
+    """The float type of a tensor (float32 when gs does not know it)."""
+    try:
+        dtype = np.dtype(getattr(tensor, "dtype", None) or np.float32)
+    except TypeError:
+        return np.dtype(np.float32)
+    return dtype if dtype.name in _FLOATS else np.dtype(np.float32)
+
+
+def is_float(tensor: gs.Tensor) -> bool:
+    """True for float tensors, and for tensors whose type gs does not know."""
+    dtype = getattr(tensor, "dtype", None)
+    if dtype is None:
+        return True
+    try:
+        return np.dtype(dtype).name in _FLOATS
+    except TypeError:
+        return False
+
+
+def scale_dtype(float_type: str) -> np.dtype:
+    """Scales have the quantized tensor's float type: ONNX Q needs it (opset < 23), ORT CPU always.
+
+    ``scale_type = "float16"`` on a float32 model therefore keeps float32 storage; compute-qparams
+    already rounded the values to float16, so they are exactly the float16 scales.
+    """
+    return np.dtype(ml_dtypes.bfloat16) if float_type == "bfloat16" else np.dtype(float_type)
+
+
+def min_opset(qp: QParams, scale_type: np.dtype) -> int:
+    """Oldest default-domain opset whose Q/DQ accept these parameters."""
+    need = qp.qtype.min_opset
+    if qp.axis is not None:
+        need = max(need, PER_AXIS_MIN_OPSET)
+    if np.dtype(scale_type) != np.float32:
+        need = max(need, FLOAT_SCALE_MIN_OPSET)
+    return need
+
+
+# -- names -----------------------------------------------------------------------------------
+class Namer:
+    """Unique names for new tensors and nodes: ``base``, else ``base_1``, ``base_2``, ..."""
+
+    def __init__(self, model: QModel):
+        self.used = set(model.tensors()) | {n.name for n in model.graph.nodes if n.name}
+
+    def __call__(self, base: str) -> str:
+        name, i = base, 0
+        while name in self.used:
+            i += 1
+            name = f"{base}_{i}"
+        self.used.add(name)
+        return name
+
+
+# -- nodes and initializers ------------------------------------------------------------------
+def qparam_constants(namer: Namer, base: str, qp: QParams, dtype) -> tuple[gs.Constant, gs.Constant]:
+    """``<base>_scale`` and ``<base>_zero_point`` initializers (0-d when per-tensor)."""
+    return (gs.Constant(namer(f"{base}_scale"), qp.scale_array(dtype)),
+            gs.Constant(namer(f"{base}_zero_point"), qp.zero_point_array()))
+
+
+def _axis_attrs(qp: QParams) -> dict:
+    return {} if qp.axis is None else {"axis": qp.axis}
+
+
+def make_q(namer: Namer, base: str, x: gs.Tensor, params, qp: QParams) -> gs.Node:
+    """QuantizeLinear ``<base>_q``: x -> ``<base>_quantized``; ``params`` = (scale, zero point)."""
+    out = gs.Variable(namer(f"{base}_quantized"), dtype=_SUBBYTE.get(qp.qtype.name, qp.qtype.storage),
+                      shape=getattr(x, "shape", None))
+    return gs.Node(Q_OP, namer(f"{base}_q"), attrs=_axis_attrs(qp), inputs=[x, *params], outputs=[out])
+
+
+def make_dq(namer: Namer, base: str, q: gs.Tensor, params, qp: QParams, dtype,
+            out: gs.Tensor | None = None, shape=None) -> gs.Node:
+    """DequantizeLinear ``<base>_dq``: q -> ``out`` (default: a new ``<base>_dequantized``)."""
+    if out is None:
+        out = gs.Variable(namer(f"{base}_dequantized"), dtype=np.dtype(dtype), shape=shape)
+    return gs.Node(DQ_OP, namer(f"{base}_dq"), attrs=_axis_attrs(qp), inputs=[q, *params], outputs=[out])
+
+
+def redirect(tensor: gs.Tensor, new: gs.Tensor, *, only: set[str] | None = None, skip=()) -> int:
+    """Make readers of ``tensor`` (all, or the nodes named in ``only``) read ``new``; returns how many."""
+    count = 0
+    for node in list(tensor.outputs):
+        if any(node is s for s in skip) or (only is not None and node.name not in only):
+            continue
+        for i, inp in enumerate(node.inputs):
+            if inp is tensor:
+                node.inputs[i] = new
+                count += 1
+    return count
+
+
+class Placement:
+    """Collects new nodes by anchor, then rebuilds ``graph.nodes`` once, keeping it sorted."""
+
+    def __init__(self, graph: gs.Graph):
+        self.graph = graph
+        self.index = {id(n): i for i, n in enumerate(graph.nodes)}
+        self.head: list[gs.Node] = []
+        self._before: dict[int, list[gs.Node]] = {}
+        self._after: dict[int, list[gs.Node]] = {}
+        self._dropped: set[int] = set()
+
+    def after(self, node: gs.Node | None, new: list[gs.Node]) -> None:
+        """Right after ``node`` (at the head of the graph when None or not a top-level node)."""
+        i = self.index.get(id(node)) if node is not None else None
+        (self.head if i is None else self._after.setdefault(i, [])).extend(new)
+
+    def before_first_reader(self, tensor: gs.Tensor, new: list[gs.Node]) -> None:
+        positions = [self.index[id(n)] for n in tensor.outputs if id(n) in self.index]
+        (self._before.setdefault(min(positions), []) if positions else self.head).extend(new)
+
+    def drop(self, node: gs.Node) -> None:
+        """Remove ``node`` (disconnect it first)."""
+        self._dropped.add(self.index[id(node)])
+
+    def apply(self) -> None:
+        nodes = list(self.head)
+        for i, node in enumerate(self.graph.nodes):
+            nodes.extend(self._before.get(i, ()))
+            if i not in self._dropped:
+                nodes.append(node)
+            nodes.extend(self._after.get(i, ()))
+        self.graph.nodes = nodes
+
+
+def producer(tensor: gs.Tensor) -> gs.Node | None:
+    return tensor.inputs[0] if isinstance(tensor, gs.Variable) and tensor.inputs else None
+
+
+def dequantizer(tensor: gs.Tensor) -> gs.Node | None:
+    """The DequantizeLinear whose output carries ``tensor``'s value to its readers, if any.
+
+    Either ``tensor`` is itself a DQ output (graph outputs, merged activations), or it feeds a
+    QuantizeLinear whose output a DQ reads.
+    """
+    node = producer(tensor)
+    if node is not None and node.op == DQ_OP:
+        return node
+    for reader in tensor.outputs:
+        if reader.op == Q_OP and reader.inputs and reader.inputs[0] is tensor:
+            for dq in reader.outputs[0].outputs:
+                if dq.op == DQ_OP:
+                    return dq
+    return None
+
+
+def is_quantized(tensor: gs.Tensor) -> bool:
+    """Already has Q/DQ: produced by a DequantizeLinear or read by a QuantizeLinear."""
+    node = producer(tensor)
+    return (node is not None and node.op == DQ_OP) or any(
+        r.op == Q_OP and r.inputs and r.inputs[0] is tensor for r in tensor.outputs)
+
+
+# -- opset -----------------------------------------------------------------------------------
+# Ops whose meaning changed at this opset while their signature stayed (nearly) the same: a plain
+# bump would silently change results, so onnx.version_converter must rewrite them.
+MEANING_CHANGED = {"Softmax": 13, "LogSoftmax": 13, "Hardmax": 13, "Resize": 11,
+                   "GroupNormalization": 21, "RoiAlign": 16, "GridSample": 20}
+# Changes onnx.version_converter gets wrong (measured): refuse rather than convert.
+NOT_CONVERTIBLE = {"Resize": 11}   # 10 -> 11 keeps 'asymmetric' coordinates only implicitly
+
+
+def _schema(op: str, version: int):
+    try:
+        return onnx.defs.get_schema(op, version, "")
+    except onnx.defs.SchemaError:
+        return None
+
+
+def _params_kept(old, new) -> bool:
+    """Every old input/output keeps its name and place (a Single one may become Optional)."""
+    if len(new) < len(old):
+        return False
+    kind = onnx.defs.OpSchema.FormalParameterOption
+    for a, b in zip(old, new):
+        if a.name != b.name or not (a.option == b.option or (a.option == kind.Single and b.option == kind.Optional)):
+            return False
+    return all(b.option == kind.Optional for b in new[len(old):])
+
+
+def signature_kept(op: str, old_opset: int, new_opset: int) -> bool:
+    """True when a node valid at ``old_opset`` means the same at ``new_opset`` without rewriting."""
+    old, new = _schema(op, old_opset), _schema(op, new_opset)
+    if old is None or new is None or new.deprecated:
+        return False
+    if old.since_version == new.since_version:
+        return True
+    if old.since_version < MEANING_CHANGED.get(op, 0) <= new.since_version:
+        return False
+    if not (_params_kept(old.inputs, new.inputs) and _params_kept(old.outputs, new.outputs)
+            and len(old.outputs) == len(new.outputs)):
+        return False
+    for name, attr in old.attributes.items():
+        if name not in new.attributes or new.attributes[name].type != attr.type:
+            return False
+    return not any(a.required for n, a in new.attributes.items() if n not in old.attributes)
+
+
+def _default_domain_nodes(graph: gs.Graph):
+    yield from (n for n in graph.nodes if n.domain in (None, "", "ai.onnx"))
+    for sub in graph.subgraphs(recursive=True):
+        yield from (n for n in sub.nodes if n.domain in (None, "", "ai.onnx"))
+
+
+def ops_needing_rewrite(model: QModel, opset: int) -> dict[str, str]:
+    """op type -> first node name, for the ops that a plain opset bump to ``opset`` would break."""
+    old = model.opset
+    found: dict[str, str] = {}
+    verdict: dict[str, bool] = {}
+    for node in _default_domain_nodes(model.graph):
+        if node.op not in verdict:
+            verdict[node.op] = signature_kept(node.op, old, opset)
+        if not verdict[node.op]:
+            found.setdefault(node.op, node.name)
+    return found
+
+
+def require_opset(model: QModel, opset: int) -> bool:
+    """Raise the model's default opset to ``opset`` without changing what its nodes compute.
+
+    A plain bump when every op keeps its signature and meaning; otherwise the graph is rewritten
+    with onnx.version_converter (Split/Squeeze/Reduce* attributes become inputs, Softmax axis, ...).
+    Raises ModelError naming the op when that is impossible. Returns True if the opset changed.
+    """
+    old = model.opset
+    if old >= opset:
+        return False
+    risky = ops_needing_rewrite(model, opset)
+    if not risky:
+        return model.raise_opset(opset)
+    where = ", ".join(f"'{n}' ({op})" for op, n in sorted(risky.items()))
+    for op, since in NOT_CONVERTIBLE.items():
+        if op in risky and old < since <= opset:
+            raise ModelError(f"cannot raise opset {old} -> {opset} for quantization: node '{risky[op]}' "
+                             f"({op}) changes meaning at opset {since}; upgrade the model first")
+    from onnx import version_converter
+
+    try:
+        converted = version_converter.convert_version(model.to_proto(), opset)
+    except Exception as exc:  # the converter raises assorted C++ errors
+        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelError(f"cannot raise opset {old} -> {opset} for quantization: onnx.version_converter "
+                         f"failed on {where} ({text})") from None
+    graph = from_proto(converted).graph
+    names = graph.tensors()
+    lost = [t for t in model.quant if t in model.tensors() and t not in names]
+    if lost:
+        raise ModelError(f"cannot raise opset {old} -> {opset}: converting {where} lost tensor '{lost[0]}'")
+    model.graph = graph
+    model.touch()
+    return True
