@@ -37,6 +37,7 @@ class Histogram:
         self.exponent: int | None = None   # bin width = 2**exponent
         self.offset = 0                    # absolute index of counts[0]
         self.lo, self.hi = math.inf, -math.inf  # extremes of the values counted
+        self.zeros = 0                     # exact zeros (quantized without error: 0 is on the grid)
 
     @property
     def width(self) -> float:
@@ -73,10 +74,14 @@ class Histogram:
         k_lo, k_hi = self._index(lo, e), self._index(hi, e)
         self._regrid(e, k_lo, k_hi)
         self.lo, self.hi = lo, hi
-        # x * 2**-e is exact; minus the (integer) offset it stays exact and >= 0, so truncation = floor
+        if lo <= 0.0 <= hi:
+            self.zeros += int(np.count_nonzero(x == 0))
+        # x * 2**-e is exact (a power-of-two scale), so its floor is the exact absolute bin index
         t = np.multiply(x, x.dtype.type(math.ldexp(1.0, -e)))
-        np.subtract(t, x.dtype.type(self.offset), out=t)
-        counts = np.bincount(t.astype(np.intp).ravel(), minlength=self.bins)
+        np.floor(t, out=t)
+        index = t.astype(np.intp).ravel()
+        index -= self.offset
+        counts = np.bincount(index, minlength=self.bins)
         if counts.size > self.bins:  # cannot happen with exact arithmetic; keep counts total anyway
             counts[self.bins - 1] += counts[self.bins:].sum()
             counts = counts[:self.bins]
@@ -270,7 +275,7 @@ def entropy_range(hist: Histogram, num_bins: int = 2048, bits: int = 8,
     else:
         edges, counts = hist.abs_counts()
         p = _rebin(edges, counts, np.linspace(0.0, amax, num_bins + 1))
-        p[0] = min(p[0], p[1])  # exact zeros (ReLU) quantize without error: do not let their spike steer t
+        p[0] -= min(hist.zeros, p[0])  # exact zeros (ReLU) quantize without error: their spike must not steer t
         cand, kl = kl_thresholds(p, levels)
         t = float(cand[int(np.argmin(kl))]) * amax / num_bins
     if symmetric:
@@ -283,21 +288,44 @@ def _degenerate(hist: Histogram, symmetric: bool) -> tuple[float, float]:
     return _symmetric(lo, hi) if symmetric else (lo, hi)
 
 
-def _clip_costs(centres: np.ndarray, counts: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each cut c: (sum of n*(x-c)^2 over x > c, number of x > c), from prefix sums."""
-    n = counts.astype(np.float64)
-    suffix = lambda v: np.concatenate([np.cumsum(v[::-1])[::-1], [0.0]])  # noqa: E731
-    s0, s1, s2 = suffix(n), suffix(n * centres), suffix(n * centres**2)
-    j = np.searchsorted(centres, cuts, side="right")        # first bin strictly above the cut
-    cost = s2[j] - 2 * cuts * s1[j] + cuts**2 * s0[j]
-    return np.maximum(cost, 0.0), s0[j]
+class _Moments:
+    """Prefix sums of n, n*v, n*v^2 over sorted bin centres: sums over value intervals in O(log n)."""
+
+    def __init__(self, centres: np.ndarray, counts: np.ndarray):
+        n = counts.astype(np.float64)
+        self.centres = centres
+        self.sums = [np.concatenate([[0.0], np.cumsum(n * centres**k)]) for k in range(3)]
+
+    def between(self, lo, hi, k: int):
+        """Sum of n*v^k over lo <= v < hi (arrays broadcast)."""
+        i, j = np.searchsorted(self.centres, lo, "left"), np.searchsorted(self.centres, hi, "left")
+        return self.sums[k][np.maximum(j, i)] - self.sums[k][i]
+
+    def below(self, cut, k: int):
+        return self.between(-np.inf, cut, k)
+
+    def above(self, cut, k: int):
+        j = np.searchsorted(self.centres, cut, "right")
+        return self.sums[k][-1] - self.sums[k][j]
+
+
+def _expected_mse(m: _Moments, lo, hi, step) -> np.ndarray:
+    """Expected squared error of quantising to a grid of ``step`` through 0, clipped to [lo, hi]:
+    clipped values lose (x - bound)^2; values within half a step of 0 round to 0 and lose x^2;
+    every other value loses step^2/12 on average."""
+    clip = (lo**2 * m.below(lo, 0) - 2 * lo * m.below(lo, 1) + m.below(lo, 2)
+            + hi**2 * m.above(hi, 0) - 2 * hi * m.above(hi, 1) + m.above(hi, 2))
+    near_lo, near_hi = np.maximum(lo, -step / 2), np.minimum(hi, step / 2)
+    near_n, near_sq = m.between(near_lo, near_hi, 0), m.between(near_lo, near_hi, 2)
+    inside = m.sums[0][-1] - m.below(lo, 0) - m.above(hi, 0)
+    return np.maximum(clip, 0.0) + near_sq + (inside - near_n) * step**2 / 12
 
 
 def mse_range(hist: Histogram, bits: int = 8, symmetric: bool = False, candidates: int = 256) -> tuple[float, float]:
-    """The range minimising the expected quantisation MSE: clipping error (exact, from the histogram)
-    plus rounding noise step**2/12 for each value inside, for a ``bits``-bit grid that contains 0.
+    """The range minimising the expected quantisation MSE (``_expected_mse``) of a ``bits``-bit
+    grid that contains 0, computed from the histogram.
 
-    Asymmetric: a grid of candidate lower (in [lo, 0]) and upper (in [0, hi]) bounds, every pair tried.
+    Asymmetric: every pair of candidate lower (in [lo, 0]) and upper (in [0, hi]) bounds is tried.
     Symmetric: candidate t in (0, max|x|], step 2t/(2**bits - 2).
     """
     if hist.total == 0 or hist.hi <= hist.lo:
@@ -306,24 +334,19 @@ def mse_range(hist: Histogram, bits: int = 8, symmetric: bool = False, candidate
     fractions = np.arange(1, candidates + 1) / candidates
     if symmetric:
         edges, counts = hist.abs_counts()
-        centres = 0.5 * (edges[:-1] + edges[1:])
+        m = _Moments(0.5 * (edges[:-1] + edges[1:]), counts)
         t = fractions * edges[-1]
-        clip, outside = _clip_costs(centres, counts, t)
-        cost = clip + (counts.sum() - outside) * (2 * t / (steps - 1)) ** 2 / 12
+        cost = _expected_mse(m, 0.0, t, 2 * t / (steps - 1))
         best = float(t[int(np.argmin(cost))])
         return (-best, best)
     edges, counts = hist.occupied()
-    centres = 0.5 * (edges[:-1] + edges[1:])
+    m = _Moments(0.5 * (edges[:-1] + edges[1:]), counts)
     lo, hi = hist.lo, hist.hi
-    uppers = fractions * hi if hi > 0 else np.zeros(1)
-    lowers = fractions * lo if lo < 0 else np.zeros(1)
-    right, n_right = _clip_costs(centres, counts, uppers)
-    left, n_left = _clip_costs(-centres[::-1], counts[::-1], -lowers)
-    inside = counts.sum() - n_left[:, None] - n_right[None, :]
-    step = (uppers[None, :] - lowers[:, None]) / steps
-    cost = left[:, None] + right[None, :] + inside * step**2 / 12
+    uppers = (fractions * hi if hi > 0 else np.zeros(1))[None, :]
+    lowers = (fractions * lo if lo < 0 else np.zeros(1))[:, None]
+    cost = _expected_mse(m, lowers, uppers, (uppers - lowers) / steps)
     i, j = np.unravel_index(int(np.argmin(cost)), cost.shape)
-    return (max(float(lowers[i]), lo), min(float(uppers[j]), hi))
+    return (max(float(lowers[i, 0]), lo), min(float(uppers[0, j]), hi))
 
 
 def finalise(method: str, stats: TensorStats, *, percentile: float = 99.999, num_bins: int = 2048,

@@ -332,7 +332,8 @@ def _check_finite(arr: np.ndarray, what: str, after: str = "") -> None:
 def _cast(arr: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
     src, dst = arr.dtype, np.dtype(dtype)
     if src.kind == "f" and dst.kind == "f":
-        out = arr.astype(dst)
+        with np.errstate(over="ignore"):
+            out = arr.astype(dst)
         _check_finite(out, what, f" after casting {src} to {dst} (values too large)")
         return out
     if src.kind in "iu" and dst.kind in "iu":

@@ -1,0 +1,198 @@
+"""calibrate: ranges from onnxruntime runs, streaming, options vs config, exact `modified`."""
+import io
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from qpasses.calibration.data import open_data
+from qpasses.calibration.runner import activation_tensors, calibrate_ranges, collect_stats
+from qpasses.config import QuantConfig, load_config
+from qpasses.errors import CalibrationDataError, ConfigError, PipelineError
+from qpasses.ir import from_proto
+from qpasses.passes.calibrate import Calibrate
+from qpasses.pipeline import PassManager, parse_pipeline, print_pipeline
+from qpasses.testing import model_from_text, parse, random_feed, run
+from qpasses.verify import check_onnx
+
+METHODS = ("minmax", "percentile", "entropy", "mse", "pow2")
+
+TEXT = """
+g (float[N, 4] x, int64[2] shape) => (float[N, 4] y, int64[2] s) {
+    w = Constant <value = float[4, 4] {0.5, -1, 2, 0.1, 1, 1, -1, 0.3, 0.2, -0.4, 0.9, 1, 0, 2, -2, 1}> ()
+    w2 = Mul(w, w)
+    m = MatMul(x, w2)
+    r = Relu(m)
+    t = Tanh(m)
+    a = Add(r, t)
+    s = Identity(shape)
+    y = Sigmoid(a)
+}
+"""
+FLOATS = ["x", "m", "r", "t", "a", "y"]
+
+
+def _model(config=None):
+    model = model_from_text(TEXT)
+    model.config = config
+    return model
+
+
+def _feeds(n, batch=1, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"x": (rng.standard_normal((batch, 4)) * 3).astype(np.float32), "shape": np.array([1, 4])}
+            for _ in range(n)]
+
+
+def _reference_minmax(proto, feeds, names):
+    """numpy min/max of every tensor as onnxruntime computes it (each exposed as an output)."""
+    ref = onnx.ModelProto()
+    ref.CopyFrom(proto)
+    for name in names:
+        if name not in [o.name for o in ref.graph.output]:
+            ref.graph.output.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    outs = {n: [] for n in names}
+    for feed in feeds:
+        for n, v in zip([o.name for o in ref.graph.output], run(ref, feed)):
+            if n in outs:
+                outs[n].append(v)
+    return {n: (float(np.min(np.concatenate([v.ravel() for v in vs]))),
+                float(np.max(np.concatenate([v.ravel() for v in vs])))) for n, vs in outs.items()}
+
+
+def test_minmax_ranges_equal_numpy_min_max_of_ort_outputs():
+    model = _model()
+    proto = model.to_proto()
+    feeds = _feeds(6)
+    model.calibration_data = open_data(feeds)
+    result = Calibrate(method="minmax").run(model)
+    assert result.modified and result.stats == {"tensors": 6, "samples": 6, "method": "minmax"}
+    assert list(model.ranges) == FLOATS  # graph order; no constants, no int tensors
+    expected = _reference_minmax(proto, feeds, FLOATS)
+    for name in FLOATS:
+        np.testing.assert_allclose(model.ranges[name], expected[name], rtol=1e-6, atol=1e-7)
+        assert model.observed[name] == model.ranges[name]
+        assert all(type(v) is float for v in model.ranges[name])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_streaming_one_batch_equals_many_samples(method):
+    many = _feeds(8, seed=3)
+    one = [{"x": np.concatenate([f["x"] for f in many]), "shape": many[0]["shape"]}]
+    a = calibrate_ranges(_model(), many, method=method, num_bins=256)
+    b = calibrate_ranges(_model(), one, method=method, num_bins=256)
+    assert a[0] == b[0] and a[1] == b[1]
+    assert (a[2], b[2]) == (8, 1)
+
+
+def test_second_run_not_modified_and_new_data_modifies():
+    model = _model()
+    model.calibration_data = _feeds(4)
+    assert Calibrate().run(model).modified
+    assert not Calibrate().run(model).modified
+    model.calibration_data = _feeds(4, seed=9)
+    assert Calibrate().run(model).modified
+
+
+def test_graph_untouched_and_checker_clean():
+    model = _model()
+    before = onnx.printer.to_text(model.to_proto().graph)
+    model.calibration_data = _feeds(3)
+    PassManager("calibrate{method=entropy}").run(model)
+    assert onnx.printer.to_text(model.to_proto().graph) == before
+    assert [i.name for i in model.graph.inputs] == ["x", "shape"]
+    assert "calibrated" in model.facts
+    check_onnx(model)
+
+
+def test_no_data_is_a_one_line_error():
+    with pytest.raises(CalibrationDataError, match=r"calibrate: no calibration data \(pass --calib"):
+        PassManager("calibrate").run(_model())
+
+
+def test_options_default_to_config_and_override_it():
+    model = _model(load_config({"calibration": {"method": "percentile", "percentile": 90}}))
+    model.calibration_data = _feeds(5)
+    stats = PassManager("calibrate").run(model)[0].stats
+    assert stats["method"] == "percentile"
+    pct90 = dict(model.ranges)
+    PassManager("calibrate{percentile=100}").run(model)
+    assert model.ranges["m"] == pytest.approx(model.observed["m"])
+    assert model.ranges["m"][1] > pct90["m"][1]
+    assert PassManager("calibrate{method=minmax}").run(model)[0].stats["method"] == "minmax"
+    with pytest.raises(ConfigError, match="percentile"):
+        PassManager("calibrate{percentile=150}").run(model)
+
+
+def test_pipeline_text_round_trips():
+    text = "calibrate{method=percentile,percentile=99.99,symmetric=true,max_samples=3}"
+    assert print_pipeline(parse_pipeline(text)) == text
+    assert print_pipeline(parse_pipeline("calibrate")) == "calibrate"
+    with pytest.raises(PipelineError, match="not one of"):
+        parse_pipeline("calibrate{method=kl2}")
+
+
+def test_max_samples_and_data_option(tmp_path):
+    feeds = _feeds(5)
+    np.savez(tmp_path / "c.npz", x=np.stack([f["x"] for f in feeds]), shape=np.stack([f["shape"] for f in feeds]))
+    model = _model()
+    stats = PassManager(f"calibrate{{data={tmp_path / 'c.npz'},max_samples=2}}").run(model)[0].stats
+    assert stats["samples"] == 2
+    assert model.ranges["x"] == pytest.approx(_reference_minmax(model.to_proto(), feeds[:2], ["x"])["x"])
+
+
+def test_symmetric_and_moving_average():
+    model = _model(QuantConfig(calibration={"moving_average": True, "averaging_constant": 0.5}))
+    model.calibration_data = _feeds(3)
+    Calibrate().run(model)
+    raw = model.observed["m"]
+    per_sample = [_reference_minmax(model.to_proto(), [f], ["m"])["m"] for f in _feeds(3)]
+    lo = per_sample[0][0]
+    for s in per_sample[1:]:
+        lo += 0.5 * (s[0] - lo)
+    assert model.ranges["m"][0] == pytest.approx(lo) and model.ranges["m"][0] > raw[0]
+    Calibrate(symmetric=True, moving_average=False).run(model)
+    assert model.ranges["m"] == (-max(map(abs, raw)), max(map(abs, raw)))
+
+
+def test_bad_sample_names_source_and_index():
+    model = _model()
+    model.calibration_data = _feeds(2) + [{"x": np.zeros((1, 5), np.float32), "shape": np.array([1, 4])}]
+    with pytest.raises(CalibrationDataError, match=r"sample 2: input 'x' has shape \(1, 5\)"):
+        PassManager("calibrate").run(model)
+
+
+def test_subgraph_tensors_and_float16_and_double():
+    text = """
+    g (float16[2] h, double[2] d, bool c) => (float16[2] y, double[2] z) {
+        y = Relu(h)
+        z = If(c) <then_branch = t () => (double[2] o) { o = Neg(d) },
+                   else_branch = e () => (double[2] o2) { o2 = Abs(d) }>
+    }
+    """
+    model = model_from_text(text)
+    feeds = [{"h": np.array([-1, 2], np.float16), "d": np.array([3.0, -4.0]), "c": np.array(True)}]
+    ranges, observed, n = calibrate_ranges(model, feeds)
+    assert list(ranges) == ["h", "d", "y", "z"]
+    assert ranges["y"] == (0.0, 2.0) and ranges["z"] == (-3.0, 4.0)
+
+
+def test_activation_tensors_skip_constants_and_ints():
+    names = [n for n, _ in activation_tensors(parse(TEXT))]
+    assert names == FLOATS
+
+
+def test_progress_bar_writes_carriage_returns():
+    stream = io.StringIO()
+    collect_stats(_model(), _feeds(3), progress_stream=stream)
+    text = stream.getvalue()
+    assert text.count("\r") == 3 and "3/3" in text and text.endswith("\n")
+
+
+def test_example_runs():
+    model = from_proto(parse(Calibrate.example))
+    model.calibration_data = [random_feed(model, seed=s) for s in range(8)]
+    result = Calibrate().run(model)
+    assert result.modified and set(model.ranges) == {"x", "h", "y"}
+    assert model.ranges["h"][0] == 0.0
