@@ -273,10 +273,14 @@ def plan_mixed_precision(flow: Dataflow, requests: Mapping[str, TypeInfo], float
         base = [(flow.producer[tensor], f"the producer of '{tensor}'")]
         base += [(n, f"a consumer of '{tensor}'") for n in ix.readers(tensor)]
         region: dict[int, str] = {}
+        expanded: set[int] = set()   # groups already added (by id: members share one list)
         for node, reason in base:
             region.setdefault(node, reason)
-            for tied in groups.get(node, ()):
-                region.setdefault(tied, f"tied to {ix.name(node)} by its op rules")
+            group = groups.get(node, ())
+            if group and id(group) not in expanded:
+                expanded.add(id(group))
+                for tied in group:
+                    region.setdefault(tied, f"tied to {ix.name(node)} by its op rules")
         for node in sorted(region):
             _join(ix, members, node, _Member(index, info, tensor, region[node]))
         plan.regions[tensor] = sorted(ix.name(n) for n in region)

@@ -4,9 +4,6 @@ from __future__ import annotations
 from dataclasses import field
 from typing import ClassVar
 
-import numpy as np
-import onnx
-
 from ..annotations import Convert, QuantTable
 from ..config import QuantConfig
 from ..dataflow import dataflow
@@ -15,9 +12,9 @@ from ..mixed_precision import MixedPrecisionPlan, load_constraints, parse_reques
 from ..oprules import holds, rule_for
 from ..pipeline import Pass, PassResult
 from ..registry import register
+from .annotate_types import float_tensors  # shared: float32/float16 tensor names, cached per generation
 
-_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
-_FLOAT_ONNX = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+__all__ = ["PropagateMixedPrecision", "apply_plan", "float_tensors", "sharing_nodes"]
 
 
 @register
@@ -45,6 +42,7 @@ class PropagateMixedPrecision(Pass):
       y = Relu (c)
     }"""
     example_prelude: ClassVar[str] = "calibrate,annotate-types"
+    example_config: ClassVar[dict] = {"mixed_precision": {"b": "uint16"}}
 
     extend_through_shape_ops: bool = field(default=True, metadata={
         "help": "grow regions through shape-only ops (Reshape, Transpose, ...) so no convert sits "
@@ -102,29 +100,6 @@ def sharing_nodes(model: QModel) -> set[str]:
         if rule is not None and rule.shares and holds(rule.share_if, node):
             out.add(node.name)
     return out
-
-
-def float_tensors(model: QModel) -> set[str]:
-    """Names of the float32/float16 tensors (dtypes from the graph, else from ONNX shape inference)."""
-    floats, unknown = set(), False
-    for name, tensor in model.tensors().items():
-        if tensor.dtype is None:
-            unknown = True
-        elif _is_float(tensor.dtype):
-            floats.add(name)
-    if unknown:
-        inferred = onnx.shape_inference.infer_shapes(model.to_proto()).graph
-        for vi in list(inferred.value_info) + list(inferred.input) + list(inferred.output):
-            if vi.type.tensor_type.elem_type in _FLOAT_ONNX:
-                floats.add(vi.name)
-    return floats
-
-
-def _is_float(dtype) -> bool:
-    try:
-        return np.dtype(dtype) in _FLOAT_DTYPES
-    except TypeError:
-        return False
 
 
 def _apply_target_rules(model: QModel) -> None:

@@ -179,6 +179,15 @@ def test_target_constraints_apply():
     assert model.quant["b"].convert == Convert("uint16", ["cat"])
 
 
+def test_target_rules_run_after_types_change():
+    # qnn fixes a 16-bit Sigmoid output's qparams; the rule must see the new uint16 type.
+    model = prepared(EXAMPLE, {"output_2": "uint16"}, target="qnn")
+    PropagateMixedPrecision().run(model)
+    tq = model.quant["output_2"]
+    assert tq.qtype == "uint16" and tq.fixed and tq.scale == [1.52587890625e-05] and tq.zero_point == [0]
+    assert tq.why[-1].startswith("target qnn: Sigmoid output at uint16 fixed")
+
+
 def test_entries_missing_from_the_table_are_skipped_and_reported():
     model = prepared(EXAMPLE, {"op4_out": "uint16"})
     del model.quant["op3_out"]
