@@ -141,14 +141,30 @@ def float_tensors(model: QModel) -> set[str]:
         if unknown:
             try:
                 graph = onnx.shape_inference.infer_shapes(m.to_proto()).graph
-            except Exception:  # inference is best effort: unknown dtypes stay float-less
-                return floats
-            for vi in list(graph.value_info) + list(graph.output):
-                if vi.type.tensor_type.elem_type in _FLOAT_ONNX:
-                    floats.add(vi.name)
+                inferred = list(graph.value_info) + list(graph.output)
+            except Exception:  # inference is best effort; the rule table fills the gaps below
+                inferred = []
+            floats.update(vi.name for vi in inferred if vi.type.tensor_type.elem_type in _FLOAT_ONNX)
+            known = {vi.name for vi in inferred if vi.type.tensor_type.elem_type}
+            known.update(n for n, t in m.tensors().items() if t.dtype is not None)
+            _rule_dtypes(m, floats, known)
         return floats
 
     return model.cached("annotate-types.floats", build)
+
+
+def _rule_dtypes(model: QModel, floats: set[str], known: set[str]) -> None:
+    """Still-unknown outputs of rule-table ops have the dtype of the op's data input."""
+    for node in model.graph.nodes:
+        rule = rule_for(node.op)
+        data = None if rule is None else next(
+            (t for i, t in enumerate(node.inputs) if t.name and rule.slot(i).kind != FLOAT), None)
+        if data is None:
+            continue
+        indices = range(len(node.outputs)) if rule.outputs is None else rule.outputs
+        for i in indices:
+            if i < len(node.outputs) and node.outputs[i].name not in known and data.name in floats:
+                floats.add(node.outputs[i].name)
 
 
 class TypePlanner:
