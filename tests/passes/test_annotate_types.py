@@ -254,7 +254,7 @@ def test_relu_merges_into_its_producer():
 @pytest.mark.parametrize("text, cfg", [
     (CONV_RELU.replace("=> (float[1,2,4,4] y)", "=> (float[1,2,4,4] y, float[1,2,4,4] c)"), {}),  # graph output
     (CONV_RELU.replace("[relu] y = Relu(c)", "r = Relu(c)  y = Add(r, c)"), {}),                   # two readers
-    ("""g (float[2] x) => (float[2] y) { y = Relu(x) }""", {}),                                     # graph input
+    (CONV_RELU.replace("[relu] y = Relu(c)", "t = Identity(c)  y = Relu(t)"), {}),                # input shares
     (CONV_RELU, {"activation_symmetric": True}),
     (CONV_RELU, {"keep_removable_activations": True}),
     (CONV_RELU, {"calibration": {"symmetric": True}}),
@@ -267,7 +267,12 @@ def test_relu_or_clip_that_must_not_merge(text, cfg):
     model, _ = annotate(text, **cfg)
     relu_out = "r" if "r = Relu" in text else "y"
     assert relu_out in model.quant and len(model.quant) >= 2       # quantized, but not merged
-    assert all(tq.shares is None for _, tq in model.quant.items())
+    assert all(tq.shares is None for name, tq in model.quant.items() if name != "t")
+
+
+def test_relu_on_a_float_graph_input_stays_float():
+    model, result = annotate("""g (float[2] x) => (float[2] y) { y = Relu(x) }""")
+    assert len(model.quant) == 0 and result.modified is False
 
 
 @pytest.mark.parametrize("bounds", ["zero", "zero, six", ", six", "neg"])
