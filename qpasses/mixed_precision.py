@@ -16,7 +16,8 @@ These are the semantics of onnxruntime's MixedPrecisionTensorQuantOverridesFixer
 
 Two extensions: (a) ops whose output shares its input's quantization (qpasses.oprules' ``shares``:
 Reshape, Transpose, MaxPool, ...) are tied to the producer of their data input, so no convert ever sits
-between such an op and its input: regions grow through them; (b) a per-target op-constraint table (``targets/<target>.constraints.json``) ties
+between such an op and its input: regions grow through them (so do other ``shares`` links of the
+table, like a Relu merged into its producer's range); (b) a per-target op-constraint table (``targets/<target>.constraints.json``) ties
 more tensors together: ``{"Concat": {"same_type": "all"}}`` ties a node to the producers of all its
 activation inputs, ``"inputs"`` ties those producers to each other, ``[0, 2]`` ties the node to the
 producers of those input slots.
@@ -30,7 +31,7 @@ import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Collection, Mapping
+from typing import Collection, Iterable, Mapping
 
 from . import oprules
 from .dataflow import Dataflow
@@ -200,7 +201,8 @@ class _Index:
         return [n for n in self.flow.consumers.get(tensor, ()) if self.kind(n) == "op"]
 
 
-def _tie_groups(ix: _Index, rules: Mapping[str, list], sharing: Collection[str]) -> dict[int, list[int]]:
+def _tie_groups(ix: _Index, rules: Mapping[str, list], sharing: Collection[str],
+                ties: Iterable[tuple[str, str]]) -> dict[int, list[int]]:
     """Union-find over sites tied by op rules: site -> every site of its group (sorted)."""
     parent: dict[int, int] = {}
 
@@ -228,6 +230,9 @@ def _tie_groups(ix: _Index, rules: Mapping[str, list], sharing: Collection[str])
                 for slot, tensor in inputs:
                     if rule == "all" or slot in rule:
                         tie(node, ix.site(tensor))
+    for a, b in ties:
+        if a in ix.flow.producer and b in ix.flow.producer:
+            tie(ix.site(a), ix.site(b))
     groups: dict[int, list[int]] = {}
     for x in sorted(parent):
         groups.setdefault(root(x), []).append(x)
@@ -245,13 +250,15 @@ class _Member:
 def plan_mixed_precision(flow: Dataflow, requests: Mapping[str, TypeInfo], float_tensors: Collection[str],
                          default_qtype: str = "uint8", default_symmetric: bool = False, *,
                          extend_through_shape_ops: bool = True, sharing_nodes: Collection[str] | None = None,
+                         ties: Iterable[tuple[str, str]] = (),
                          constraints: Mapping[str, list] | None = None) -> MixedPrecisionPlan:
     """Plan the regions, types and converts for ``requests`` on the dataflow view ``flow``.
 
     ``float_tensors``: names of the float/float16 tensors (only those are typed). ``sharing_nodes``:
     names of the nodes whose outputs share their input 0's quantization (default: every node of a
-    :func:`sharing_ops` type); used when ``extend_through_shape_ops``. ``constraints``: an op-constraint
-    table (:func:`parse_constraints`). Raises ConfigError for unknown, non-float or initializer
+    :func:`sharing_ops` type); ``ties``: pairs of tensors that must be produced in one type (the
+    table's ``shares`` links); both are used only when ``extend_through_shape_ops``. ``constraints``:
+    an op-constraint table (:func:`parse_constraints`). Raises ConfigError for unknown, non-float or initializer
     tensors and for conflicting requests.
     """
     ix = _Index(flow, float_tensors)
@@ -262,7 +269,9 @@ def plan_mixed_precision(flow: Dataflow, requests: Mapping[str, TypeInfo], float
         ops = sharing_ops()
         sharing = set(sharing_nodes) if sharing_nodes is not None else {
             name for name, node in flow.node_id.items() if flow.op(node) in ops}
-    groups = _tie_groups(ix, constraints or {}, sharing) if sharing or constraints else {}
+    else:
+        ties = ()
+    groups = _tie_groups(ix, constraints or {}, sharing, ties)
 
     members: dict[int, list[_Member]] = {}
     plan = MixedPrecisionPlan(overrides={t: [info.as_override()] for t, info in requests.items()})

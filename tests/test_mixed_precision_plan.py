@@ -326,6 +326,17 @@ def test_no_convert_between_a_shape_op_and_its_input():
         assert_consistent(SHAPES, p)
 
 
+def test_ties_join_producers_and_are_off_in_onnxruntime_mode():
+    # a Relu merged into its producer: 'op5_out' shares 'output_0' (op6 is the Relu)
+    p = plan(EXAMPLE, {"output_0": "uint16"}, ties=[("op5_out", "output_0")])
+    assert p.regions == {"output_0": ["op5", "op6"]}
+    assert p.overrides["op5_out"] == ovr("uint16")
+    assert p.overrides["op4_out"] == ovr("uint8", "uint16", ["op5"])
+    off = plan(EXAMPLE, {"output_0": "uint16"}, ties=[("op5_out", "output_0")], extend_through_shape_ops=False)
+    assert off.overrides == assert_same_as_ort(EXAMPLE, {"output_0": "uint16"}).overrides
+    assert off.overrides["op5_out"] == ovr("uint8", "uint16", ["op6"])
+
+
 def test_sharing_ops_cover_the_usual_shape_ops():
     assert {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Slice", "Gather", "Split",
             "MaxPool", "Resize", "Pad"} <= set(sharing_ops())

@@ -25,7 +25,8 @@ class PropagateMixedPrecision(Pass):
     the quantization table, and ``targets/<config.target>.constraints.json`` when it exists.
     Writes: ``qtype``/``symmetric``/``convert`` of table entries (with ``why`` lines) and
     ``model.report["mixed_precision_plan"]``; plan entries for tensors the table does not quantize
-    are skipped and listed under ``skipped``.
+    are skipped and listed under ``skipped``. Table ``shares`` links tie regions together (with
+    ``extend_through_shape_ops``); a link left between two types is dropped.
     Invariants: every node's quantized activation inputs and outputs share one type once converts are
     applied; the plan equals onnxruntime's MixedPrecisionTensorQuantOverridesFixer output when
     ``extend_through_shape_ops=false`` and the target has no op constraints.
@@ -56,6 +57,7 @@ class PropagateMixedPrecision(Pass):
             dataflow(model), parse_requests(config.mixed_precision), float_tensors(model),
             config.activation_type, config.activation_symmetric,
             extend_through_shape_ops=self.extend_through_shape_ops, sharing_nodes=sharing_nodes(model),
+            ties=[(name, tq.shares) for name, tq in model.quant.items() if tq.shares],
             constraints=load_constraints(config.target))
         changed, skipped = apply_plan(model.quant, plan, prefix=f"{self.name}: ")
         report = plan.to_dict()
@@ -85,6 +87,12 @@ def apply_plan(table: QuantTable, plan: MixedPrecisionPlan, prefix: str = "") ->
         if (tq.qtype, tq.symmetric, _convert_key(tq.convert)) != before:
             changed += 1
             tq.why.extend(prefix + line for line in plan.why.get(tensor, ()) if prefix + line not in tq.why)
+    for tensor, tq in table.items():  # a shares link across two types cannot hold: drop it
+        target = table.get(tq.shares) if tq.shares else None
+        if target is not None and target.qtype != tq.qtype:
+            tq.because(f"{prefix}no longer shares the qparams of '{tq.shares}' ({target.qtype}, this is {tq.qtype})")
+            tq.shares = None
+            changed += 1
     return changed, skipped
 
 

@@ -231,14 +231,50 @@ def test_pass_is_registered_with_facts_and_example():
     parse(cls.example)  # the docs example parses
 
 
-@pytest.mark.skipif("annotate-types" not in all_passes(), reason="annotate-types not written yet")
-def test_with_annotate_types():
-    model = model_from_text(WEIGHTED)
-    model.config = load_config({"mixed_precision": {"a": "uint16"}})
+MERGED_RELU = """
+g (float[1,4] x, float[1,4] z) => (float[1,4] y) {
+  [add] a = Add (x, z)
+  [relu] b = Relu (a)
+  [sig] y = Sigmoid (b)
+}"""
+
+
+def test_table_shares_links_tie_regions():
+    # annotate-types merges the Relu into Add's range: 'a' shares the qparams of 'b'.
+    model = prepared(MERGED_RELU, {"b": "uint16"})
+    model.quant["a"].shares = "b"
+    PropagateMixedPrecision().run(model)
+    q = model.quant
+    assert [q[t].qtype for t in ("a", "b", "y")] == ["uint16"] * 3
+    assert q["a"].shares == "b" and q["a"].convert is None
+    assert q["x"].convert == Convert("uint16", ["add"]) and q["z"].convert == Convert("uint16", ["add"])
+    assert model.report["mixed_precision_plan"]["regions"] == {"b": ["add", "relu", "sig"]}
+
+
+def test_shares_link_across_types_is_dropped():
+    model = prepared(MERGED_RELU, {"b": "uint16"})
+    model.quant["a"].shares = "b"
+    PassManager("propagate-mixed-precision{extend_through_shape_ops=false}").run(model)
+    q = model.quant
+    assert (q["a"].qtype, q["a"].convert, q["a"].shares) == ("uint8", Convert("uint16", ["relu"]), None)
+    assert q["a"].why[-1] == ("propagate-mixed-precision: no longer shares the qparams of 'b' "
+                              "(uint16, this is uint8)")
+    assert all(len(types) == 1 for types in table_types(model).values())
+
+
+@pytest.mark.parametrize("request_", [{"pool": "int16"}, {"relu1": "uint16"}, {"logits": "uint16"}])
+def test_with_annotate_types_on_the_example_model(request_):
+    from qpasses.examples import example_model
+
+    model = from_proto(example_model())
+    model.config = QuantConfig(mixed_precision=request_)
     model.calibration_data = [random_feed(model, seed=s) for s in range(4)]
-    PassManager("calibrate,annotate-types,propagate-mixed-precision").run(model)
-    assert model.quant["a"].qtype == "uint16"
+    PassManager("fold-constants,fold-batchnorm,cleanup,calibrate,annotate-types,propagate-mixed-precision").run(model)
+    name = next(iter(request_))
+    assert model.quant[name].qtype == request_[name]
     assert all(len(types) <= 1 for types in table_types(model).values())
+    for tensor, tq in model.quant.items():   # every shares link joins tensors of one type
+        assert tq.shares is None or model.quant[tq.shares].qtype == tq.qtype, tensor
 
 
 # -- an onnxruntime run of the planned table ---------------------------------------------------------
