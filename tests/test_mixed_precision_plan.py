@@ -385,6 +385,21 @@ def test_target_tables_load(tmp_path):
         load_constraints(str(path))
 
 
+@pytest.mark.parametrize("graph", sorted(GRAPHS))
+@pytest.mark.parametrize("qt", ["uint16", "int8"])
+def test_every_single_request_matches_onnxruntime(graph, qt):
+    text = GRAPHS[graph]
+    model = model_from_text(text)
+    floats = float_tensors(model)
+    consts = {n for n, t in model.tensors().items() if t.__class__.__name__ == "Constant"}
+    names = sorted(n for n in model.tensors() if n in floats and n not in consts)
+    assert len(names) >= 7
+    for name in names:
+        assert_same_as_ort(text, {name: qt})
+    for a, b in zip(names, names[2:]):   # pairs of requests, some conflicting
+        assert_same_as_ort(text, {a: qt, b: "int16"})
+
+
 # -- equality with onnxruntime on random DAGs ------------------------------------------------------
 @st.composite
 def random_dags(draw):

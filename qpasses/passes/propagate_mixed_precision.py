@@ -37,10 +37,10 @@ class PropagateMixedPrecision(Pass):
     establishes = frozenset({"mixed-precision-planned"})
     example: ClassVar[str] = """
     g (float[1,8] x) => (float[1,8] y) {
-      a = Sigmoid (x)
-      b = Tanh (a)
-      c = Mul (a, b)
-      y = Relu (c)
+      [sig] a = Sigmoid (x)
+      [tanh] b = Tanh (a)
+      [mul] c = Mul (a, b)
+      [relu] y = Relu (c)
     }"""
     example_prelude: ClassVar[str] = "calibrate,annotate-types"
     example_config: ClassVar[dict] = {"mixed_precision": {"b": "uint16"}}
@@ -65,7 +65,7 @@ class PropagateMixedPrecision(Pass):
         model.report["mixed_precision_plan"] = report
         if changed:
             _apply_target_rules(model)
-        stats = {"requests": len(config.mixed_precision), "retyped": changed, "converts": plan.converts,
+        stats = {"requests": len(config.mixed_precision), "changed": changed, "converts": plan.converts,
                  "skipped": len(skipped)}
         return PassResult(model, bool(changed), stats)
 

@@ -79,7 +79,7 @@ def table_types(model):
 def test_example_table_and_report():
     model = prepared(EXAMPLE, {"op4_out": "uint16"})
     result = PropagateMixedPrecision().run(model)
-    assert result.modified and result.stats == {"requests": 1, "retyped": 4, "converts": 3, "skipped": 0}
+    assert result.modified and result.stats == {"requests": 1, "changed": 4, "converts": 3, "skipped": 0}
     q = model.quant
     assert (q["op4_out"].qtype, q["op4_out"].convert) == ("uint16", None)
     assert (q["op2_out"].qtype, q["op2_out"].convert) == ("uint8", Convert("uint16", ["op4"]))
@@ -103,7 +103,7 @@ def test_second_run_is_a_noop():
     assert PropagateMixedPrecision().run(model).modified
     table = model.quant.to_json()
     again = PropagateMixedPrecision().run(model)
-    assert not again.modified and again.stats["retyped"] == 0
+    assert not again.modified and again.stats["changed"] == 0
     assert model.quant.to_json() == table
     assert model.quant["op1_out"].symmetric is True and model.quant["op1_out"].qtype == "int16"
 
