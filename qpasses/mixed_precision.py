@@ -17,10 +17,10 @@ These are the semantics of onnxruntime's MixedPrecisionTensorQuantOverridesFixer
 Two extensions: (a) ops whose output shares its input's quantization (qpasses.oprules' ``shares``:
 Reshape, Transpose, MaxPool, ...) are tied to the producer of their data input, so no convert ever sits
 between such an op and its input: regions grow through them (so do other ``shares`` links of the
-table, like a Relu merged into its producer's range); (b) a per-target op-constraint table (``targets/<target>.constraints.json``) ties
-more tensors together: ``{"Concat": {"same_type": "all"}}`` ties a node to the producers of all its
-activation inputs, ``"inputs"`` ties those producers to each other, ``[0, 2]`` ties the node to the
-producers of those input slots.
+table, like a Relu merged into its producer's range); (b) a per-target op-constraint table
+(``targets/<target>.constraints.json``) ties more tensors together: ``{"Concat": {"same_type":
+"all"}}`` ties a node to the producers of all its activation inputs, ``"inputs"`` ties those producers
+to each other, ``[0, 2]`` ties the node to the producers of those input slots.
 
 The plan is onnxruntime's TensorQuantOverrides schema with qpasses type names and sorted lists:
 ``{"op2_out": [{"quant_type": "uint8", "convert": {"quant_type": "uint16", "recv_nodes": ["op4"]}}]}``.
@@ -122,7 +122,7 @@ def load_constraints(target: str | None) -> dict[str, list] | None:
 
 
 def parse_constraints(data, where: str = "constraints") -> dict[str, list]:
-    """Validate a table ``{op_type: {"same_type": "all" | "inputs" | [slots]}}`` (keys starting "_" are comments)."""
+    """Validate ``{op_type: {"same_type": "all" | "inputs" | [slots]}}`` (keys starting "_": comments)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of op type -> rules")
     table: dict[str, list] = {}
@@ -137,7 +137,8 @@ def parse_constraints(data, where: str = "constraints") -> dict[str, list]:
         elif rule in RULES:
             table[op] = [rule]
         else:
-            raise ConfigError(f"{where}: op '{op}': same_type must be 'all', 'inputs' or a list of input slots")
+            raise ConfigError(f"{where}: op '{op}': same_type must be 'all', 'inputs' "
+                              f"or a list of input slots")
     return table
 
 
@@ -258,8 +259,8 @@ def plan_mixed_precision(flow: Dataflow, requests: Mapping[str, TypeInfo], float
     names of the nodes whose outputs share their input 0's quantization (default: every node of a
     :func:`sharing_ops` type); ``ties``: pairs of tensors that must be produced in one type (the
     table's ``shares`` links); both are used only when ``extend_through_shape_ops``. ``constraints``:
-    an op-constraint table (:func:`parse_constraints`). Raises ConfigError for unknown, non-float or initializer
-    tensors and for conflicting requests.
+    an op-constraint table (:func:`parse_constraints`). Raises ConfigError for unknown, non-float or
+    initializer tensors and for conflicting requests.
     """
     ix = _Index(flow, float_tensors)
     default = TypeInfo(default_qtype, default_symmetric)

@@ -82,7 +82,8 @@ def apply_plan(table: QuantTable, plan: MixedPrecisionPlan, prefix: str = "") ->
         tq.qtype = override["quant_type"]
         tq.symmetric = override.get("symmetric", tq.symmetric)
         conv = override.get("convert")
-        if conv and _convert_key(tq.convert) != (conv["quant_type"], conv.get("symmetric"), conv["recv_nodes"]):
+        want = conv and (conv["quant_type"], conv.get("symmetric"), conv["recv_nodes"])
+        if conv and _convert_key(tq.convert) != want:
             tq.convert = Convert(conv["quant_type"], list(conv["recv_nodes"]), conv.get("symmetric"))
         if (tq.qtype, tq.symmetric, _convert_key(tq.convert)) != before:
             changed += 1
@@ -90,7 +91,8 @@ def apply_plan(table: QuantTable, plan: MixedPrecisionPlan, prefix: str = "") ->
     for tensor, tq in table.items():  # a shares link across two types cannot hold: drop it
         target = table.get(tq.shares) if tq.shares else None
         if target is not None and target.qtype != tq.qtype:
-            tq.because(f"{prefix}no longer shares the qparams of '{tq.shares}' ({target.qtype}, this is {tq.qtype})")
+            tq.because(f"{prefix}no longer shares the qparams of '{tq.shares}' "
+                       f"({target.qtype}, this is {tq.qtype})")
             tq.shares = None
             changed += 1
     return changed, skipped
