@@ -19,6 +19,7 @@ stay float.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -54,7 +55,12 @@ class OpRule:
 
     def first(self, kind: str) -> int | None:
         """Index of the first input slot of ``kind`` (None if there is none)."""
-        return next((i for i, s in enumerate(self.inputs) if s.kind == kind), None)
+        return _first(self, kind)
+
+
+@functools.lru_cache(maxsize=None)
+def _first(rule: OpRule, kind: str) -> int | None:
+    return next((i for i, s in enumerate(rule.inputs) if s.kind == kind), None)
 
 
 A, F, B = Slot(ACTIVATION), Slot(FLOAT), Slot(BIAS)

@@ -46,7 +46,7 @@ class AnnotateTypes(Pass):
       a = Add (r, s)
       y = Transpose <perm = [0,1,3,2]> (a)
     }"""
-    example_prelude: ClassVar[str] = "calibrate"
+    example_prelude: ClassVar[str] = ""
 
     def run(self, model: QModel) -> PassResult:
         config = resolve_config(model)
@@ -56,7 +56,7 @@ class AnnotateTypes(Pass):
             model.touch()
         planner = TypePlanner(model, config, overrides)
         entries = planner.plan()
-        before = model.quant.to_json()
+        before = dict(model.quant.items())     # compared by value: to_json is slow on big tables
         model.quant.clear()
         for name, tq in entries.items():
             model.quant[name] = tq
@@ -69,7 +69,7 @@ class AnnotateTypes(Pass):
         stats = {"activations": roles.count("activation"), "weights": roles.count("weight"),
                  "biases": roles.count("bias"), **planner.stats, "target_rules": target_changes,
                  "bias_copies": copies}
-        return PassResult(model, bool(copies) or model.quant.to_json() != before,
+        return PassResult(model, bool(copies) or dict(model.quant.items()) != before,
                           {k: v for k, v in stats.items() if v})
 
 
@@ -125,46 +125,69 @@ def _unique(base: str, taken: set[str]) -> str:
     return name
 
 
+# ops (outside the rule table) whose output 0 has the dtype of input 0
+_SAME_DTYPE_OPS = frozenset({"Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Erf", "Gelu", "Elu", "Selu",
+                             "Softplus", "Floor", "Ceil", "Round", "Sin", "Cos", "Pow", "Dropout", "CumSum",
+                             "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL2", "Cast"})
+
+
 def float_tensors(model: QModel) -> set[str]:
-    """Names of float32/float16 tensors: graph dtypes, else ONNX shape inference (cached per generation)."""
+    """Names of float32/float16 tensors (cached per generation).
+
+    Dtypes come from the graph, then from the op rules (outputs of rule ops, and of ops like Neg,
+    have their data input's dtype); ONNX shape inference runs only if a tensor read or written by a
+    rule op is still unknown (it exports the whole model, which is slow on big graphs).
+    """
     def build(m: QModel) -> set[str]:
-        floats, unknown = set(), False
+        is_float: dict[str, bool] = {}
         for name, tensor in m.tensors().items():
-            if tensor.dtype is None:
-                unknown = True
-            else:
+            if tensor.dtype is not None:
                 try:
-                    if np.dtype(tensor.dtype) in _FLOAT_DTYPES:
-                        floats.add(name)
+                    is_float[name] = np.dtype(tensor.dtype) in _FLOAT_DTYPES
                 except TypeError:
-                    pass
-        if unknown:
+                    is_float[name] = False
+        if _propagate_dtypes(m, is_float):
             try:
                 graph = onnx.shape_inference.infer_shapes(m.to_proto()).graph
-                inferred = list(graph.value_info) + list(graph.output)
-            except Exception:  # inference is best effort; the rule table fills the gaps below
-                inferred = []
-            floats.update(vi.name for vi in inferred if vi.type.tensor_type.elem_type in _FLOAT_ONNX)
-            known = {vi.name for vi in inferred if vi.type.tensor_type.elem_type}
-            known.update(n for n, t in m.tensors().items() if t.dtype is not None)
-            _rule_dtypes(m, floats, known)
-        return floats
+                for vi in list(graph.value_info) + list(graph.output):
+                    elem = vi.type.tensor_type.elem_type
+                    if elem and vi.name not in is_float:
+                        is_float[vi.name] = elem in _FLOAT_ONNX
+            except Exception:  # inference is best effort: what stays unknown is not quantized
+                pass
+            _propagate_dtypes(m, is_float)
+        return {name for name, flag in is_float.items() if flag}
 
     return model.cached("annotate-types.floats", build)
 
 
-def _rule_dtypes(model: QModel, floats: set[str], known: set[str]) -> None:
-    """Still-unknown outputs of rule-table ops have the dtype of the op's data input."""
+def _propagate_dtypes(model: QModel, is_float: dict[str, bool]) -> bool:
+    """Fill unknown dtypes from data inputs (graph order); True if a rule op's tensor stays unknown."""
+    missing = False
     for node in model.graph.nodes:
         rule = rule_for(node.op)
-        data = None if rule is None else next(
-            (t for i, t in enumerate(node.inputs) if t.name and rule.slot(i).kind != FLOAT), None)
+        if node.op == "Cast":
+            if node.outputs and node.outputs[0].name not in is_float:
+                is_float[node.outputs[0].name] = node.attrs.get("to") in _FLOAT_ONNX
+            continue
+        if rule is None and node.op not in _SAME_DTYPE_OPS:
+            continue
+        data = next((t for i, t in enumerate(node.inputs)
+                     if t.name and (rule is None or rule.slot(i).kind != FLOAT)), None)
         if data is None:
             continue
-        indices = range(len(node.outputs)) if rule.outputs is None else rule.outputs
+        outputs = (0,) if rule is None else rule.outputs
+        indices = range(len(node.outputs)) if outputs is None else outputs
         for i in indices:
-            if i < len(node.outputs) and node.outputs[i].name not in known and data.name in floats:
-                floats.add(node.outputs[i].name)
+            if i < len(node.outputs) and node.outputs[i].name and node.outputs[i].name not in is_float \
+                    and data.name in is_float:
+                is_float[node.outputs[i].name] = is_float[data.name]
+        if rule is not None:
+            missing = missing or any(t.name and t.name not in is_float for i, t in enumerate(node.inputs)
+                                     if rule.slot(i).kind != FLOAT)
+            missing = missing or any(node.outputs[i].name not in is_float for i in indices
+                                     if i < len(node.outputs) and node.outputs[i].name)
+    return missing
 
 
 class TypePlanner:
