@@ -12,7 +12,7 @@ Contract between the passes:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Iterator
 
 import numpy as np
@@ -66,18 +66,30 @@ class TensorQuant:
         return new.because(reason) if reason else new
 
     def to_dict(self) -> dict:
-        # ``is``/``==`` tests, not ``in``: axis 0 == False would be dropped by a membership test
-        d = {k: v for k, v in asdict(self).items() if v is not None and v is not False and v != []}
+        """JSON-ready dict without unset fields (shallow: asdict's deep copy is slow on big tables)."""
+        d = {}
+        for name in _TQ_FIELDS:
+            value = getattr(self, name)
+            # ``is``/``==`` tests, not ``in``: axis 0 == False would be dropped by a membership test
+            if value is None or value is False or (isinstance(value, list) and not value):
+                continue
+            d[name] = _convert_dict(value) if isinstance(value, Convert) else value
         d["qtype"] = self.qtype
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "TensorQuant":
-        d = dict(d)
+        d = {k: v for k, v in d.items() if k in _TQ_FIELDS}
         if d.get("convert") is not None:
             d["convert"] = Convert(**d["convert"])
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        return cls(**d)
+
+
+_TQ_FIELDS = tuple(f.name for f in fields(TensorQuant))
+
+
+def _convert_dict(c: Convert) -> dict:
+    return {k: v for k, v in vars(c).items() if v is not None}
 
 
 class QuantTable:
