@@ -82,12 +82,18 @@ def resolve_config(model: QModel) -> QuantConfig:
     return resolved
 
 
-def selected(node: gs.Node, rule: OpRule | None, config: QuantConfig) -> bool:
-    """Whether ``node`` is quantized under the config's op/node selection."""
-    return (rule is not None
-            and (not config.op_types_to_quantize or node.op in config.op_types_to_quantize)
-            and (not config.nodes_to_quantize or node.name in config.nodes_to_quantize)
-            and node.name not in config.nodes_to_exclude)
+def selected_nodes(model: QModel, config: QuantConfig) -> list[tuple[gs.Node, OpRule]]:
+    """(node, rule) of the nodes quantized under the config's op/node selection, in graph order."""
+    ops = set(config.op_types_to_quantize or ())
+    only = set(config.nodes_to_quantize or ())
+    excluded = set(config.nodes_to_exclude)
+    out = []
+    for node in model.graph.nodes:
+        rule = rule_for(node.op, model.opset)
+        if (rule is not None and (not ops or node.op in ops) and (not only or node.name in only)
+                and node.name not in excluded):
+            out.append((node, rule))
+    return out
 
 
 def _is_float_constant(t) -> bool:
@@ -102,10 +108,7 @@ def unshare_biases(model: QModel, config: QuantConfig, overrides: dict) -> int:
     remaining = {name: len(ids) for name, ids in flow.consumers.items()}
     taken = set(model.tensors())
     copies = 0
-    for node in model.graph.nodes:
-        rule = rule_for(node.op, model.opset)
-        if not selected(node, rule, config):
-            continue
+    for node, rule in selected_nodes(model, config):
         for i, t in enumerate(node.inputs):
             if rule.slot(i).kind != BIAS or not _is_float_constant(t) or t.name in overrides:
                 continue
@@ -128,7 +131,7 @@ def _unique(base: str, taken: set[str]) -> str:
 # ops (outside the rule table) whose output 0 has the dtype of input 0
 _SAME_DTYPE_OPS = frozenset({"Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Erf", "Gelu", "Elu", "Selu",
                              "Softplus", "Floor", "Ceil", "Round", "Sin", "Cos", "Pow", "Dropout", "CumSum",
-                             "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL2", "Cast"})
+                             "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL2"})
 
 
 def float_tensors(model: QModel) -> set[str]:
@@ -198,8 +201,7 @@ class TypePlanner:
         self.flow = dataflow(model)
         self.floats = float_tensors(model)
         self.qdq_outputs = {t.name for n in model.graph.nodes if n.op in _QDQ_OPS for t in n.outputs}
-        self.nodes = [(n, rule_for(n.op, model.opset)) for n in model.graph.nodes]
-        self.nodes = [(n, r) for n, r in self.nodes if selected(n, r, config)]
+        self.nodes = selected_nodes(model, config)
         self.entries: dict[str, TensorQuant] = {}
         self.kind: dict[str, str] = {}          # activation | act_const | weight | bias | shared
         self.biases: list[tuple[gs.Node, OpRule, int]] = []
