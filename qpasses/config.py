@@ -164,8 +164,9 @@ ORT_NAMES = {
     "CalibNumBins": "calibration.num_bins",
 }
 _INVERTED = {"QDQDisableWeightAdjustForInt32Bias": "fix_bias_scales"}
-# onnxruntime options that change the result and that qpasses does not implement
-_UNSUPPORTED = ("SmoothQuant", "SmoothQuantAlpha", "SmoothQuantFolding", "BlockSize", "MatMulConstBOnly")
+# onnxruntime options that change the result when set (truthy) and that qpasses does not implement
+_UNSUPPORTED = ("SmoothQuant", "BlockSize")
+_IGNORED = ("SmoothQuantAlpha", "SmoothQuantFolding", "MatMulConstBOnly")  # no effect without the above / on QDQ
 
 
 def load_config(source=None) -> QuantConfig:
@@ -213,6 +214,8 @@ def _normalise(raw: dict) -> dict:
     items = list(raw.items()) + list((raw.get("extra_options") or {}).items())
     for key, value in items:
         if key == "extra_options":
+            continue
+        if key in _IGNORED or (key in _UNSUPPORTED and not value):
             continue
         if key in _UNSUPPORTED:
             raise ConfigError(f"config: onnxruntime option '{key}' is not supported by qpasses")

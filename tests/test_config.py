@@ -37,7 +37,8 @@ def test_onnxruntime_config_loads():
             "CalibPercentile": 99.9, "CalibTensorRangeSymmetric": True, "CalibMovingAverage": True,
             "CalibMovingAverageConstant": 0.05, "CalibNumBins": 1024, "DedicatedQDQPair": False,
             "AddQDQPairToWeight": False, "UseQDQContribOps": True, "CalibStridedMinMax": 4,
-            "TensorQuantOverrides": {"x": [{"quant_type": QuantType.QUInt8}]},
+            "TensorQuantOverrides": {"x": [{"quant_type": QuantType.QUInt8}]}, "SmoothQuant": False,
+            "SmoothQuantAlpha": 0.5, "BlockSize": 0, "MatMulConstBOnly": True,
         }})
     assert (cfg.activation_type, cfg.weight_type, cfg.per_channel, cfg.reduce_range) == ("uint16", "uint8", True, True)
     assert (cfg.activation_symmetric, cfg.weight_symmetric, cfg.activation_restricted_asymmetric) == (True, False, True)
@@ -75,6 +76,7 @@ def test_calibration_method_spellings(method, name):
     ({"tensor_overrides": []}, "tensor_overrides: expected a mapping"),
     ({"calibrate_method": "median"}, "calibration.method: unknown method 'median'"),
     ({"extra_options": {"SmoothQuant": True}}, "onnxruntime option 'SmoothQuant' is not supported"),
+    ({"extra_options": {"BlockSize": 32}}, "onnxruntime option 'BlockSize' is not supported"),
     ({"quant_format": "QOperator"}, "quant_format QOperator is not supported"),
     ({"target": 3}, "target: expected a preset name"),
     ([1, 2], "expected a mapping at the top level"),
