@@ -6,6 +6,8 @@ nodes in a sorted graph, and raising the opset safely (``require_opset``).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -88,24 +90,43 @@ def quantized_values(values, qp: QParams) -> np.ndarray:
     return to_onnx_storage(quantize(values, qp.scale, qp.zero_point, qp.qtype, qp.axis), qp.qtype)
 
 
+def _dtype_name(dtype) -> str | None:
+    """"float32"/"float16"/"bfloat16", "" for other types, None when unknown."""
+    if dtype is None:
+        return None
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        return ""
+    return name if name in _FLOATS else ""
+
+
 def float_dtype(tensor: gs.Tensor) -> np.dtype:
     """The float type of a tensor (float32 when gs does not know it)."""
-    try:
-        dtype = np.dtype(getattr(tensor, "dtype", None) or np.float32)
-    except TypeError:
-        return np.dtype(np.float32)
-    return dtype if dtype.name in _FLOATS else np.dtype(np.float32)
+    return scale_dtype(_dtype_name(getattr(tensor, "dtype", None)) or "float32")
 
 
-def is_float(tensor: gs.Tensor) -> bool:
-    """True for float tensors, and for tensors whose type gs does not know."""
-    dtype = getattr(tensor, "dtype", None)
-    if dtype is None:
-        return True
-    try:
-        return np.dtype(dtype).name in _FLOATS
-    except TypeError:
-        return False
+def float_types(model: QModel, names) -> dict[str, str]:
+    """Float type name of each tensor ("float32", "float16", "bfloat16"; "" when not float).
+
+    Types gs does not know are float32, unless the model holds float16/bfloat16 tensors: then ONNX
+    shape inference runs once (it exports the whole model, so only when needed)."""
+    tensors = model.tensors()
+    out = {n: _dtype_name(tensors[n].dtype) for n in names}
+    unknown = [n for n, v in out.items() if v is None]
+    inferred: dict[str, str] = {}
+    if unknown and any(_dtype_name(t.dtype) in ("float16", "bfloat16") for t in tensors.values()):
+        try:
+            graph = onnx.shape_inference.infer_shapes(model.to_proto()).graph
+        except Exception:  # best effort: big or odd models keep the float32 default
+            graph = None
+        for vi in [] if graph is None else [*graph.value_info, *graph.output]:
+            elem = vi.type.tensor_type.elem_type
+            if elem:
+                inferred[vi.name] = _dtype_name(onnx.helper.tensor_dtype_to_np_dtype(elem)) or ""
+    for n in unknown:
+        out[n] = inferred.get(n, "float32")
+    return out
 
 
 def scale_dtype(float_type: str) -> np.dtype:
@@ -214,6 +235,19 @@ class Placement:
                 nodes.append(node)
             nodes.extend(self._after.get(i, ()))
         self.graph.nodes = nodes
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """Pause the cyclic garbage collector while creating many gs objects (its full passes over
+    the ever larger heap made inserting Q/DQ superlinear in graph size)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def producer(tensor: gs.Tensor) -> gs.Node | None:

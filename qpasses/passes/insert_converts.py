@@ -11,7 +11,7 @@ from ..errors import ModelError
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
 from ..qdq import (Namer, Placement, QParams, dequantizer, float_dtype, make_dq, make_q, min_opset,
-                   qparam_constants, redirect, require_opset, scale_dtype)
+                   paused_gc, qparam_constants, redirect, require_opset, scale_dtype)
 from ..registry import register
 
 NAME = "insert-converts"
@@ -138,5 +138,6 @@ g (float[1,4] x) => (float[1,4] y, float[1,4] z)
         if require_opset(model, opset):  # the graph may have been rewritten by the version converter
             facts = analyse(model)
             steps = plan_converts(model.quant, facts)
-        stats.update(apply_converts(model, steps, facts))
+        with paused_gc():
+            stats.update(apply_converts(model, steps, facts))
         return PassResult(model, True, dict(stats))

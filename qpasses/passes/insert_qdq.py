@@ -12,9 +12,9 @@ import onnx_graphsurgeon as gs
 from ..errors import ModelError
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
-from ..qdq import (Namer, Placement, QParams, float_dtype, is_float, is_quantized, make_dq, make_q,
-                   min_opset, producer, qparam_constants, quantized_values, redirect, require_opset,
-                   scale_dtype)
+from ..qdq import (Namer, Placement, QParams, float_types, is_quantized, make_dq, make_q,
+                   min_opset, paused_gc, producer, qparam_constants, quantized_values, redirect,
+                   require_opset, scale_dtype)
 from ..registry import register
 
 NAME = "insert-qdq"
@@ -68,20 +68,18 @@ def analyse(model: QModel) -> GraphFacts:
                 clamps.append(clamp)
     for t in graph.outputs:
         order[t.name] = None
+    names = [n for n in order if n in table and n in tensors]
+    dtypes = float_types(model, names)
     facts = {}
-    for name in order:
-        if name not in table or name not in tensors:
-            continue
+    for name in names:
         t = tensors[name]
         if isinstance(t, gs.Constant):
             kind = "feedable" if name in model.input_initializers else "constant"
-            dtype = t.dtype.name if np.dtype(t.dtype).name in ("float32", "float16", "bfloat16") else ""
         else:
             kind = "node" if producer(t) is not None else "input"
-            dtype = float_dtype(t).name if is_float(t) else ""
         shape = getattr(t, "shape", None)
         facts[name] = TensorFacts(kind, tuple(dict.fromkeys(n.name for n in t.outputs)), name in outputs,
-                                  is_quantized(t), dtype, None if shape is None else len(shape))
+                                  is_quantized(t), dtypes[name], None if shape is None else len(shape))
     return GraphFacts(facts, clamps)
 
 
@@ -153,7 +151,8 @@ def plan_qdq(table, facts: GraphFacts) -> Plan:
             continue
         qp = QParams.of(name, entry, f.rank)
         if not stored and qp.qtype.name == "int32":
-            raise ModelError(f"tensor '{name}': QuantizeLinear cannot produce int32 (only constant biases can be int32)")
+            raise ModelError(f"tensor '{name}': QuantizeLinear cannot produce int32 "
+                             f"(only constant biases can be int32)")
         clamp = merged.get(name)
         dq_writes = clamp.output if clamp else name if f.kind == "node" and f.is_output else None
         inserts[name] = Insert(name, "stored" if stored else "pair", entry.role, qp, f.dtype, name,
@@ -284,7 +283,8 @@ g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] w = {0.5, -0.25, 0.12
         raised = require_opset(model, plan.opset)
         if raised:  # the graph may have been rewritten by the version converter
             plan = plan_qdq(model.quant, analyse(model))
-        stats.update(apply_plan(model, plan))
+        with paused_gc():
+            stats.update(apply_plan(model, plan))
         stats["opset"] = model.opset if raised else 0
         return PassResult(model, True, dict(stats))
 
