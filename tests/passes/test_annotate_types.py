@@ -425,3 +425,52 @@ def test_linear_scale():
     AnnotateTypes().run(model)
     assert len(model.quant) == 2001 and time.perf_counter() - start < 10
     assert np.all([model.quant[f"t{i}"].qtype == "uint8" for i in range(2001)])
+
+
+def test_example_runs():
+    model = model_from_text(AnnotateTypes.example)
+    assert AnnotateTypes().run(model).modified is True
+
+
+MIXED = """g (float[1,2,8,8] x) => (float[1,10] y, float[1,4] v)
+  <float[4,2,3,3] w = {%s}, float[4] b = {1,2,3,4}, int64[2] shp = {1, 64}, float[10,64] gw = {%s},
+   float[10] gb = {%s}, float[1,10] k = {%s}, float[1,2] k2 = {1, 2}, int64[1] s0 = {0}, int64[1] s1 = {4},
+   int64[1] ax = {1}> {
+  [conv] c = Conv<pads=[1,1,1,1]>(x, w, b)
+  [relu] r = Relu(c)
+  [pool] p = MaxPool<kernel_shape=[2,2], strides=[2,2]>(r)
+  [rs] f = Reshape(p, shp)
+  [gemm] g = Gemm<transB=1>(f, gw, gb)
+  [add] a = Add(g, k)
+  [sig] s = Sigmoid(a)
+  [cat] q = Concat<axis=1>(s, k2)
+  [slice] v = Slice(q, s0, s1, ax)
+  [sm] y = Softmax(s)
+}""" % (",".join(["0.1"] * 72), ",".join(["0.01"] * 640), ",".join(["0.5"] * 10), ",".join(["0.2"] * 10))
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_same_tensors_as_onnxruntime(tmp_path, per_channel):
+    """onnxruntime's quantize_static puts Q/DQ on exactly the tensors we annotate (merged Relu inputs aside)."""
+    import onnx
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    from qpasses.testing import parse
+
+    proto = parse(MIXED)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter([random_feed(proto, seed=i) for i in range(2)])
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    onnx.save(proto, tmp_path / "f.onnx")
+    quantize_static(tmp_path / "f.onnx", tmp_path / "q.onnx", Reader(), quant_format=QuantFormat.QDQ,
+                    per_channel=per_channel, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    ort = {n.output[0].removesuffix("_DequantizeLinear_Output")
+           for n in onnx.load(tmp_path / "q.onnx").graph.node if n.op_type == "DequantizeLinear"}
+    model, _ = annotate(MIXED, per_channel=per_channel)
+    assert model.quant["c"].shares == "r"            # the Relu is dropped: onnxruntime has no 'c' either
+    assert ort == set(model.quant) - {"c"}
