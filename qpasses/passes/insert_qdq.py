@@ -134,13 +134,17 @@ class Plan:
 
 def plan_qdq(table, facts: GraphFacts) -> Plan:
     """Decide every Q/DQ to insert, keyed by tensor name; touches no graph."""
-    merged = {c.input: c for c in facts.clamps if _mergeable(table, facts, c)}
-    merged_outputs = {c.output for c in merged.values()}
+    merged: dict[str, Clamp] = {}
+    merged_outputs: set[str] = set()
+    for c in facts.clamps:  # in graph order; a chain of clamps merges only its first one
+        if c.input not in merged_outputs and _mergeable(table, facts, c):
+            merged[c.input] = c
+            merged_outputs.add(c.output)
     inserts: dict[str, Insert] = {}
     skipped: dict[str, str] = {}
     for name, f in facts.tensors.items():
         entry = table[name]
-        if name in merged_outputs or f.quantized or (f.kind == "constant" and not f.readers):
+        if name in merged_outputs or f.quantized or not (f.readers or (f.kind == "node" and f.is_output)):
             continue
         if not f.dtype:
             skipped[name] = "not a float tensor"
@@ -255,7 +259,8 @@ class InsertQDQ(Pass):
     Writes: activations get producer -> Q -> DQ -> readers (one pair per tensor; graph outputs keep
     their name, written by the DQ); weights and biases become `<w>_quantized` initializers -> DQ;
     a Relu/Clip whose input shares its output's qparams is dropped when the Q clamps exactly as it
-    does. Raises the default opset when the types need it (per-axis 13, fp16 scales 19,
+    does. Scales are stored in the tensor's float type (Q/DQ need it), zero points in the qtype.
+    Raises the default opset when the types need it (per-axis 13, float16 scales 19,
     int16/uint16/int4/uint4 21), rewriting ops with onnx.version_converter if a plain bump is unsafe.
     Invariants: graph inputs/outputs keep names and float types; tensors that already have Q/DQ are
     left alone, so a second run changes nothing.

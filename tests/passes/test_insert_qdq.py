@@ -255,6 +255,20 @@ def test_relu_kept_when_the_q_does_not_clamp_at_zero():
     assert_close_to_float(ref, model, feeds)
 
 
+def test_chained_relus_merge_once_and_every_tensor_stays_quantized():
+    body = """
+g (float[2,4] x) => (float[2,4] z) { [r1] y = Relu(x)  [r2] z = Relu(y) }"""
+    ref, model = model_from_text(body), model_from_text(body)
+    for name, shares in (("x", "y"), ("y", "z"), ("z", None)):
+        model.quant[name] = replace(act_entry(0, 2), shares=shares)
+    model.facts.add("qparams-computed")
+    stats = insert(model).stats
+    assert stats["merged"] == 1 and ops(model) == ["QuantizeLinear", "DequantizeLinear", "Relu",
+                                                   "QuantizeLinear", "DequantizeLinear"]
+    feed = {"x": np.linspace(-2, 2, 8, dtype=np.float32).reshape(2, 4)}
+    np.testing.assert_allclose(run(model, feed)[0], run(ref, feed)[0], atol=1 / 255)
+
+
 # -- structure -------------------------------------------------------------------------------
 GOLDEN_CONV_RELU = """\
 g (float[1,2,4,4] x) => (float[1,2,4,4] y) 
