@@ -136,9 +136,11 @@ g (float[1,4] x) => (float[1,4] y, float[1,4] z)
         if not steps:
             return PassResult(model, False, dict(stats))
         opset = max(min_opset(s.qparams, scale_dtype(s.dtype)) for s in steps)
-        if require_opset(model, opset):  # the graph may have been rewritten by the version converter
+        raised = require_opset(model, opset)
+        if raised:  # the graph may have been rewritten by the version converter
             facts = analyse(model)
             steps = plan_converts(model.quant, facts)
         with paused_gc():
             stats.update(apply_converts(model, steps, facts))
+        stats["opset_raised_to"] = model.opset if raised else 0
         return PassResult(model, True, dict(stats))

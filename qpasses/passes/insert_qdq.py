@@ -290,7 +290,7 @@ g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] w = {0.5, -0.25, 0.12
             plan = plan_qdq(model.quant, analyse(model))
         with paused_gc():
             stats.update(apply_plan(model, plan))
-        stats["opset"] = model.opset if raised else 0
+        stats["opset_raised_to"] = model.opset if raised else 0
         return PassResult(model, True, dict(stats))
 
 
