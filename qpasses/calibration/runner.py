@@ -10,17 +10,14 @@ activations plus a fixed amount per tensor, whatever the number of samples.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import CalibrationDataError
 from ..ir import EXTERNAL_DATA_THRESHOLD, QModel, tensor_bytes
@@ -98,13 +95,30 @@ def _gs_types(model: QModel) -> dict[str, int]:
     return out
 
 
-def augment(proto: onnx.ModelProto, tensors: list[tuple[str, int]], reduce: bool) -> tuple[onnx.ModelProto, list[str]]:
-    """A copy of ``proto`` whose outputs expose the tensors (or their ReduceMin/ReduceMax when
-    ``reduce``). Returns (model, names to fetch)."""
-    aug = onnx.ModelProto()
-    aug.CopyFrom(proto)
-    del aug.metadata_props[:]
-    graph = aug.graph
+# Ops whose output range follows exactly from their input's: min/max mode measures the input only.
+_SAME_VALUES = frozenset({"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"})
+
+
+def derived_ranges(proto: onnx.ModelProto, tracked: set[str]) -> dict[str, tuple[str, str]]:
+    """{output: (source, op)} for tracked outputs of Relu and value-preserving shape ops whose data
+    input is tracked too: their per-sample min/max follow exactly from the source's (Relu:
+    max(., 0)), so they need no reduction nodes of their own. Sources come first (graph order)."""
+    out: dict[str, tuple[str, str]] = {}
+    for node in proto.graph.node:
+        if node.domain not in ("", "ai.onnx") or not node.input or not node.output:
+            continue
+        kind = "Relu" if node.op_type == "Relu" else ("same" if node.op_type in _SAME_VALUES else None)
+        src, dst = node.input[0], node.output[0]
+        if kind and dst in tracked and src in tracked:
+            out[dst] = (src, kind)
+    return out
+
+
+def augment(proto: onnx.ModelProto, tensors: list[tuple[str, int]], reduce: bool) -> list[str]:
+    """Edit ``proto`` (a private copy) so its outputs expose the tensors (or their ReduceMin and
+    ReduceMax when ``reduce``). Returns the names to fetch."""
+    del proto.metadata_props[:]
+    graph = proto.graph
     existing = {o.name for o in graph.output}
     taken = existing | {t.name for t in graph.initializer} | {o for n in graph.node for o in n.output}
     fetch = []
@@ -120,7 +134,7 @@ def augment(proto: onnx.ModelProto, tensors: list[tuple[str, int]], reduce: bool
             if name not in existing:
                 graph.output.append(helper.make_tensor_value_info(name, elem, None))
             fetch.append(name)
-    return aug, fetch
+    return fetch
 
 
 def _unique(name: str, taken: set) -> str:
@@ -131,17 +145,47 @@ def _unique(name: str, taken: set) -> str:
     return candidate
 
 
-def _session(proto: onnx.ModelProto, tmpdir: str | None):
+_SHAREABLE = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.INT8,
+                        TensorProto.UINT8, TensorProto.INT16, TensorProto.UINT16, TensorProto.INT32,
+                        TensorProto.INT64, TensorProto.UINT32, TensorProto.UINT64, TensorProto.BOOL})
+
+
+def session_options(proto: onnx.ModelProto, *, in_memory_weights: bool | None = None):
+    """onnxruntime SessionOptions for ``proto``. Models past the 2 GB protobuf limit (or with
+    ``in_memory_weights=True``) have their large initializers moved out of ``proto`` and handed to
+    onnxruntime as in-memory external data (``add_external_initializers``: no temporary files).
+    Returns (options, objects that must outlive the session)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    if tmpdir is None:
-        return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    path = Path(tmpdir) / "augmented.onnx"
-    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location="augmented.onnx.data", size_threshold=1024)
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    if in_memory_weights is None:
+        in_memory_weights = tensor_bytes(proto) > EXTERNAL_DATA_THRESHOLD
+    return opts, (_move_weights_out(proto, opts) if in_memory_weights else [])
+
+
+def _move_weights_out(proto: onnx.ModelProto, opts) -> list:
+    import onnxruntime as ort
+
+    names, values, keep = [], [], []
+    for tensor in proto.graph.initializer:
+        if tensor.data_type not in _SHAREABLE or tensor.data_location == TensorProto.EXTERNAL:
+            continue
+        if len(tensor.raw_data) < 1024 and tensor.ByteSize() < 1024:
+            continue
+        array = np.ascontiguousarray(numpy_helper.to_array(tensor))
+        for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+            tensor.ClearField(field)
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", "qpasses-in-memory"), ("offset", "0"), ("length", str(array.nbytes))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        names.append(tensor.name)
+        values.append(ort.OrtValue.ortvalue_from_numpy(array))
+        keep.append(array)
+    if names:
+        opts.add_external_initializers(names, values)
+    return keep + values
 
 
 class Progress:
@@ -170,54 +214,77 @@ class Progress:
             self.stream.flush()
 
 
+class _Plan:
+    """What one calibration run needs: the session, what to fetch and how to read it."""
+
+    def __init__(self, model: QModel, use_hist: bool, in_memory_weights: bool | None = None):
+        import onnxruntime as ort
+
+        proto = model.to_proto()
+        self.specs = model_inputs(proto)
+        self.tensors = activation_tensors(proto, _gs_types(model))
+        tracked = {name for name, _ in self.tensors}
+        self.inputs = [s.name for s in self.specs if s.name in tracked]
+        self.derived = {} if use_hist else derived_ranges(proto, tracked)
+        self.inner = [(n, e) for n, e in self.tensors if n not in self.inputs and n not in self.derived]
+        self.fetch = augment(proto, self.inner, reduce=not use_hist)
+        opts, self._keep = session_options(proto, in_memory_weights=in_memory_weights)
+        data = proto.SerializeToString()
+        del proto  # free the exported copy before onnxruntime makes its own
+        self.session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+
+
 def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int = 2048,
                   averaging_constant: float | None = None, max_samples: int = 0,
-                  progress_stream=None) -> tuple[dict[str, TensorStats], int]:
+                  progress_stream=None, in_memory_weights: bool | None = None) -> tuple[dict[str, TensorStats], int]:
     """Run ``model`` on every sample of ``data`` (validated one by one) and return
     ({tensor name: TensorStats} in graph order, number of samples)."""
     data = open_data(data)
-    proto = model.to_proto()
-    specs = model_inputs(proto)
-    tensors = activation_tensors(proto, _gs_types(model))
     use_hist = method in HISTOGRAM_METHODS
+    plan = _Plan(model, use_hist, in_memory_weights)
     bins = histogram_bins(num_bins) if use_hist else 0
-    stats = {name: TensorStats(bins, averaging_constant) for name, _ in tensors}
-    input_names = [s.name for s in specs if s.name in stats]
-    inner = [(n, e) for n, e in tensors if n not in input_names]
-    aug, fetch = augment(proto, inner, reduce=not use_hist)
-    del proto
-    large = tensor_bytes(aug) > EXTERNAL_DATA_THRESHOLD
-    with tempfile.TemporaryDirectory(prefix="qpasses-calib-") if large else contextlib.nullcontext() as tmpdir:
-        sess = _session(aug, tmpdir)
-        del aug
-        total = data.count if not max_samples else min(max_samples, data.count or max_samples)
-        bar = Progress("calibrate", total, progress_stream)
-        count = 0
-        for index, feed in enumerate(data):
-            if max_samples and index >= max_samples:
-                break
-            feed = validate(feed, specs, index, data.source)
-            try:
-                outputs = sess.run(fetch, feed)
-            except Exception as exc:
-                raise CalibrationDataError(f"{data.source}: sample {index}: onnxruntime cannot run the model "
-                                           f"on it ({_first_line(exc)})") from None
-            for name in input_names:
-                if name in feed:
-                    stats[name].update(feed[name])
-            if use_hist:
-                for name, arr in zip(fetch, outputs):
-                    stats[name].update(arr)
-            else:
-                for i in range(0, len(fetch), 2):
-                    stats[inner[i // 2][0]].update_range(outputs[i], outputs[i + 1])
-            del outputs
-            count += 1
-            bar.update(count)
-        bar.close()
+    stats = {name: TensorStats(bins, averaging_constant) for name, _ in plan.tensors}
+    total = data.count if not max_samples else min(max_samples, data.count or max_samples)
+    bar = Progress("calibrate", total, progress_stream)
+    count = 0
+    for index, feed in enumerate(data):
+        if max_samples and index >= max_samples:
+            break
+        feed = validate(feed, plan.specs, index, data.source)
+        try:
+            outputs = plan.session.run(plan.fetch, feed)
+        except Exception as exc:
+            raise CalibrationDataError(f"{data.source}: sample {index}: onnxruntime cannot run the model "
+                                       f"on it ({_first_line(exc)})") from None
+        if use_hist:
+            for name in plan.inputs:
+                stats[name].update(feed[name])
+            for name, arr in zip(plan.fetch, outputs):
+                stats[name].update(arr)
+        else:
+            _update_ranges(stats, feed, plan, outputs)
+        del outputs
+        count += 1
+        bar.update(count)
+    bar.close()
     if count == 0:
         raise CalibrationDataError(f"{data.source}: no samples")
     return stats, count
+
+
+def _update_ranges(stats, feed, plan: _Plan, outputs) -> None:
+    """Min/max mode: one (min, max) per tensor for this sample, measured or derived."""
+    current = {name: (feed[name].min(), feed[name].max()) for name in plan.inputs if feed[name].size}
+    current.update((name, (outputs[2 * i], outputs[2 * i + 1])) for i, (name, _) in enumerate(plan.inner))
+    for name, (src, kind) in plan.derived.items():   # graph order: sources come first
+        if src in current:
+            lo, hi = current[src]
+            current[name] = (max(lo, 0), max(hi, 0)) if kind == "Relu" else (lo, hi)
+    for name, st in stats.items():
+        if name in current:
+            st.update_range(*current[name])
+        else:
+            st.samples += 1
 
 
 def calibrate_ranges(model: QModel, data, *, method: str = "minmax", percentile: float = 99.999,
