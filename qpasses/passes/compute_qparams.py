@@ -95,6 +95,20 @@ def entry_range(model: QModel, name: str, tq: TensorQuant, config: QuantConfig |
     return found if found is not None else activation_range(model, name, tq, tq.qtype, config)
 
 
+def bias_reader(model: QModel, bias: str) -> str | None:
+    """The node that reads a bias constant (annotate-types gives every bias a single reader)."""
+    tensor = model.tensors().get(bias)
+    return tensor.outputs[0].name if tensor is not None and tensor.outputs else None
+
+
+def scale_read_by(entry: TensorQuant, node: str | None) -> list[float] | None:
+    """The scale ``node`` actually reads a tensor with: its convert's when ``node`` receives the convert."""
+    conv = entry.convert
+    if conv is not None and conv.scale and node is not None and (not conv.recv_nodes or node in conv.recv_nodes):
+        return conv.scale
+    return entry.scale
+
+
 def bias_axis(model: QModel, name: str, channels: int) -> int | None:
     """Axis of a per-channel bias with ``channels`` values: (N) -> 0, (1, N) -> 1."""
     if channels <= 1:
@@ -220,12 +234,13 @@ class _Planner:
                 self.dropped[name] = f"derived from '{dep}', which is not quantized"
                 return
         inp, weight = (self.done[d] for d in tq.derived_from)
-        if not inp.scale or not weight.scale:
+        in_scale = scale_read_by(inp, bias_reader(self.model, name))
+        if not in_scale or not weight.scale:
             raise RuntimeError(f"bias '{name}': '{tq.derived_from[0]}' or '{tq.derived_from[1]}' has no scale")
-        if len(inp.scale) > 1 and len(weight.scale) > 1 and len(inp.scale) != len(weight.scale):
-            raise ModelError(f"bias '{name}': input and weight scales have {len(inp.scale)} and "
+        if len(in_scale) > 1 and len(weight.scale) > 1 and len(in_scale) != len(weight.scale):
+            raise ModelError(f"bias '{name}': input and weight scales have {len(in_scale)} and "
                              f"{len(weight.scale)} channels")
-        scale, zp = bias_qparams(inp.scale, weight.scale, self.config.scale_type)
+        scale, zp = bias_qparams(in_scale, weight.scale, self.config.scale_type)
         axis = None
         if scale.size > 1:
             axis = tq.axis if tq.axis is not None else bias_axis(self.model, name, scale.size)

@@ -13,7 +13,7 @@ from ..pipeline import Pass, PassResult
 from ..qparams import bias_min_scale, bias_qparams, compute_qparams
 from ..qtypes import qtype
 from ..registry import register
-from .compute_qparams import config_of, entry_range, qparams_options
+from .compute_qparams import bias_reader, config_of, entry_range, qparams_options, scale_read_by
 
 NAME = "fix-bias-scales"
 
@@ -47,7 +47,9 @@ def plan_bias_fixes(model: QModel) -> dict[str, WeightNeed]:
             continue
         inp, weight = (model.quant.get(n) for n in tq.derived_from)
         tensor = tensors.get(name)
-        if (inp is None or weight is None or not inp.scale or not weight.scale or len(inp.scale) != 1
+        node = bias_reader(model, name)
+        in_scale = scale_read_by(inp, node) if inp is not None else None
+        if (weight is None or not in_scale or not weight.scale or len(in_scale) != 1
                 or not isinstance(tensor, gs.Constant)):
             continue
         channels = len(weight.scale)
@@ -55,10 +57,9 @@ def plan_bias_fixes(model: QModel) -> dict[str, WeightNeed]:
         clips = need > np.asarray(tq.scale, np.float64)
         if not clips.any():
             continue
-        required = np.where(clips, need / inp.scale[0], 0.0)
+        required = np.where(clips, need / in_scale[0], 0.0)
         entry = plan.setdefault(tq.derived_from[1], WeightNeed(np.zeros(channels)))
         entry.required = np.maximum(entry.required, required)
-        node = tensor.outputs[0].name if tensor.outputs else None
         entry.biases.append((name, node, clips))
     return plan
 
@@ -149,7 +150,7 @@ g (float[1,2,4,4] x) => (float[1,2,4,4] y)
                 continue
             if tq.role == "bias" and tq.derived_from and tq.derived_from[1] in raised:
                 inp, weight = (model.quant[n] for n in tq.derived_from)
-                scale, zp = bias_qparams(inp.scale, weight.scale, scale_type)
+                scale, zp = bias_qparams(scale_read_by(inp, bias_reader(model, name)), weight.scale, scale_type)
                 model.quant[name] = tq.with_qparams(
                     scale, zp, f"{NAME}: scale = scale('{tq.derived_from[0]}') * raised scale('{tq.derived_from[1]}')")
             elif tq.shares in raised:
