@@ -128,6 +128,12 @@ def test_validate_normalises():
     assert validate({"x": [0.5, 1, 2]}, XSPEC)["x"].shape == (1, 3)  # batch dim of 1 added
 
 
+def test_validated_iteration(tmp_path):
+    _write_test_sets(tmp_path, _samples(3).astype(np.float64), named=False)
+    feeds = list(open_data(tmp_path).validated(XSPEC, max_samples=2))
+    assert len(feeds) == 2 and feeds[0]["x"].dtype == np.float32
+
+
 def test_model_inputs_from_qmodel_and_proto():
     proto = parse(TEXT)
     assert model_inputs(proto) == model_inputs(model_from_text(TEXT)) == SPECS

@@ -89,6 +89,15 @@ def test_percentile_close_to_numpy(seed, p, symmetric):
     assert stats.min <= lo <= hi <= stats.max or symmetric
 
 
+def test_percentile_of_relu_output_keeps_zero_exact():
+    x = np.maximum(np.random.default_rng(0).standard_normal(10000), 0).astype(np.float32)
+    stats = TensorStats(256)
+    stats.update(x)
+    lo, hi = percentile_range(stats.hist, 99.9)
+    assert lo == 0.0 and 0 < hi < x.max()
+    assert percentile_range(stats.hist, 40.0, symmetric=True) == (0.0, 0.0)  # 50% of |x| are exact zeros
+
+
 def _naive_kl(p, levels):
     """Straightforward per-candidate KL, as written in TensorRT's description (reference)."""
     out = []

@@ -101,8 +101,9 @@ class Histogram:
         self.counts, self.exponent, self.offset = merged, e, k_lo
 
     # -- views for the finalisers --------------------------------------------------------------
-    def occupied(self) -> tuple[np.ndarray, np.ndarray]:
-        """(edges, counts) over the occupied bins; the outer edges are the exact lo and hi."""
+    def occupied(self, zero_atom: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(edges, counts) over the occupied bins; the outer edges are the exact lo and hi. With
+        ``zero_atom`` the exact zeros get their own zero-width bin [0, 0]."""
         nz = np.flatnonzero(self.counts)
         if nz.size == 0:
             return np.array([0.0, 0.0]), np.zeros(1, np.int64)
@@ -110,9 +111,9 @@ class Histogram:
         counts = self.counts[first:last + 1]
         edges = (np.arange(first, last + 2, dtype=np.float64) + self.offset) * self.width
         edges[0], edges[-1] = self.lo, self.hi
-        return edges, counts
+        return self._split_zero(edges, counts, -self.offset - first) if zero_atom else (edges, counts)
 
-    def abs_counts(self) -> tuple[np.ndarray, np.ndarray]:
+    def abs_counts(self, zero_atom: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(edges, counts) of ``|x|`` from 0; the last edge is max|x|."""
         nz = np.flatnonzero(self.counts)
         if nz.size == 0:
@@ -123,7 +124,14 @@ class Histogram:
         np.add.at(counts, mirrored, self.counts[nz])
         edges = np.arange(counts.size + 1, dtype=np.float64) * self.width
         edges[-1] = max(abs(self.lo), abs(self.hi))
-        return edges, counts
+        return self._split_zero(edges, counts, 0) if zero_atom else (edges, counts)
+
+    def _split_zero(self, edges, counts, j: int):
+        """Bin ``j`` starts at 0 (the grid is anchored there): move its exact zeros to a bin [0, 0]."""
+        if not self.zeros or not 0 <= j < counts.size:
+            return edges, counts
+        counts = np.concatenate([counts[:j], [self.zeros, counts[j] - self.zeros], counts[j + 1:]])
+        return np.insert(edges, j, 0.0), counts
 
 
 class TensorStats:
@@ -205,9 +213,9 @@ def percentile_range(hist: Histogram, percentile: float, symmetric: bool = False
     if hist.total == 0:
         return (0.0, 0.0)
     if symmetric:
-        t = _quantile(*hist.abs_counts(), percentile / 100.0)
+        t = _quantile(*hist.abs_counts(zero_atom=True), percentile / 100.0)
         return (-t, t)
-    edges, counts = hist.occupied()
+    edges, counts = hist.occupied(zero_atom=True)
     lo = _quantile(edges, counts, 1.0 - percentile / 100.0)
     hi = _quantile(edges, counts, percentile / 100.0)
     return (min(lo, hi), max(lo, hi))
@@ -333,13 +341,13 @@ def mse_range(hist: Histogram, bits: int = 8, symmetric: bool = False, candidate
     steps = 2 ** bits - 1
     fractions = np.arange(1, candidates + 1) / candidates
     if symmetric:
-        edges, counts = hist.abs_counts()
+        edges, counts = hist.abs_counts(zero_atom=True)
         m = _Moments(0.5 * (edges[:-1] + edges[1:]), counts)
         t = fractions * edges[-1]
         cost = _expected_mse(m, 0.0, t, 2 * t / (steps - 1))
         best = float(t[int(np.argmin(cost))])
         return (-best, best)
-    edges, counts = hist.occupied()
+    edges, counts = hist.occupied(zero_atom=True)
     m = _Moments(0.5 * (edges[:-1] + edges[1:]), counts)
     lo, hi = hist.lo, hist.hi
     uppers = (fractions * hi if hi > 0 else np.zeros(1))[None, :]

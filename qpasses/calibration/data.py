@@ -55,6 +55,13 @@ class CalibrationData:
         first, self._used = not self._used, True
         return self._make_iter(first)
 
+    def validated(self, inputs: list["InputSpec"], max_samples: int = 0) -> Iterator[Feed]:
+        """The feeds checked and normalised by ``validate`` (e.g. for running a model on them)."""
+        for index, feed in enumerate(self):
+            if max_samples and index >= max_samples:
+                return
+            yield validate(feed, inputs, index, self.source)
+
     def __repr__(self) -> str:
         return f"CalibrationData({self.source}, count={self.count})"
 

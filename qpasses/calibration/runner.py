@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..errors import CalibrationDataError
 from ..ir import EXTERNAL_DATA_THRESHOLD, QModel, tensor_bytes
 from .collectors import HISTOGRAM_METHODS, TensorStats, finalise, histogram_bins
-from .data import CalibrationData, model_inputs, open_data, validate
+from .data import model_inputs, open_data
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE})
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
@@ -247,10 +247,7 @@ def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int 
     total = data.count if not max_samples else min(max_samples, data.count or max_samples)
     bar = Progress("calibrate", total, progress_stream)
     count = 0
-    for index, feed in enumerate(data):
-        if max_samples and index >= max_samples:
-            break
-        feed = validate(feed, plan.specs, index, data.source)
+    for index, feed in enumerate(data.validated(plan.specs, max_samples)):
         try:
             outputs = plan.session.run(plan.fetch, feed)
         except Exception as exc:
