@@ -96,7 +96,16 @@ class _Reader:
 
 
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+    """Peak RSS of this process in MB: VmHWM, which starts afresh at exec. (ru_maxrss of a spawned
+    child would include the parent's RSS at fork time, which Linux carries across exec.)"""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
 def _child(side: str, model_path: str, calib_dir: str, samples: int, cfg, out_path: str, log_path: str, conn):
@@ -267,9 +276,9 @@ def sensitive_activations(bm, qdq_path: Path, fraction: float = MIXED_FRACTION, 
         - {t.name for t in fm.graph.initializer}
     params = {}
     for node in qm.graph.node:
-        x = node.input[0]
-        if node.op_type != "QuantizeLinear" or x not in float_tensors or x in params:
+        if node.op_type != "QuantizeLinear" or node.input[0] not in float_tensors or node.input[0] in params:
             continue
+        x = node.input[0]
         if len(node.input) < 3 or node.input[1] not in inits or node.input[2] not in inits:
             continue
         scale = numpy_helper.to_array(inits[node.input[1]]).astype(np.float64)
@@ -499,11 +508,12 @@ def table(rows: list[Row]) -> str:
 def summary(rows: list[Row], samples: int) -> str:
     out = ["", "Targets:"]
     compared = [(r, r.qp.get("snr"), r.ort.get("snr")) for r in rows if r.ort.get("snr") is not None]
-    ok = [r for r, q, o in compared if q is not None and (_delta(q, o) >= -0.1 or (math.isnan(o)))]
-    bad = [f"{r.model}/{r.config} ({_f(_delta(q, o), 2) if q is not None else 'no qpasses model'})"
-           for r, q, o in compared if r not in ok]
+    ok = [r for r, q, o in compared if q is not None and (math.isnan(o) or _delta(q, o) >= -0.1)]
+    bad = [f"{r.model}/{r.config} ({_f(_delta(q, o), 2)})" for r, q, o in compared if q is not None and r not in ok]
+    missing = sum(q is None for _, q, _ in compared)
     out.append(f"- SNR >= ORT - 0.1 dB: {len(ok)}/{len(compared)} model-configs"
-               + (f"; short: {', '.join(bad)}" if bad else ""))
+               + (f"; short: {', '.join(bad)}" if bad else "")
+               + (f"; {missing} without a working qpasses model" if missing else ""))
     gains = [_delta(r.qp["snr"], r.ort["snr"]) for r in rows if r.config == "default"
              and r.qp.get("snr") is not None and r.ort.get("snr") is not None]
     gains = [g for g in gains if math.isfinite(g)]
@@ -519,10 +529,12 @@ def summary(rows: list[Row], samples: int) -> str:
                        f"max {max(ratios):.2f} over {len(ratios)} cells{tgt}")
         else:
             out.append(f"- {label} ratio qp/ort: — (no qpasses cells yet)")
-    mixed = [(r.model, r.qp.get("snr"), r.mixed.get("qp", {}).get("snr")) for r in rows if r.mixed]
-    for model, base, mp_snr in mixed:
-        out.append(f"- mixed precision {model}: 8-bit {_f(base, 2)} dB -> {_f(mp_snr, 2)} dB with "
-                   f"{MIXED_FRACTION:.0%} activations at 16 bits")
+    for r in rows:
+        if r.mixed and not r.mixed.get("error"):
+            m = r.mixed
+            out.append(f"- mixed precision {r.model} ({len(m['promoted'])} activations at {MIXED_TYPE}): "
+                       f"qpasses {_f(r.qp.get('snr'), 2)} -> {_f(m.get('qp', {}).get('snr'), 2)} dB, "
+                       f"onnxruntime {_f(r.ort.get('snr'), 2)} -> {_f(m.get('ort', {}).get('snr'), 2)} dB")
     out.append("- Timings come from a 2-core machine shared with other jobs: expect +-20 % noise.")
     return "\n".join(out)
 

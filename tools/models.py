@@ -85,7 +85,7 @@ def all_names() -> list[str]:
 # Default benchmark set: fits a ~30 min full run on 2 shared cores (the big-FC nets alexnet, vgg19,
 # zfnet512 and densenet121 are available with --models).
 DEFAULT_MODELS = ("light_resnet50_rand", "light_squeezenet_rand", "light_inception_v1_rand",
-                  "light_shufflenet_rand", "light_resnet50", *CORPUS_MODELS, "encoder_block")
+                  "light_shufflenet_rand", "light_squeezenet", *CORPUS_MODELS, "encoder_block")
 QUICK_MODELS = ("light_squeezenet_rand", "ppocr_v2_cls", "encoder_block")
 
 
