@@ -28,6 +28,9 @@ def validate_proto(proto: onnx.ModelProto) -> None:
     _check_opset(proto)
     for tensor in graph.initializer:
         _check_initializer(tensor)
+    _check_unique("graph input", [i.name for i in graph.input])
+    _check_unique("initializer", [t.name for t in graph.initializer])
+    _check_ops(proto)
     produced = {i.name for i in graph.input} | {t.name for t in graph.initializer}
     produced |= {t.name for t in graph.sparse_initializer}
     for node in graph.node:
@@ -46,6 +49,30 @@ def validate_proto(proto: onnx.ModelProto) -> None:
     for out in graph.output:
         if out.name not in produced:
             raise ModelError(f"graph output '{out.name}' is not produced by any node")
+
+
+def _check_unique(what: str, names: list[str]) -> None:
+    if len(set(names)) != len(names):
+        seen = set()
+        dup = next(n for n in names if n in seen or seen.add(n))
+        raise ModelError(f"{what} '{dup}' is listed twice")
+
+
+def _check_ops(proto: onnx.ModelProto) -> None:
+    """Every default-domain op of the top-level graph exists in the model's opset."""
+    opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+    local = {f.name for f in proto.functions if f.domain in ("", "ai.onnx")}
+    checked = set(local)
+    for node in proto.graph.node:
+        if node.domain not in ("", "ai.onnx") or node.op_type in checked:
+            continue
+        if not onnx.defs.has(node.op_type, opset, ""):
+            first = next((v for v in range(opset + 1, onnx.defs.onnx_opset_version() + 1)
+                          if onnx.defs.has(node.op_type, v, "")), None)
+            since = f" (it needs opset {first})" if first else ""
+            raise ModelError(f"node '{node.name or node.op_type}': '{node.op_type}' is not an ONNX "
+                             f"operator in opset {opset}{since}")
+        checked.add(node.op_type)
 
 
 def _check_opset(proto: onnx.ModelProto) -> None:
