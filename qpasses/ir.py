@@ -19,6 +19,7 @@ from onnx import external_data_helper
 
 from .annotations import QuantTable
 from .errors import ModelError
+from .graphutil import toposort
 from .validate import validate_proto
 
 FACTS_KEY = "qpasses.facts"
@@ -128,8 +129,11 @@ def load(src, *, base_dir: str | Path | None = None) -> QModel:
         raise ModelError(f"{path}: not a readable ONNX model ({_first_line(exc)})") from None
     except Exception as exc:  # protobuf raises assorted types on garbage input
         raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__})") from None
-    load_external_data(proto, path.parent)
-    return from_proto(proto, base_dir=path.parent)
+    try:
+        load_external_data(proto, path.parent)
+        return from_proto(proto, base_dir=path.parent)
+    except ModelError as exc:  # name the file in graph-level messages
+        raise ModelError(f"{path}: {exc}") from None
 
 
 def load_external_data(proto: onnx.ModelProto, base_dir: Path) -> None:
@@ -163,6 +167,7 @@ def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None) -> QMode
     except Exception as exc:
         raise ModelError(f"cannot import graph: {_first_line(exc)}") from None
     _name_nodes(graph)
+    toposort(graph)  # an unsorted (acyclic) model is sorted; a cycle is a ModelError naming a node
     meta = {p.key: p.value for p in proto.metadata_props}
     quant = QuantTable.from_json(meta.pop(QuantTable.METADATA_KEY)) if QuantTable.METADATA_KEY in meta else None
     facts = json.loads(meta.pop(FACTS_KEY, "[]"))
