@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import time
 
@@ -19,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..errors import CalibrationDataError
+from ..errors import CalibrationDataError, ModelError
 from ..ir import EXTERNAL_DATA_THRESHOLD, QModel, tensor_bytes
 from .collectors import HISTOGRAM_METHODS, TensorStats, finalise, histogram_bins
 from .data import model_inputs, open_data
@@ -231,7 +232,36 @@ class _Plan:
         opts, self._keep = session_options(proto, in_memory_weights=in_memory_weights)
         data = proto.SerializeToString()
         del proto  # free the exported copy before onnxruntime makes its own
-        self.session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise ModelError(f"onnxruntime cannot run the model, so it cannot be calibrated: "
+                             f"{_unrunnable(model, exc)}") from None
+
+
+def _is_bfloat16(dtype) -> bool:
+    if isinstance(dtype, int):  # gs keeps the ONNX enum for types numpy lacks
+        return dtype == TensorProto.BFLOAT16
+    try:
+        return dtype is not None and np.dtype(dtype).name == "bfloat16"
+    except TypeError:
+        return False
+
+
+def _unrunnable(model: QModel, exc: Exception) -> str:
+    """Why onnxruntime refused the model: the first op of a domain it does not know, else its message."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    known = {k.domain for k in ort_state.get_all_opkernel_def()} | {"ai.onnx"}
+    known |= {d.domain for d in (model.graph.functions or ())}
+    for node in model.graph.nodes:
+        if (node.domain or "") not in known:
+            return (f"node '{node.name}' is op '{node.op}' of domain '{node.domain}', which onnxruntime "
+                    f"does not implement (without --calib the model is left float)")
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", _first_line(exc))
+    if any(_is_bfloat16(t.dtype) for t in model.tensors().values()):
+        text += " (onnxruntime's CPU provider runs few bfloat16 ops: convert the model to float32 or float16)"
+    return text
 
 
 def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int = 2048,
