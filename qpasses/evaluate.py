@@ -6,6 +6,7 @@ import math
 import numpy as np
 import onnx
 
+from .calibration.data import InputSpec, validate
 from .ir import QModel
 
 
@@ -21,6 +22,25 @@ def session(model):
     opts.log_severity_level = 3
     return ort.InferenceSession(model if isinstance(model, bytes) else str(model), opts,
                                 providers=["CPUExecutionProvider"])
+
+
+def _input_specs(sess) -> list:
+    """The session's inputs as calibration InputSpecs (overridable initializers are optional)."""
+    def spec(arg, optional):
+        elem = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(_ORT_TYPES[arg.type])) if arg.type in _ORT_TYPES else None
+        shape = (tuple(d if isinstance(d, (int, str)) else None for d in arg.shape)
+                 if arg.shape else None)  # onnxruntime shows an unknown rank as []: check no shape
+        return InputSpec(arg.name, elem, shape, optional)
+
+    return ([spec(a, False) for a in sess.get_inputs()]
+            + [spec(a, True) for a in sess.get_overridable_initializers()])
+
+
+_ORT_TYPES = {f"tensor({name})": value for name, value in (
+    ("float", onnx.TensorProto.FLOAT), ("float16", onnx.TensorProto.FLOAT16), ("double", onnx.TensorProto.DOUBLE),
+    ("int8", onnx.TensorProto.INT8), ("uint8", onnx.TensorProto.UINT8), ("int16", onnx.TensorProto.INT16),
+    ("uint16", onnx.TensorProto.UINT16), ("int32", onnx.TensorProto.INT32), ("uint32", onnx.TensorProto.UINT32),
+    ("int64", onnx.TensorProto.INT64), ("uint64", onnx.TensorProto.UINT64), ("bool", onnx.TensorProto.BOOL))}
 
 
 def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
@@ -42,11 +62,11 @@ def compare(reference_model, test_model, feeds, max_samples: int | None = None) 
     refs: dict[str, list] = {n: [] for n in names}
     tests: dict[str, list] = {n: [] for n in names}
     count = 0
-    for feed in feeds:
+    specs = _input_specs(ref_sess)
+    for index, feed in enumerate(feeds):
         if max_samples is not None and count >= max_samples:
             break
-        inputs = {i.name for i in ref_sess.get_inputs()}
-        feed = {k: v for k, v in feed.items() if k in inputs}
+        feed = validate(feed, specs, index, getattr(feeds, "source", ""))  # cast/reshape like calibration
         for n, r, t in zip(names, ref_sess.run(names, feed), test_sess.run(names, feed)):
             refs[n].append(np.ravel(r).astype(np.float64))
             tests[n].append(np.ravel(t).astype(np.float64))
