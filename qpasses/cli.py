@@ -109,8 +109,10 @@ def cmd_run(args) -> int:
     src, out = Path(args.model), Path(args.output)
     if out.resolve() == src.resolve():
         raise QpassesError(f"{out}: output would overwrite the input model; choose another path")
-    if not out.parent.is_dir():
-        raise QpassesError(f"{out}: output folder '{out.parent}' does not exist")
+    for path in (out, Path(args.report) if args.report else None):
+        if path is not None and not path.parent.is_dir():
+            state = "is not a folder" if path.parent.exists() else "does not exist"
+            raise QpassesError(f"{path}: output folder '{path.parent}' {state}")
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     timer = TimePasses()
     model = load(src)
@@ -144,8 +146,12 @@ def _fmt_db(value: float) -> str:
 
 def _write_json(path: Path, data) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise QpassesError(f"{path}: write failed ({exc.strerror or exc})") from None
 
 
 def _json_default(value):

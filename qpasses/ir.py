@@ -271,7 +271,8 @@ def save(model: QModel | onnx.ModelProto, path: str | Path, *, external_data: bo
     proto = model.to_proto() if isinstance(model, QModel) else model
     path = Path(path)
     if not path.parent.is_dir():
-        raise ModelError(f"{path}: output folder '{path.parent}' does not exist")
+        state = "is not a folder" if path.parent.exists() else "does not exist"
+        raise ModelError(f"{path}: output folder '{path.parent}' {state}")
     if external_data is None:
         external_data = tensor_bytes(proto) > EXTERNAL_DATA_THRESHOLD
     try:
