@@ -89,6 +89,14 @@ def _external(m, location):
         entry.key, entry.value = key, value
 
 
+def _symlinked_external(d: Path) -> list:
+    """The weights file is a symlink inside the folder that points outside it."""
+    outside = d.parent / "outside.bin"
+    outside.write_bytes(bytes(64))
+    (d / "w.bin").symlink_to(outside)
+    return run(d, edited(mlp(), lambda m: _external(m, "w.bin")))
+
+
 def _custom_op(domain, op, **attrs):
     return mlp(domains=(domain,), nodes=[
         helper.make_node("MatMul", ["x", "w"], ["mm"], name="matmul"),
@@ -237,6 +245,7 @@ BAD = [
      "outside the model's folder"),
     ("external data absolute", lambda d, o: run(d, edited(mlp(), lambda m: _external(m, "/etc/passwd"))),
      "outside the model's folder"),
+    ("external data symlink out", lambda d, o: _symlinked_external(d), "outside the model's folder"),
     ("external data missing", lambda d, o: run(d, edited(mlp(), lambda m: _external(m, "w.bin"))), "'w.bin' not found"),
     ("calib missing input", lambda d, o: run(d, calib={"other": feeds()["x"]}), "'other' is not an input"),
     ("calib missing one input", lambda d, o: run(d, _two_inputs(), calib=feeds()), "input 'x2' is missing"),
@@ -348,6 +357,15 @@ def _symbolic():
     return m
 
 
+def _symbolic_seq():
+    m = mlp()
+    for vi in (m.graph.input[0], m.graph.output[0]):
+        dims = vi.type.tensor_type.shape.dim
+        dims[0].dim_param = "batch"
+        dims.insert(1, onnx.TensorShapeProto.Dimension(dim_param="seq"))
+    return m
+
+
 def _unknown_dims(m):
     for vi in (m.graph.input[0], m.graph.output[0]):
         for dim in vi.type.tensor_type.shape.dim:
@@ -357,6 +375,7 @@ def _unknown_dims(m):
 GOOD = [
     ("example", lambda d: run(d, example_model(), calib=example_data(8))),
     ("symbolic batch", lambda d: run(d, _symbolic(), calib=feeds(batch=3))),
+    ("symbolic batch and sequence", lambda d: run(d, _symbolic_seq(), calib=feeds(shape=(2, 5, 4)))),
     ("unknown dims", lambda d: run(d, edited(mlp(), _unknown_dims), calib=feeds(batch=2))),
     ("unsorted graph", lambda d: run(d, _unsorted(), calib=feeds())),
     ("float16 model", lambda d: run(d, mlp(TensorProto.FLOAT16), calib=feeds(dtype=np.float16))),
@@ -426,3 +445,13 @@ def test_float_only(build, tmp_path, capsys):
     proto = onnx.load(str(out))
     onnx.checker.check_model(proto)
     assert sorted(n.op_type for n in proto.graph.node) == sorted(n.op_type for n in source.graph.node)
+
+
+def test_api_leaves_the_model_proto_untouched():
+    import qpasses
+
+    proto = example_model()
+    before = proto.SerializeToString()
+    model = qpasses.quantize(proto, [{"input": x} for x in example_data(4)["input"]])
+    assert proto.SerializeToString() == before
+    assert any(n.op == "QuantizeLinear" for n in model.graph.nodes)
