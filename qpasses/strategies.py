@@ -1,0 +1,814 @@
+"""Hypothesis strategies for fuzzing: random valid float models, quantization configs and data.
+
+``cases()`` draws a :class:`FuzzCase`: a random DAG over the ops qpasses quantizes (and a few it
+does not), with random static shapes, tensors read by several nodes, several graph outputs (some
+also read inside the graph), graph inputs read by several nodes, constants given as initializers
+or built by constant subgraphs (Constant, ConstantOfShape, Reshape/Transpose/Add of constants, so
+fold-constants has work), Conv/ConvTranspose/Gemm followed by BatchNormalization (fold-batchnorm),
+plus a random QuantConfig (types, symmetry, per-channel, calibration method, mixed precision
+requests on random activations) and 4 calibration samples.
+
+Every drawn model passes onnx.checker and runs in onnxruntime (``run_case`` checks it again).
+Numerics are kept well-conditioned on purpose: divisors are constants away from zero or
+``Sigmoid(t) + 1``, the Where condition is a bool graph input, and no op can overflow.
+
+Hypothesis is a test extra: only this module (and the tests/tools using it) imports it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from hypothesis import strategies as st
+from onnx import TensorProto, helper, numpy_helper
+
+OPSETS = (13, 17, 21)
+MAX_ELEMENTS = 512          # no activation grows beyond this many elements
+ACTIVATION_TYPES = ("uint8", "int8", "uint16", "int16", "uint4", "int4")
+WEIGHT_TYPES = ("int8", "uint8", "int16", "uint16", "int4", "uint4")
+CALIBRATION = ("minmax", "percentile", "entropy", "mse", "pow2")
+
+
+@dataclass
+class FuzzCase:
+    """One fuzz example: the float model, its calibration feeds and the quantization config."""
+
+    model: onnx.ModelProto
+    feeds: list[dict]
+    config: dict
+    ops: list[str] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        text = onnx.printer.to_text(self.model)
+        return f"FuzzCase(config={self.config!r}, ops={self.ops!r}, model=\n{text}\n)"
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # hypothesis prints falsifying examples with this
+        printer.text(repr(self))
+
+
+class _Builder:
+    """Grows a graph one op at a time, tracking the static shape of every float tensor."""
+
+    def __init__(self, draw, rng: np.random.Generator, opset: int, batch: int, symbolic: bool = False):
+        self.draw, self.rng, self.opset, self.batch, self.symbolic = draw, rng, opset, batch, symbolic
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.data: dict[str, tuple] = {}          # graph input -> (kind, shape[, high])
+        self.shapes: dict[str, tuple] = {}        # float tensors computed from inputs -> shape
+        self.pool: list[str] = []                 # float tensors available to the next op
+        self.reads: dict[str, int] = {}
+        self.ops: list[str] = []
+        self.unstable: set[str] = set()           # tensors a fold may remove (mixed precision skips them)
+        self.n = 0
+
+    # -- naming and plumbing ---------------------------------------------------------------
+    def fresh(self, prefix: str) -> str:
+        self.n += 1
+        return f"{prefix}{self.n}"
+
+    def add(self, op: str, inputs: list[str], outputs: list[str] | int = 1, **attrs) -> list[str]:
+        if isinstance(outputs, int):
+            outputs = [self.fresh(op.lower()[:4] + "_") for _ in range(outputs)]
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=self.fresh(op + "_"), **attrs))
+        for i in inputs:
+            if i:
+                self.reads[i] = self.reads.get(i, 0) + 1
+        return outputs
+
+    def act(self, name: str, shape) -> str:
+        """Register a computed float tensor."""
+        self.shapes[name] = tuple(int(d) for d in shape)
+        self.pool.append(name)
+        return name
+
+    def input(self, shape, kind: str = "float", high: int = 0, batched: bool = False) -> str:
+        """A graph input; ``batched``: dimension 0 is the batch (symbolic 'N' in symbolic models)."""
+        name = self.fresh({"float": "x", "bool": "cond", "int64": "ids"}[kind])
+        elem = {"float": TensorProto.FLOAT, "bool": TensorProto.BOOL, "int64": TensorProto.INT64}[kind]
+        dims = list(shape)
+        if batched and self.symbolic:
+            dims[0] = "N"
+        self.inputs.append(helper.make_tensor_value_info(name, elem, dims))
+        self.data[name] = (kind, tuple(shape), high)
+        if kind == "float":
+            self.act(name, shape)
+        return name
+
+    # -- drawing helpers -------------------------------------------------------------------
+    def choice(self, seq):
+        return self.draw(st.sampled_from(list(seq)))
+
+    def flag(self, p_true: float = 0.5) -> bool:
+        """True with probability ``p_true``; shrinks to False."""
+        return self.draw(st.integers(0, 99)) >= 100 - int(p_true * 100)
+
+    def pick(self, ok=lambda s: True) -> str | None:
+        """A tensor from the pool satisfying ``ok(shape)``; newest first, so shrinking makes chains."""
+        cands = [t for t in reversed(self.pool) if ok(self.shapes[t])]
+        if not cands:
+            return None
+        return cands[self.draw(st.integers(0, len(cands) - 1))]
+
+    def rank4(self) -> str:
+        """A rank-4 tensor (one made by Reshape if the pool has none)."""
+        x = self.pick(lambda s: len(s) == 4)
+        if x is None:
+            x = self.pick()
+            s = self.shapes[x]
+            x = self.reshape_to(x, (s[0], int(np.prod(s[1:-1] or (1,))), s[-1] if len(s) > 1 else 1, 1))
+        return x
+
+    def rank2(self) -> str:
+        x = self.pick(lambda s: len(s) == 2)
+        if x is None:
+            x = self.pick()
+            s = self.shapes[x]
+            out = self.add("Flatten", [x], axis=1)[0]
+            x = self.act(out, (s[0], int(np.prod(s[1:]))))
+        return x
+
+    def reshape_to(self, x: str, shape) -> str:
+        out = self.add("Reshape", [x, self.init(np.array(shape, np.int64), "shape")])[0]
+        return self.act(out, shape)
+
+    # -- constants -------------------------------------------------------------------------
+    def init(self, value: np.ndarray, prefix: str = "c") -> str:
+        name = self.fresh(prefix)
+        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def const(self, value: np.ndarray, prefix: str = "c") -> str:
+        """A constant tensor: an initializer, or a small constant subgraph computing it."""
+        value = np.asarray(value, np.float32)
+        route = self.choice(("init", "init", "init", "constant", "of_shape", "reshape", "transpose", "add"))
+        if route == "constant":
+            return self.add("Constant", [], value=numpy_helper.from_array(value, self.fresh("v")))[0]
+        if route == "of_shape" and value.size and np.all(value == value.flat[0]):
+            return self.add("ConstantOfShape", [self.init(np.array(value.shape, np.int64), "shape")],
+                            value=numpy_helper.from_array(value.reshape(1)[:1], self.fresh("v")))[0]
+        if route == "reshape" and value.ndim:
+            return self.add("Reshape", [self.init(value.reshape(-1), prefix),
+                                        self.init(np.array(value.shape, np.int64), "shape")])[0]
+        if route == "transpose" and value.ndim >= 2:
+            perm = list(range(value.ndim))[::-1]
+            return self.add("Transpose", [self.init(np.transpose(value, perm), prefix)], perm=perm)[0]
+        if route == "add":
+            half = np.float32(0.5) * value
+            return self.add("Add", [self.init(half, prefix), self.const(value - half, prefix)])[0]
+        return self.init(value, prefix)
+
+    def normal(self, *shape, std: float = 1.0) -> np.ndarray:
+        return (self.rng.standard_normal(shape) * std).astype(np.float32)
+
+
+# -- ops -------------------------------------------------------------------------------------
+def _conv(b: _Builder, transpose: bool = False) -> None:
+    x = b.rank4()
+    n, c, h, w = b.shapes[x]
+    groups = b.choice([g for g in (1, 2, 3, 4, c) if c % g == 0])
+    cout = groups * b.draw(st.integers(1, max(1, 6 // groups)))
+    k = [b.draw(st.integers(1, 3)) for _ in range(2)]
+    stride = [b.draw(st.integers(1, 2)) for _ in range(2)]
+    dil = [b.draw(st.integers(1, 2)) if k[i] > 1 else 1 for i in range(2)]
+    pads = [b.draw(st.integers(0, max(0, min(1, k[i % 2] - 1 if transpose else 1)))) for i in range(4)]
+    dims = (h, w)
+    if transpose:
+        out = [(dims[i] - 1) * stride[i] + dil[i] * (k[i] - 1) + 1 - pads[i] - pads[i + 2] for i in range(2)]
+        weight = b.normal(c, cout // groups, *k, std=1 / math.sqrt(c // groups * k[0] * k[1] / stride[0]))
+    else:
+        out = [(dims[i] + pads[i] + pads[i + 2] - dil[i] * (k[i] - 1) - 1) // stride[i] + 1 for i in range(2)]
+        weight = b.normal(cout, c // groups, *k, std=1 / math.sqrt(c // groups * k[0] * k[1]))
+    if min(out) < 1 or n * cout * out[0] * out[1] > MAX_ELEMENTS:
+        return _unary(b)
+    inputs = [x, b.const(weight, "w")]
+    if b.flag(0.6):
+        inputs.append(b.const(b.normal(cout, std=0.3), "bias"))
+    op = "ConvTranspose" if transpose else "Conv"
+    y = b.add(op, inputs, kernel_shape=k, strides=stride, dilations=dil, pads=pads, group=groups)[0]
+    b.ops.append(op + ("+bias" if len(inputs) == 3 else "") + (f"/g{groups}" if groups > 1 else ""))
+    b.act(y, (n, cout, *out))
+    if b.flag(0.25):
+        _batchnorm(b, y)
+
+
+def _batchnorm(b: _Builder, x: str | None = None) -> None:
+    """BatchNormalization, right after a Conv/ConvTranspose/Gemm (foldable) or on any tensor."""
+    x = x or b.pick(lambda s: len(s) >= 2)
+    if x is None:
+        return _unary(b)
+    c = b.shapes[x][1]
+    scale, bias = b.normal(c, std=0.5) + 1, b.normal(c, std=0.2)
+    mean, var = b.normal(c, std=0.3), (b.rng.random(c) + 0.5).astype(np.float32)
+    params = [b.const(v, p) for v, p in ((scale, "bn_s"), (bias, "bn_b"), (mean, "bn_m"), (var, "bn_v"))]
+    y = b.add("BatchNormalization", [x, *params], epsilon=1e-5)[0]
+    b.unstable.add(x)
+    b.ops.append("BatchNormalization")
+    b.act(y, b.shapes[x])
+
+
+def _gemm(b: _Builder) -> None:
+    x = b.rank2()
+    m, k = b.shapes[x]
+    trans_a = b.flag(0.15)
+    if trans_a:
+        m, k = k, m
+    trans_b = b.flag()
+    if b.flag(0.15) and m * m <= MAX_ELEMENTS:           # activation x activation: A * A^T
+        y = b.add("Gemm", [x, x], transA=int(trans_a), transB=int(not trans_a))[0]
+        b.ops.append("Gemm(act,act)")
+        b.act(y, (m, m))
+        return
+    nout = b.draw(st.integers(1, 8))
+    weight = b.normal(k, nout, std=1 / math.sqrt(k))
+    inputs = [x, b.const(weight.T.copy() if trans_b else weight, "w")]
+    bias = b.choice(("none", "n", "1n", "scalar"))
+    if bias != "none":
+        shape = {"n": (nout,), "1n": (1, nout), "scalar": (1,)}[bias]
+        inputs.append(b.const(b.normal(*shape, std=0.3), "bias"))
+    alpha, beta = b.choice((1.0, 1.0, 0.5, 2.0)), b.choice((1.0, 1.0, 0.5))
+    y = b.add("Gemm", inputs, transA=int(trans_a), transB=int(trans_b), alpha=alpha, beta=beta)[0]
+    b.ops.append(f"Gemm(bias={bias})")
+    b.act(y, (m, nout))
+    if b.flag(0.15):
+        _batchnorm(b, y)
+
+
+def _matmul(b: _Builder) -> None:
+    x = b.pick(lambda s: len(s) >= 2) or b.rank2()
+    s = b.shapes[x]
+    kind = b.choice(("weight", "weight", "act", "left"))
+    n = b.draw(st.integers(1, 8))
+    shape = {"act": (*s[:-1], s[-2]), "left": (*s[:-2], n, s[-1]), "weight": (*s[:-1], n)}[kind]
+    if np.prod(shape) > MAX_ELEMENTS:
+        return _unary(b)
+    if kind == "act":                                   # x @ y^T for some y of x's shape
+        perm = list(range(len(s)))
+        perm[-2:] = perm[-1], perm[-2]
+        yt = b.add("Transpose", [b.pick(lambda t: t == s)], perm=perm)[0]
+        inputs = [x, b.act(yt, tuple(s[p] for p in perm))]
+    elif kind == "left":                                # constant @ x
+        inputs = [b.const(b.normal(n, s[-2], std=1 / math.sqrt(s[-2])), "w"), x]
+    else:
+        inputs = [x, b.const(b.normal(s[-1], n, std=1 / math.sqrt(s[-1])), "w")]
+    out = b.add("MatMul", inputs)[0]
+    b.ops.append(f"MatMul({kind})")
+    b.act(out, shape)
+
+
+def _broadcast_shapes(s: tuple) -> list[tuple]:
+    """Constant shapes that broadcast onto ``s`` without growing it."""
+    out = [(), (1,), s, (s[-1],) if s else ()]
+    if len(s) >= 3:
+        out.append((s[1],) + (1,) * (len(s) - 2))
+        out.append((1,) * (len(s) - 1) + (s[-1],))
+    return out
+
+
+def _safe_divisor(b: _Builder, s: tuple) -> str:
+    """A divisor away from zero: a constant with |c| in [0.5, 2], or Sigmoid(t) + 1."""
+    if b.flag(0.6):
+        shape = b.choice(_broadcast_shapes(s))
+        mag = (b.rng.random(shape) * 1.5 + 0.5).astype(np.float32)
+        return b.const(np.where(b.rng.random(shape) < 0.3, -mag, mag).astype(np.float32), "d")
+    t = b.pick(lambda u: u == s)
+    sig = b.act(b.add("Sigmoid", [t])[0], b.shapes[t])
+    return b.act(b.add("Add", [sig, b.const(np.ones((1,), np.float32), "one")])[0], b.shapes[t])
+
+
+def _binary(b: _Builder, op: str) -> None:
+    x = b.pick()
+    s = b.shapes[x]
+    if op == "Div":
+        other = _safe_divisor(b, s)
+        kind = "safe"
+    else:
+        kind = b.choice(("const", "tensor", "same", "const"))
+        if kind == "same":
+            other = x
+        elif kind == "tensor":
+            other = b.pick(lambda t: t != s and _fits(t, s)) or b.pick(lambda t: t == s)
+        else:
+            value = b.normal(*b.choice(_broadcast_shapes(s)))
+            if op == "Mul":
+                value = value * np.float32(0.5) + np.float32(b.choice((0.0, 1.0)))
+            other = b.const(value, "k")
+    inputs = [x, other]
+    if kind != "safe" and b.flag(0.3):
+        inputs.reverse()
+    y = b.add(op, inputs)[0]
+    b.ops.append(f"{op}({kind})")
+    b.act(y, s)
+
+
+def _fits(t: tuple, s: tuple) -> bool:
+    try:
+        return np.broadcast_shapes(t, s) == s
+    except ValueError:
+        return False
+
+
+def _concat(b: _Builder) -> None:
+    x = b.pick()
+    s = b.shapes[x]
+    axis = b.draw(st.integers(-len(s), len(s) - 1))
+    a = axis % len(s)
+    parts: list = [x]                                   # tensor names, or shapes of constants to make
+    for _ in range(b.draw(st.integers(1, 2))):
+        if b.flag(0.2):
+            parts.append(tuple(b.draw(st.integers(1, 2)) if i == a else d for i, d in enumerate(s)))
+        else:
+            parts.append(b.pick(lambda t: len(t) == len(s) and all(t[i] == s[i] for i in range(len(s)) if i != a)))
+    total = sum((p if isinstance(p, tuple) else b.shapes[p])[a] for p in parts)
+    shape = tuple(total if i == a else d for i, d in enumerate(s))
+    if np.prod(shape) > MAX_ELEMENTS:
+        return _unary(b)
+    inputs = [b.const(b.normal(*p), "cat") if isinstance(p, tuple) else p for p in parts]
+    order = b.draw(st.permutations(range(len(inputs))))
+    y = b.add("Concat", [inputs[i] for i in order], axis=axis)[0]
+    b.ops.append("Concat")
+    b.act(y, shape)
+
+
+def _pool(b: _Builder, op: str) -> None:
+    x = b.rank4()
+    n, c, h, w = b.shapes[x]
+    if op == "GlobalAveragePool":
+        y = b.add(op, [x])[0]
+        b.ops.append(op)
+        b.act(y, (n, c, 1, 1))
+        return
+    k = [b.draw(st.integers(1, min(3, d))) for d in (h, w)]
+    stride = [b.draw(st.integers(1, 2)) for _ in range(2)]
+    pads = [b.draw(st.integers(0, k[i % 2] - 1)) for i in range(4)]
+    out = [(d + pads[i] + pads[i + 2] - k[i]) // stride[i] + 1 for i, d in enumerate((h, w))]
+    attrs = {"kernel_shape": k, "strides": stride, "pads": pads}
+    if op == "AveragePool":
+        attrs["count_include_pad"] = int(b.flag())
+    y = b.add(op, [x], **attrs)[0]
+    b.ops.append(op)
+    b.act(y, (n, c, *out))
+
+
+_UNARY = {
+    "Relu": {}, "Sigmoid": {}, "Tanh": {}, "Abs": {}, "Neg": {},
+    "LeakyRelu": {"alpha": (0.01, 0.1, 0.5)}, "HardSigmoid": {"alpha": (0.2, 0.5), "beta": (0.5, 0.3)},
+    "HardSwish": {}, "Softmax": {}, "Clip": {},
+}
+
+
+def _unary(b: _Builder, op: str | None = None) -> None:
+    op = op or b.choice(("Relu", "Sigmoid", "Tanh", "LeakyRelu", "Abs"))
+    if op == "HardSwish" and b.opset < 14:
+        op = "HardSigmoid"
+    x = b.pick()
+    s = b.shapes[x]
+    attrs = {k: b.choice(v) for k, v in _UNARY[op].items()}
+    inputs = [x]
+    if op == "Softmax":
+        attrs["axis"] = b.draw(st.integers(-len(s), len(s) - 1))
+    if op == "Clip":
+        lo, hi = b.choice(((0.0, 6.0), (-1.0, 1.0), (None, 0.5), (0.0, None), (0.25, 2.0), (-2.0, -0.5)))
+        inputs += [b.init(np.array(lo, np.float32), "lo") if lo is not None else "",
+                   b.init(np.array(hi, np.float32), "hi") if hi is not None else ""]
+        while inputs[-1] == "":
+            inputs.pop()
+        op_text = f"Clip({lo},{hi})"
+    y = b.add(op, inputs, **attrs)[0]
+    b.ops.append(op_text if op == "Clip" else op)
+    b.act(y, s)
+
+
+def _layernorm(b: _Builder) -> None:
+    if b.opset < 17:
+        return _unary(b, "Softmax")
+    x = b.pick()
+    s = b.shapes[x]
+    axis = b.draw(st.integers(-len(s), len(s) - 1))
+    inner = s[axis % len(s):]
+    inputs = [x, b.const(b.normal(*inner, std=0.3) + 1, "ln_s")]
+    if b.flag(0.7):
+        inputs.append(b.const(b.normal(*inner, std=0.3), "ln_b"))
+    y = b.add("LayerNormalization", inputs, axis=axis, epsilon=1e-3)[0]
+    b.ops.append("LayerNormalization")
+    b.act(y, s)
+
+
+def _instancenorm(b: _Builder) -> None:
+    x = b.pick(lambda s: len(s) >= 3) or b.rank4()
+    s = b.shapes[x]
+    y = b.add("InstanceNormalization", [x, b.const(b.normal(s[1], std=0.3) + 1, "in_s"),
+                                        b.const(b.normal(s[1], std=0.3), "in_b")], epsilon=1e-3)[0]
+    b.ops.append("InstanceNormalization")
+    b.act(y, s)
+
+
+def _where(b: _Builder) -> None:
+    x = b.pick()
+    s = b.shapes[x]
+    cond_shape = b.choice((s, (1,) * (len(s) - 1) + s[-1:], s[1:]))
+    cond = b.input(cond_shape, "bool")
+    other = b.choice(("tensor", "const"))
+    y = b.pick(lambda t: t == s) if other == "tensor" else b.const(b.normal(*b.choice(_broadcast_shapes(s))), "k")
+    inputs = [cond, x, y] if b.flag() else [cond, y, x]
+    out = b.add("Where", inputs)[0]
+    b.ops.append(f"Where({other})")
+    b.act(out, s)
+
+
+def _resize(b: _Builder) -> None:
+    x = b.rank4()
+    n, c, h, w = b.shapes[x]
+    mode = b.choice(("nearest", "linear"))
+    factors = [b.choice((1.0, 2.0, 0.5) if d >= 2 else (1.0, 2.0)) for d in (h, w)]
+    out = [int(math.floor(d * f)) for d, f in zip((h, w), factors)]
+    if n * c * out[0] * out[1] > MAX_ELEMENTS:
+        factors, out = [1.0, 1.0], [h, w]
+    if b.flag():
+        inputs = [x, "", b.init(np.array([1, 1, *factors], np.float32), "scales")]
+    else:
+        inputs = [x, "", "", b.init(np.array([n, c, *out], np.int64), "sizes")]
+    y = b.add("Resize", inputs, mode=mode)[0]
+    b.ops.append(f"Resize({mode})")
+    b.act(y, (n, c, *out))
+
+
+def _reshape(b: _Builder) -> None:
+    x = b.pick()
+    s = b.shapes[x]
+    rest = int(np.prod(s[1:]))
+    divisors = [d for d in range(1, rest + 1) if rest % d == 0]
+    kind = b.choice(("flat", "split", "shape_of", "zero"))
+    if kind == "flat":
+        target, shape = [s[0], -1], (s[0], rest)
+    elif kind == "zero":
+        d = b.choice(divisors)
+        target, shape = [0, d, -1], (s[0], d, rest // d)
+    elif kind == "split":
+        d = b.choice(divisors)
+        target = shape = (s[0], rest // d, d, 1)
+    else:                                           # target computed from Shape(x): a shape subgraph
+        shp = b.add("Shape", [x])[0]
+        head = b.add("Slice", [shp, b.init(np.array([0], np.int64)), b.init(np.array([1], np.int64))])[0]
+        tgt = b.add("Concat", [head, b.init(np.array([-1], np.int64))], axis=0)[0]
+        y = b.add("Reshape", [x, tgt])[0]
+        b.ops.append("Reshape(Shape)")
+        b.act(y, (s[0], rest))
+        return
+    y = b.add("Reshape", [x, b.init(np.array(target, np.int64), "shape")])[0]
+    b.ops.append(f"Reshape({kind})")
+    b.act(y, shape)
+
+
+def _transpose(b: _Builder) -> None:
+    x = b.pick()
+    s = b.shapes[x]
+    perm = b.draw(st.permutations(range(len(s))))
+    y = b.add("Transpose", [x], perm=list(perm))[0]
+    b.ops.append("Transpose")
+    b.act(y, tuple(s[p] for p in perm))
+
+
+def _flatten(b: _Builder) -> None:
+    x = b.pick()
+    s = b.shapes[x]
+    axis = b.draw(st.integers(0, len(s)))
+    y = b.add("Flatten", [x], axis=axis)[0]
+    b.ops.append("Flatten")
+    b.act(y, (int(np.prod(s[:axis])), int(np.prod(s[axis:]))))
+
+
+def _squeeze(b: _Builder) -> None:
+    x = b.pick(lambda s: 1 in s[1:] and len(s) > 1)
+    if x is None or b.flag(0.4):
+        x = b.pick(lambda s: len(s) < 5)
+        if x is None:
+            return _unary(b)
+        s = b.shapes[x]
+        axis = b.draw(st.integers(-len(s) - 1, len(s)))
+        y = b.add("Unsqueeze", [x, b.init(np.array([axis], np.int64), "axes")])[0]
+        shape = list(s)
+        shape.insert(axis % (len(s) + 1), 1)
+        b.ops.append("Unsqueeze")
+        b.act(y, tuple(shape))
+        return
+    s = b.shapes[x]
+    axes = [i for i in range(1, len(s)) if s[i] == 1]
+    axes = axes[: b.draw(st.integers(1, len(axes)))]
+    y = b.add("Squeeze", [x, b.init(np.array(axes, np.int64), "axes")])[0]
+    b.ops.append("Squeeze")
+    b.act(y, tuple(d for i, d in enumerate(s) if i not in axes))
+
+
+def _slice(b: _Builder) -> None:
+    x = b.pick(lambda s: max(s[1:] or (1,)) >= 2) or b.pick()
+    s = b.shapes[x]
+    axis = b.draw(st.integers(1, len(s) - 1)) if len(s) > 1 else 0
+    d = s[axis]
+    step = b.choice((1, 1, 2, -1))
+    start = b.draw(st.integers(0, d - 1))
+    if step > 0:
+        end = b.choice((d, 2**62, start + 1, -1 if start < d - 1 else d))
+    else:
+        end = b.choice((-(2**62), -1 - d, start - 1 if start > 0 else -(2**62)))
+    n = len(range(*slice(start, end, step).indices(d)))
+    if n == 0:
+        start, end, step, n = 0, d, 1, d
+    inputs = [x, *(b.init(np.array([v], np.int64)) for v in (start, end, axis - len(s) * b.flag(0.3), step))]
+    y = b.add("Slice", inputs)[0]
+    b.ops.append("Slice")
+    b.act(y, tuple(n if i == axis else v for i, v in enumerate(s)))
+
+
+def _gather(b: _Builder) -> None:
+    if b.flag(0.3):                                   # table lookup: constant (V, D), int64 ids input
+        vocab, dim, length = b.draw(st.integers(2, 10)), b.draw(st.integers(1, 8)), b.draw(st.integers(1, 4))
+        ids = b.input((b.batch, length), "int64", vocab, batched=True)
+        y = b.add("Gather", [b.const(b.normal(vocab, dim), "table"), ids], axis=0)[0]
+        b.ops.append("Gather(table)")
+        b.act(y, (b.batch, length, dim))
+        return
+    x = b.pick()
+    s = b.shapes[x]
+    axis = b.draw(st.integers(0, len(s) - 1))
+    d = s[axis]
+    if len(s) >= 2 and b.flag(0.3):                # a scalar index drops the axis (never to rank 0)
+        idx, shape = np.array(b.draw(st.integers(-d, d - 1)), np.int64), ()
+    else:
+        idx = np.array([b.draw(st.integers(-d, d - 1)) for _ in range(b.draw(st.integers(1, 3)))], np.int64)
+        shape = idx.shape
+    y = b.add("Gather", [x, b.init(idx, "idx")], axis=axis - len(s) * b.flag(0.3))[0]
+    b.ops.append("Gather")
+    b.act(y, (*s[:axis], *shape, *s[axis + 1:]))
+
+
+def _split(b: _Builder) -> None:
+    x = b.pick(lambda s: max(s) >= 2) or b.pick()
+    s = b.shapes[x]
+    axis = b.choice([i for i, d in enumerate(s) if d >= 2] or [0])
+    d = s[axis]
+    if d < 2:
+        return _unary(b)
+    first = b.draw(st.integers(1, d - 1))
+    sizes = [first, d - first]
+    if sizes[1] >= 2 and b.flag(0.3):
+        sizes = [first, 1, d - first - 1]
+    mode = b.choice(("input", "num_outputs") if b.opset >= 18 else ("input", "equal"))
+    if mode == "equal" and d % 2 == 0:
+        sizes = [d // 2, d // 2]
+        outs = b.add("Split", [x], 2, axis=axis)
+    elif mode == "num_outputs" and d % 2 == 0:
+        sizes = [d // 2, d // 2]
+        outs = b.add("Split", [x], 2, axis=axis, num_outputs=2)
+    else:
+        outs = b.add("Split", [x, b.init(np.array(sizes, np.int64), "split")], len(sizes), axis=axis)
+    b.ops.append("Split")
+    for out, size in zip(outs, sizes):
+        b.act(out, tuple(size if i == axis else v for i, v in enumerate(s)))
+
+
+def _pad(b: _Builder) -> None:
+    x = b.pick()
+    s = b.shapes[x]
+    mode = b.choice(("constant", "reflect", "edge"))
+    pads = [0] * (2 * len(s))
+    for i in range(1, len(s)):
+        limit = s[i] - 1 if mode == "reflect" else 2
+        pads[i], pads[i + len(s)] = (b.draw(st.integers(0, max(0, min(2, limit)))) for _ in range(2))
+    shape = tuple(d + pads[i] + pads[i + len(s)] for i, d in enumerate(s))
+    if np.prod(shape) > MAX_ELEMENTS:
+        return _unary(b)
+    inputs = [x, b.init(np.array(pads, np.int64), "pads")]
+    value = b.choice((None, 0.0, 1.5)) if mode == "constant" else None
+    if value is not None:
+        inputs.append(b.init(np.array(value, np.float32), "pad_value"))
+    y = b.add("Pad", inputs, mode=mode)[0]
+    b.ops.append(f"Pad({mode},{value})")
+    b.act(y, shape)
+
+
+OPS = {
+    "Relu": lambda b: _unary(b, "Relu"),
+    "Conv": _conv,
+    "ConvTranspose": lambda b: _conv(b, transpose=True),
+    "Gemm": _gemm,
+    "MatMul": _matmul,
+    "Add": lambda b: _binary(b, "Add"),
+    "Sub": lambda b: _binary(b, "Sub"),
+    "Mul": lambda b: _binary(b, "Mul"),
+    "Div": lambda b: _binary(b, "Div"),
+    "Concat": _concat,
+    "MaxPool": lambda b: _pool(b, "MaxPool"),
+    "AveragePool": lambda b: _pool(b, "AveragePool"),
+    "GlobalAveragePool": lambda b: _pool(b, "GlobalAveragePool"),
+    "Clip": lambda b: _unary(b, "Clip"),
+    "LeakyRelu": lambda b: _unary(b, "LeakyRelu"),
+    "Sigmoid": lambda b: _unary(b, "Sigmoid"),
+    "Tanh": lambda b: _unary(b, "Tanh"),
+    "HardSigmoid": lambda b: _unary(b, "HardSigmoid"),
+    "HardSwish": lambda b: _unary(b, "HardSwish"),
+    "Softmax": lambda b: _unary(b, "Softmax"),
+    "Abs": lambda b: _unary(b, "Abs"),
+    "Neg": lambda b: _unary(b, "Neg"),
+    "LayerNormalization": _layernorm,
+    "InstanceNormalization": _instancenorm,
+    "BatchNormalization": _batchnorm,
+    "Where": _where,
+    "Resize": _resize,
+    "Reshape": _reshape,
+    "Transpose": _transpose,
+    "Flatten": _flatten,
+    "Squeeze": _squeeze,
+    "Slice": _slice,
+    "Gather": _gather,
+    "Split": _split,
+    "Pad": _pad,
+}
+
+
+@st.composite
+def models(draw, min_ops: int = 1, max_ops: int = 16):
+    """A random valid float model; returns ``(ModelProto, input specs, ops, activation names)``."""
+    opset = draw(st.sampled_from(OPSETS))
+    batch = draw(st.sampled_from((1, 1, 2)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    b = _Builder(draw, rng, opset, batch, symbolic=draw(st.integers(0, 9)) == 9)
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(("nchw", "nchw", "nk", "nsk")))
+        c, h, w = (draw(st.integers(1, 4)), draw(st.integers(1, 6)), draw(st.integers(1, 6)))
+        b.input({"nchw": (batch, c, h, w), "nk": (batch, c * h), "nsk": (batch, h, c * w)}[kind], batched=True)
+    for _ in range(draw(st.integers(min_ops, max_ops))):
+        name = draw(st.sampled_from(list(OPS)))
+        OPS[name](b)
+    outputs = [t for t in b.pool if not b.reads.get(t) and t not in b.data]
+    extra = [t for t in b.pool if b.reads.get(t) and t not in b.data]
+    if extra and (not outputs or draw(st.integers(0, 3)) == 3):
+        outputs.append(extra[draw(st.integers(0, len(extra) - 1))])
+    if draw(st.integers(0, 19)) == 19 or not outputs:   # a graph input that is also a graph output
+        outputs.append(next(t for t in b.pool if t in b.data))
+    declare = draw(st.booleans()) and not b.symbolic
+    out_info = [helper.make_tensor_value_info(t, TensorProto.FLOAT, list(b.shapes[t]) if declare
+                                              else [None] * len(b.shapes[t])) for t in outputs]
+    graph = helper.make_graph(b.nodes, "fuzz", b.inputs, out_info, b.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 10
+    acts = [t for t in b.pool if t not in b.data and t not in b.unstable]
+    return model, b.data, b.ops, acts
+
+
+def feeds_for(specs: dict, seed: int, count: int = 4) -> list[dict]:
+    """``count`` random feeds for the graph inputs described by ``models()``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        feed = {}
+        for name, (kind, shape, high) in specs.items():
+            if kind == "float":
+                feed[name] = (rng.standard_normal(shape) * 1.0).astype(np.float32)
+            elif kind == "bool":
+                feed[name] = rng.random(shape) < 0.5
+            else:
+                feed[name] = rng.integers(0, high, shape).astype(np.int64)
+        out.append(feed)
+    return out
+
+
+@st.composite
+def configs(draw, activations: list[str] = ()):
+    """A random QuantConfig as a dict (only keys that differ from the defaults, some of the time)."""
+    cfg: dict = {}
+    if draw(st.booleans()):
+        cfg["activation_type"] = draw(st.sampled_from(ACTIVATION_TYPES))
+    if draw(st.booleans()):
+        cfg["weight_type"] = draw(st.sampled_from(WEIGHT_TYPES))
+    for key in ("per_channel", "activation_symmetric", "reduce_range", "keep_removable_activations"):
+        if draw(st.integers(0, 3)) == 3:
+            cfg[key] = True
+    if draw(st.integers(0, 4)) == 4:
+        cfg["activation_restricted_asymmetric"] = True
+    if draw(st.integers(0, 3)) == 3:
+        cfg["weight_symmetric"] = draw(st.booleans())
+    if draw(st.integers(0, 9)) == 9:
+        cfg["quantize_bias"] = False
+    method = draw(st.sampled_from(CALIBRATION))
+    if method != "minmax" or draw(st.booleans()):
+        cal = {"method": method}
+        if method == "entropy":
+            cal["num_bins"] = draw(st.sampled_from((16, 128)))
+        if method == "percentile":
+            cal["percentile"] = draw(st.sampled_from((99.0, 99.999, 100.0)))
+            cal["symmetric"] = draw(st.booleans())
+        if method == "minmax" and draw(st.booleans()):
+            cal["moving_average"] = True
+        cfg["calibration"] = cal
+    if activations and draw(st.integers(0, 3)) == 3:
+        base = cfg.get("activation_type", "uint8")
+        wide = ("uint16", "int16") if base in ("uint8", "int8", "uint4", "int4") else ("uint8", "int8")
+        mp = {}
+        for _ in range(draw(st.integers(1, 2))):
+            name = activations[draw(st.integers(0, len(activations) - 1))]
+            qt = draw(st.sampled_from(wide))
+            mp[name] = qt if draw(st.booleans()) else {"quant_type": qt, "symmetric": draw(st.booleans())}
+        cfg["mixed_precision"] = mp
+    return cfg
+
+
+@st.composite
+def cases(draw, min_ops: int = 1, max_ops: int = 16):
+    """A :class:`FuzzCase`: model, 4 calibration feeds, config."""
+    model, specs, ops, acts = draw(models(min_ops, max_ops))
+    config = draw(configs(acts))
+    feeds = feeds_for(specs, draw(st.integers(0, 2**16)))
+    return FuzzCase(model, feeds, config, ops)
+
+
+# -- running a case ----------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    """What the default pipeline did with a case: ``ok``, ``error`` (a QpassesError) or ``crash``.
+
+    ``kind`` groups outcomes for counting (the error class and message with names and numbers
+    blanked, or the crash's stage and exception site); ``detail`` is the full message.
+    """
+
+    status: str
+    kind: str
+    detail: str = ""
+    snr: dict = field(default_factory=dict)
+
+
+def run_case(case: FuzzCase, snr_floor=None) -> Outcome:
+    """Quantize ``case`` with the default pipeline and check the result.
+
+    ok: the model passes onnx.checker, runs in onnxruntime with the float model's outputs and
+    shapes, and every output's SNR (on the calibration feeds) is not NaN, and at least
+    ``snr_floor(case.config)`` dB when that returns a number. error: a one-line QpassesError.
+    Anything else is a crash.
+    """
+    import qpasses
+    from qpasses.evaluate import session, snr_db
+
+    try:
+        onnx.checker.check_model(case.model)
+        ref_sess = session(case.model)
+        refs = [ref_sess.run(None, f) for f in case.feeds]
+    except Exception as exc:  # the strategy made an invalid model: a bug in this module
+        return _crash("invalid-model", exc)
+    before = case.model.SerializeToString()
+    try:
+        q = qpasses.quantize(case.model, case.feeds, config=case.config)
+    except qpasses.QpassesError as exc:
+        text = str(exc)
+        if not text.strip() or "\n" in text.strip() or "Traceback" in text:
+            return _crash("unclear-error", exc)
+        return Outcome("error", f"{type(exc).__name__}: {_blank(text)}", text)
+    except Exception as exc:
+        return _crash("pipeline", exc)
+    if case.model.SerializeToString() != before:
+        return Outcome("crash", "input-mutated", "quantize() changed the ModelProto it was given")
+    stage = "export"
+    try:
+        proto = q.to_proto()
+        stage = "checker"
+        onnx.checker.check_model(proto)
+        stage = "ort-load"
+        sess = session(proto)
+        stage = "ort-run"
+        outs = [sess.run([o.name for o in ref_sess.get_outputs()], f) for f in case.feeds]
+    except Exception as exc:
+        return _crash(stage, exc)
+    snr = {}
+    for i, out in enumerate(ref_sess.get_outputs()):
+        ref = np.concatenate([np.ravel(r[i]) for r in refs])
+        got = [o[i] for o in outs]
+        if any(g.shape != r[i].shape for g, r in zip(got, refs)):
+            return Outcome("crash", "output-shape", f"output '{out.name}' changed shape")
+        snr[out.name] = snr_db(ref, np.concatenate([np.ravel(g) for g in got]))
+    if any(math.isnan(v) for v in snr.values()):
+        return Outcome("crash", "snr-nan", f"NaN SNR: {snr}", snr)
+    floor = snr_floor(case.config) if snr_floor else None
+    if floor is not None and min(snr.values()) < floor:
+        return Outcome("crash", "snr-low", f"SNR {min(snr.values()):.1f} dB < floor {floor} dB: {snr}", snr)
+    return Outcome("ok", "ok", "", snr)
+
+
+def _crash(stage: str, exc: BaseException) -> Outcome:
+    """A crash outcome whose kind names the stage, the exception type and where it was raised."""
+    import traceback
+
+    inner = exc.__cause__ or exc
+    frames = traceback.extract_tb(inner.__traceback__)
+    ours = [f for f in frames if "/qpasses/" in f.filename] or frames
+    where = f"{ours[-1].filename.rsplit('/qpasses/', 1)[-1]}:{ours[-1].lineno}" if ours else "?"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return Outcome("crash", f"{stage}: {type(inner).__name__} at {where}", f"{type(exc).__name__}: {first}")
+
+
+def _blank(text: str) -> str:
+    """A message with quoted names and numbers replaced, so errors of one kind count together."""
+    import re
+
+    text = re.sub(r"'[^']*'", "'…'", text)
+    return re.sub(r"-?\d+(\.\d+)?(e-?\d+)?", "N", text)[:120]
