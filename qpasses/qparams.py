@@ -47,13 +47,13 @@ def quantize(x, scale, zero_point, qt: QType | str, axis: int | None = None) -> 
     qt = qtype(qt)
     x = np.asarray(x, dtype=np.float64)
     q = np.rint(x / _broadcast(scale, x, axis)) + _broadcast(zero_point, x, axis)
-    return np.clip(q, qt.qmin, qt.qmax).astype(qt.storage)
+    return np.asarray(np.clip(q, qt.qmin, qt.qmax), dtype=qt.storage)  # 0-d stays an array
 
 
 def dequantize(q, scale, zero_point, axis: int | None = None) -> np.ndarray:
     """(q - zero_point) * scale as float32 (ONNX DequantizeLinear)."""
     q = np.asarray(q, dtype=np.float64)
-    return ((q - _broadcast(zero_point, q, axis)) * _broadcast(scale, q, axis)).astype(np.float32)
+    return np.asarray((q - _broadcast(zero_point, q, axis)) * _broadcast(scale, q, axis), dtype=np.float32)
 
 
 # -- ranges -> (scale, zero_point) ----------------------------------------------------------------

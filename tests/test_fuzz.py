@@ -1,0 +1,37 @@
+"""Fuzzing the default pipeline: random valid models and configs either quantize to a model that
+passes onnx.checker, runs in onnxruntime with a finite SNR, or fail with a one-line QpassesError.
+
+Long runs: ``python tools/fuzz.py N``. Crashes found by fuzzing stay below as regression cases
+(the minimal model hypothesis found, in ONNX text, with the config that triggered it).
+"""
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from qpasses.strategies import FuzzCase, cases, run_case
+from qpasses.testing import parse, random_feed
+
+
+@settings(max_examples=200, derandomize=True, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(cases())
+def test_default_pipeline_on_random_models(case):
+    outcome = run_case(case)
+    assert outcome.status != "crash", f"{outcome.kind}: {outcome.detail}"
+
+
+# (bug, model text, config): each crashed the default pipeline before its fix
+REGRESSIONS = [
+    ("qparams.quantize returned a numpy scalar for a 0-d constant: gs.Constant refused it",
+     """
+     fuzz (float[1,1,1,1] x1) => (float[1,1,1,1] y) <float k = {0.06286511}> {
+        y = Mul (k, x1)
+     }""", {}),
+]
+
+
+@pytest.mark.parametrize("bug,text,config", REGRESSIONS, ids=[r[0].split(":")[0] for r in REGRESSIONS])
+def test_regression(bug, text, config):
+    model = parse(text)
+    case = FuzzCase(model, [random_feed(model, seed) for seed in range(4)], config)
+    outcome = run_case(case)
+    assert outcome.status == "ok", f"{bug}: {outcome.kind}: {outcome.detail}"
