@@ -42,8 +42,11 @@ def node_reads(node: gs.Node) -> list[str]:
     Constant tensors read inside a subgraph count too (they may be outer-scope initializers).
     """
     names = [t.name for t in node.inputs if t.name]
-    for sub in subgraphs(node):
-        names.extend(outer_reads(sub))
+    for value in node.attrs.values():
+        if isinstance(value, (gs.Graph, list, tuple)):  # cheap test first: most nodes have none
+            for sub in subgraphs(node):
+                names.extend(outer_reads(sub))
+            break
     return names
 
 
@@ -110,10 +113,13 @@ def topological_order(graph: gs.Graph) -> list[gs.Node]:
     """
     nodes = list(graph.nodes)
     position = {t.name: i for i, node in enumerate(nodes) for t in node.outputs if t.name}
+    reads = [node_reads(node) for node in nodes]
+    if all(position.get(name, -1) < i for i, names in enumerate(reads) for name in names):
+        return nodes  # already sorted
     indegree = [0] * len(nodes)
     successors: list[list[int]] = [[] for _ in nodes]
-    for i, node in enumerate(nodes):
-        deps = {position[n] for n in node_reads(node) if n in position}
+    for i, names in enumerate(reads):
+        deps = {position[n] for n in names if n in position}
         indegree[i] = len(deps)
         for j in deps:
             successors[j].append(i)

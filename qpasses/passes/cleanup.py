@@ -33,9 +33,9 @@ class Cleanup(Pass):
     example: ClassVar[str] = """\
 <ir_version: 10, opset_import: ["" : 17]>
 g (float[2] x) => (float[2] y) <float[2] a = {1,2}, float[2] b = {1,2}, float[2] c = {3,4}> {
-   y = Add (t, b)
    t = Mul (x, a)
    unused = Sub (x, c)
+   y = Add (t, b)
 }"""
     example_prelude: ClassVar[str] = ""
 
@@ -86,7 +86,7 @@ def _merge_duplicates(model: QModel, nodes: list[gs.Node]) -> int:
                 seen.add(id(t))
                 if not isinstance(t._values, (np.ndarray, LazyValues)):
                     continue  # sparse
-                by_shape.setdefault((str(t.dtype), tuple(t.shape)), []).append(t)
+                by_shape.setdefault((t.dtype, tuple(t.shape)), []).append(t)
     merged = 0
     for group in by_shape.values():
         if len(group) < 2:

@@ -25,6 +25,8 @@ WEIGHT_SLOTS = {
     "BatchNormalization": {1, 2, 3, 4}, "InstanceNormalization": {1, 2}, "LayerNormalization": {1, 2},
     "LSTM": {1, 2, 3}, "GRU": {1, 2, 3}, "RNN": {1, 2, 3}}
 _DEFAULT_DOMAINS = (None, "", "ai.onnx")
+CHUNK = 512  # nodes per onnxruntime session
+_DIRECT_OPS = ("Constant", "Shape", "Size")
 
 
 @register
@@ -35,8 +37,8 @@ class FoldConstants(Pass):
     ConstantOfShape, Shape/Size of tensors with a fully static shape, and any default-domain op on them.
 
     Writes: folded tensors become initializers under the same name (readers and graph outputs are
-    unchanged); the producer nodes that became dead are removed. Evaluation uses one onnxruntime
-    session for the whole foldable subgraph, then onnx.reference, then node by node.
+    unchanged); the producer nodes that became dead are removed. Evaluation runs the foldable
+    subgraph in onnxruntime (sessions of up to 512 nodes), then onnx.reference, then node by node.
 
     Invariants: never folds QuantizeLinear/DequantizeLinear, random ops, nodes with subgraphs or
     nodes of other domains; outputs in onnxruntime are unchanged; a second run folds nothing.
@@ -84,10 +86,11 @@ g (float[1,4] x) => (float[1,4] y) {
             if not failed:
                 break
             kept |= failed
-        for t in plan.frontier:
-            replace_all_uses(t, make_constant(t.name, values[t.name]), graph)
-        dead: dict[int, gs.Node] = {}
         outputs = {id(t) for t in graph.outputs}
+        for t in plan.frontier:
+            replace_all_uses(t, make_constant(t.name, values[t.name]), graph if id(t) in outputs else None)
+        outputs = {id(t) for t in graph.outputs}
+        dead: dict[int, gs.Node] = {}
         for node in reversed(plan.needed):
             if all(id(t) not in outputs and all(id(r) in dead for r in t.outputs) for t in node.outputs):
                 dead[id(node)] = node
@@ -109,15 +112,17 @@ class _Plan:
         fold_ids: set[int] = set()
         const: set[str] = set()                 # names of tensors produced by foldable nodes
         for node in order:
-            if id(node) in kept or not _eligible(node):
+            if id(node) in kept:
                 continue
-            thunk = _direct(node, feedable)
+            thunk = _direct(node, feedable) if node.op in _DIRECT_OPS else None
+            if thunk is None and (not node.inputs or not all(
+                    not t.name or t.name in const or (isinstance(t, gs.Constant) and t.name not in feedable)
+                    for t in node.inputs)):
+                continue
+            if not _eligible(node):
+                continue
             if thunk is not None:
                 self.direct[id(node)] = thunk
-            elif not node.inputs or not all(
-                    not t.name or t.name in const or (isinstance(t, gs.Constant) and t.name not in feedable)
-                    for t in node.inputs):
-                continue
             foldable.append(node)
             fold_ids.add(id(node))
             const.update(t.name for t in node.outputs if t.name)
@@ -205,31 +210,47 @@ def _storable(value) -> bool:
 
 # -- evaluation -------------------------------------------------------------------------------
 def _evaluate(plan: _Plan, wanted: list[gs.Tensor], values: dict, opset: int) -> set[int]:
-    """Fill ``values`` for ``wanted`` tensors; returns ids of nodes that could not be evaluated."""
-    if not wanted:
-        return set()
+    """Fill ``values`` for ``wanted`` tensors; returns ids of nodes that could not be evaluated.
+
+    The nodes run in onnxruntime sessions of at most CHUNK nodes each (session creation grows
+    faster than linearly with the node count); a chunk ORT and onnx.reference both refuse is
+    evaluated node by node.
+    """
     for node in plan.needed:
         if id(node) in plan.direct and node.outputs[0].name not in values:
             values[node.outputs[0].name] = plan.direct[id(node)]()
-    run = [n for n in plan.needed if id(n) not in plan.direct]
-    names = [t.name for t in wanted if t.name not in values]
-    if not names:
+    missing = {t.name for t in wanted if t.name not in values}
+    if not missing:
         return set()
-    proto = _submodel(run, names, values, opset)
-    result = _run(proto, names)
-    if result is not None:
-        values.update(zip(names, result))
-        return set()
-    failed: set[int] = set()   # evaluate node by node, keeping every intermediate
-    for node in run:
-        if not all(not t.name or t.name in values or isinstance(t, gs.Constant) for t in node.inputs):
-            continue  # an input could not be computed
-        outs = [t.name for t in node.outputs if t.name]
-        result = _run(_submodel([node], outs, values, opset), outs)
-        if result is None:
-            failed.add(id(node))
-        else:
+    run = [n for n in plan.needed if id(n) not in plan.direct
+           and not all(not t.name or t.name in values for t in n.outputs)]
+    chunks = [run[i:i + CHUNK] for i in range(0, len(run), CHUNK)]
+    last_read = {t.name: k for k, chunk in enumerate(chunks) for n in chunk for t in n.inputs}
+    failed: set[int] = set()
+    for k, chunk in enumerate(chunks):
+        available = set(values)
+        nodes = []
+        for node in chunk:   # skip nodes downstream of a failure
+            if all(not t.name or t.name in available or isinstance(t, gs.Constant) for t in node.inputs):
+                nodes.append(node)
+                available.update(t.name for t in node.outputs if t.name)
+        outs = [t.name for n in nodes for t in n.outputs
+                if t.name and (t.name in missing or last_read.get(t.name, -1) > k)]
+        if not outs:
+            continue
+        result = _run(_submodel(nodes, outs, values, opset), outs)
+        if result is not None:
             values.update(zip(outs, result))
+            continue
+        for node in nodes:   # node by node, keeping every intermediate
+            if not all(not t.name or t.name in values or isinstance(t, gs.Constant) for t in node.inputs):
+                continue
+            node_outs = [t.name for t in node.outputs if t.name]
+            result = _run(_submodel([node], node_outs, values, opset), node_outs)
+            if result is None:
+                failed.add(id(node))
+            else:
+                values.update(zip(node_outs, result))
     return failed
 
 
@@ -266,6 +287,7 @@ def _run(proto: onnx.ModelProto, names: list[str]) -> list[np.ndarray] | None:
         opts = ort.SessionOptions()
         opts.log_severity_level = 4
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        opts.intra_op_num_threads = 1  # tiny kernels: threads would only spin
         sess = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
         return [np.asarray(v) for v in sess.run(names, {})]
     except Exception:

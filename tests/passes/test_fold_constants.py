@@ -187,6 +187,34 @@ def test_onnxruntime_refusal_falls_back(monkeypatch):
     assert_same_outputs(before, after, random_feed(before))
 
 
+def test_evaluation_in_chunks(monkeypatch):
+    m = model_from_text("""
+    g (float[2] x) => (float[2] y, float[2] z) <float[2] k = {1, 2}> {
+       a = Neg (k)
+       b = Exp (a)
+       c = Add (a, b)
+       d = Sin (c)
+       e = Mul (d, a)
+       y = Add (x, e)
+       f = Cos (b)
+       g2 = Add (f, e)
+       z = Mul (x, g2)
+    }""")
+    monkeypatch.setattr(fc, "CHUNK", 2)
+    real, sizes = fc._run, []
+
+    def counting(proto, names):
+        sizes.append(len(proto.graph.node))
+        return None if any(n.op_type == "Sin" for n in proto.graph.node) else real(proto, names)
+
+    monkeypatch.setattr(fc, "_run", counting)
+    before, after, result = _fold(m)
+    assert max(sizes) <= 2
+    assert _ops(after) == {"Sin": 1, "Mul": 2, "Add": 2}       # Sin refused: it and what reads it stay
+    assert {t.name for t in after.graph.initializer} == {"a", "c", "f"}
+    assert_same_outputs(before, after, random_feed(before))
+
+
 def test_reference_evaluator_used_when_onnxruntime_fails(monkeypatch):
     import onnxruntime
 
