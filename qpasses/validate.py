@@ -28,6 +28,8 @@ def validate_proto(proto: onnx.ModelProto) -> None:
     _check_opset(proto)
     for tensor in graph.initializer:
         _check_initializer(tensor)
+    for sparse in graph.sparse_initializer:
+        raise ModelError(f"initializer '{sparse.values.name}' is sparse: qpasses needs dense initializers")
     _check_unique("graph input", [i.name for i in graph.input])
     _check_unique("initializer", [t.name for t in graph.initializer])
     _check_ops(proto)
