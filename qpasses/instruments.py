@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .errors import QpassesError
 from .ir import QModel, save
 from .verify import verify
 
@@ -54,7 +55,10 @@ class DumpAfter(Instrument):
 
     def __init__(self, directory):
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise QpassesError(f"{self.directory}: cannot create the --dump-after folder ({exc.strerror})") from None
 
     def after(self, index, p, model, record):
         save(model, self.directory / f"{index + 1:03d}_{p.name}.onnx")
@@ -66,6 +70,9 @@ class Reproducer(Instrument):
     def __init__(self, directory):
         self.directory = Path(directory)
         self._snapshot = None
+        existing = next(p for p in (self.directory, *self.directory.parents) if p.exists())
+        if not existing.is_dir():  # refuse now: failing while reporting a failure would hide it
+            raise QpassesError(f"{self.directory}: cannot create the --reproducer folder ('{existing}' is a file)")
 
     def before(self, index, p, model):
         self._snapshot = model.to_proto()
