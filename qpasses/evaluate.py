@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import onnx
 
 from .calibration.data import InputSpec, validate
-from .ir import QModel
+from .ir import QModel, load, load_external_data, max_ort_ir_version
 
 
 def session(model):
@@ -20,8 +21,17 @@ def session(model):
         model = model.SerializeToString()
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    return ort.InferenceSession(model if isinstance(model, bytes) else str(model), opts,
-                                providers=["CPUExecutionProvider"])
+    try:
+        return ort.InferenceSession(model if isinstance(model, bytes) else str(model), opts,
+                                    providers=["CPUExecutionProvider"])
+    except Exception:
+        if isinstance(model, bytes):
+            raise
+        proto = onnx.load(str(model), load_external_data=False)  # e.g. an IR version ORT refuses
+        if proto.ir_version <= max_ort_ir_version():
+            raise
+        load_external_data(proto, Path(model).parent)
+        return session(load(proto))
 
 
 def _input_specs(sess) -> list:
