@@ -116,6 +116,7 @@ def cmd_run(args) -> int:
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     timer = TimePasses()
     model = load(src)
+    eval_data = _checked_eval_data(args.eval, model) if args.eval else None
     model, records = run_pipeline(model, args.passes, config=args.config, calibration_data=args.calib,
                                   verify_each=args.verify_each, dump_after=args.dump_after,
                                   reproducer=args.reproducer, time_passes=timer)
@@ -126,10 +127,8 @@ def cmd_run(args) -> int:
                           "stats": r.stats} for r in records],
               "facts": sorted(model.facts), "findings": model.report}
     if "qdq-inserted" in model.facts:
-        from .calibration.data import open_data
-
-        data = open_data(args.eval) if args.eval else model.calibration_data
-        report["accuracy"] = compare(src, out, data, max_samples=32)
+        data = eval_data or model.calibration_data
+        report["accuracy"] = compare(src, out, data, max_samples=_EVAL_SAMPLES)
         say(f"qpasses: output SNR vs float: {_fmt_db(report['accuracy']['snr_db'])} "
             f"over {report['accuracy']['samples']} samples")
     if args.time_passes and not args.quiet:
@@ -138,6 +137,19 @@ def cmd_run(args) -> int:
         _write_json(Path(args.report), report)
     say(f"qpasses: wrote {out}")
     return 0
+
+
+def _checked_eval_data(source, model):
+    """Open --eval data and check the samples the report uses, before anything is written."""
+    from .calibration.data import model_inputs, open_data
+
+    data = open_data(source)
+    for _ in data.validated(model_inputs(model), max_samples=_EVAL_SAMPLES):
+        pass
+    return data
+
+
+_EVAL_SAMPLES = 32
 
 
 def _fmt_db(value: float) -> str:
