@@ -89,6 +89,36 @@ def _external(m, location):
         entry.key, entry.value = key, value
 
 
+def _short_float_data(m):
+    t = m.graph.initializer[0]
+    values = numpy_helper.to_array(t).ravel()[:10].tolist()
+    t.ClearField("raw_data")
+    t.float_data.extend(values)
+
+
+def _sparse(m):
+    values = helper.make_tensor("s", F32, [1], [1.0])
+    m.graph.sparse_initializer.append(helper.make_sparse_tensor(
+        values, helper.make_tensor("s_indices", TensorProto.INT64, [1], [0]), [4]))
+    m.graph.node.append(helper.make_node("Add", ["y", "s"], ["z"], name="sparse_add"))
+    m.graph.output[0].name = "z"
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+def _npz(path: Path, arrays: dict) -> Path:
+    np.savez(path, **arrays)
+    return path
+
+
+def _npy(d: Path) -> Path:
+    np.save(d / "c.npy", feeds()["x"])
+    return d / "c.npy"
+
+
 def _symlinked_external(d: Path) -> list:
     """The weights file is a symlink inside the folder that points outside it."""
     outside = d.parent / "outside.bin"
@@ -228,6 +258,8 @@ BAD = [
      "node 'add' reads 'ghost'"),
     ("output not produced", lambda d, o: run(d, edited(mlp(), lambda m: setattr(m.graph.output[0], "name", "zz"))),
      "graph output 'zz'"),
+    ("initializer values", lambda d, o: run(d, edited(mlp(), _short_float_data)), "initializer 'w': 10 values"),
+    ("sparse initializer", lambda d, o: run(d, edited(mlp(), _sparse)), "initializer 's' is sparse"),
     ("initializer bytes", lambda d, o: run(d, edited(mlp(), _bad_bytes)), "initializer 'w'"),
     ("opset 9", lambda d, o: run(d, mlp(opset=9)), "opset 9 is too old"),
     ("opset 99", lambda d, o: run(d, mlp(opset=99)), "opset 99"),
@@ -258,6 +290,13 @@ BAD = [
     ("calib zero samples", lambda d, o: run(d, calib=feeds(n=0)), "no samples"),
     ("calib needs pickle", lambda d, o: run(d, calib=object_npz()), "needs pickle"),
     ("calib not npz", lambda d, o: run(d, calib=b"garbage"), "not a readable .npz"),
+    ("calib empty folder", lambda d, o: run(d, extra=["--calib", _mkdir(d / "calib")]), "holds no .npz files"),
+    ("calib .npy file", lambda d, o: run(d, extra=["--calib", _npy(d)]), "c.npy: expected an .npz file"),
+    ("calib scalar array", lambda d, o: run(d, calib={"x": np.float32(1)}), "array 'x' is a scalar"),
+    ("calib overflows float16", lambda d, o: run(d, mlp(TensorProto.FLOAT16), calib=feeds(n=2) | {
+        "x": np.full((2, 1, 4), 1e6, np.float32)}), "Inf after casting float32 to float16"),
+    ("eval data wrong shape", lambda d, o: run(d, calib=feeds(), extra=["--eval", _npz(d / "e.npz", feeds(shape=(1, 5)))]),
+     "e.npz: sample 0: input 'x' has shape (1, 5)", CLI_ONLY),
     ("calib missing file", lambda d, o: ["run", write_model(d, mlp()), "--calib", d / "none.npz"], "none.npz"),
     ("override unknown tensor", lambda d, o: run(d, calib=feeds(), config={
         "tensor_overrides": {"ghost": [{"quant_type": "uint16"}]}}), "ghost"),
@@ -265,6 +304,10 @@ BAD = [
         "tensor_overrides": {"mm": [{"scale": 0.1, "zero_point": 0, "symmetric": True}]}}), "contradict"),
     ("override rmin > rmax", lambda d, o: run(d, calib=feeds(), config={
         "tensor_overrides": {"mm": [{"rmin": 1.0, "rmax": -1.0}]}}), "rmin 1.0 is greater than rmax"),
+    ("override not a list", lambda d, o: run(d, calib=feeds(), config={
+        "tensor_overrides": {"mm": {"quant_type": "uint16"}}}), "tensor_overrides['mm']: expected a list"),
+    ("mixed precision unknown tensor", lambda d, o: run(d, calib=feeds(), config={
+        "mixed_precision": {"ghost": "uint16"}}), "mixed_precision: unknown tensor 'ghost'"),
     ("exclude unknown node", lambda d, o: run(d, calib=feeds(), config={"nodes_to_exclude": ["matmull"]}),
      "did you mean 'matmul'"),
     ("config not json", lambda d, o: run(d, config="{not json"), "config.json: not valid JSON"),
@@ -277,6 +320,11 @@ BAD = [
     ("config bad value", lambda d, o: run(d, config={"activation_type": "uint9"}), "activation_type"),
     ("missing config", lambda d, o: run(d, extra=["--config", d / "none.json"]), "none.json"),
     ("unknown pass", lambda d, o: run(d, extra=["--passes", "fold-constant"]), "did you mean 'fold-constants'"),
+    ("pass before its facts", lambda d, o: run(d, extra=["--passes", "insert-qdq"]), "run 'compute-qparams' before it"),
+    ("dump-after under a file", lambda d, o: run(d, extra=["--dump-after", d / "model.onnx" / "dump"]),
+     "cannot create the --dump-after folder"),
+    ("reproducer under a file", lambda d, o: run(d, extra=["--reproducer", d / "model.onnx" / "r"]),
+     "cannot create the --reproducer folder"),
     ("output folder missing", lambda d, o: run(d, extra=["-o", o / "missing" / "q.onnx"]), "does not exist"),
     ("output under a file", lambda d, o: run(d, extra=["-o", d / "model.onnx" / "q.onnx"]),
      "model.onnx' is not a folder"),
@@ -311,7 +359,8 @@ def _api(args: list) -> None:
     """What the CLI does, through the Python API: run_pipeline, then save."""
     opts = dict(zip(args[2::2], args[3::2]))
     model, _ = run_pipeline(args[1], opts.get("--passes"), config=opts.get("--config"),
-                            calibration_data=opts.get("--calib"))
+                            calibration_data=opts.get("--calib"), dump_after=opts.get("--dump-after"),
+                            reproducer=opts.get("--reproducer"))
     save(model, opts["-o"])
 
 
@@ -392,7 +441,22 @@ GOOD = [
     ("calib without batch axis", lambda d: run(d, calib={"x": feeds()["x"][:, 0]})),
     ("yaml config", lambda d: run(d, calib=feeds(), config="%yaml 1.2\n---\nper_channel: true\n")),
     ("external data inside folder", lambda d: _inside_external(d)),
+    ("ir_version newer than onnxruntime", lambda d: run(d, edited(mlp(), lambda m: setattr(m, "ir_version", 99)),
+                                                        calib=feeds())),
+    ("initializer as graph output", lambda d: run(d, edited(mlp(), lambda m: m.graph.output.append(
+        helper.make_tensor_value_info("w", F32, [4, 4]))), calib=feeds())),
+    ("input as graph output", lambda d: run(d, edited(mlp(), lambda m: m.graph.output.append(
+        helper.make_tensor_value_info("x", F32, [1, 4]))), calib=feeds())),
+    ("unnamed nodes, odd tensor names", lambda d: run(d, edited(mlp(), _odd_names), calib=feeds())),
 ]
+
+
+def _odd_names(m):
+    renames = {"mm": "model/dense/MatMul:0", "add": "model/dense/BiasAdd:0"}
+    for node in m.graph.node:
+        node.name = ""
+        node.input[:] = [renames.get(n, n) for n in node.input]
+        node.output[:] = [renames.get(n, n) for n in node.output]
 
 
 def _inside_external(d: Path) -> list:
