@@ -288,7 +288,7 @@ def entropy_range(hist: Histogram, num_bins: int = 2048, bits: int = 8,
         t = float(cand[int(np.argmin(kl))]) * amax / num_bins
     if symmetric:
         return (-t, t)
-    return (max(lo, -t), min(hi, t)) if not one_sided else ((lo, max(min(hi, t), lo)) if lo >= 0 else (min(max(lo, -t), hi), hi))
+    return (min(max(lo, -t), hi), max(min(hi, t), lo))   # [-t, t] clipped to the observed range
 
 
 def _degenerate(hist: Histogram, symmetric: bool) -> tuple[float, float]:
