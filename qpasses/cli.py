@@ -113,6 +113,8 @@ def cmd_run(args) -> int:
         if path is not None and not path.parent.is_dir():
             state = "is not a folder" if path.parent.exists() else "does not exist"
             raise QpassesError(f"{path}: output folder '{path.parent}' {state}")
+        if path is not None and path.is_dir():
+            raise QpassesError(f"{path}: is a folder; give the output file's path")
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     timer = TimePasses()
     model = load(src)

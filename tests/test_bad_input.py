@@ -330,6 +330,7 @@ BAD = [
      "model.onnx' is not a folder"),
     ("report folder missing", lambda d, o: run(d, extra=["--report", o / "missing" / "r.json"]), "does not exist",
      CLI_ONLY),
+    ("output is a folder", lambda d, o: run(d, extra=["-o", o]), "out: is a folder", CLI_ONLY),
     ("output is input", lambda d, o: run(d, extra=["-o", d / "model.onnx"]), "overwrite the input", CLI_ONLY),
     ("output folder read-only", lambda d, o: run(d, calib=feeds()), "Permission denied", {"patch": _read_only_folder}),
     ("disk full", lambda d, o: _previous_output(d, o / "q.onnx"), "No space left on device", {"patch": _disk_full}),
