@@ -283,6 +283,9 @@ def is_quantized(tensor: gs.Tensor) -> bool:
 # bump would silently change results, so onnx.version_converter must rewrite them.
 MEANING_CHANGED = {"Softmax": 13, "LogSoftmax": 13, "Hardmax": 13, "Resize": 11,
                    "GroupNormalization": 21, "RoiAlign": 16, "GridSample": 20}
+# Forms of a node that a bump across this opset breaks although the op's signature is kept:
+# from 18 an equal Split (no 'split' input) needs the num_outputs attribute.
+BROKEN_FORMS = {"Split": (18, lambda node: len(node.inputs) < 2 or not node.inputs[1].name)}
 # Changes onnx.version_converter gets wrong (measured): refuse rather than convert.
 NOT_CONVERTIBLE = {"Resize": 11}   # 10 -> 11 keeps 'asymmetric' coordinates only implicitly
 
@@ -337,7 +340,8 @@ def ops_needing_rewrite(model: QModel, opset: int) -> dict[str, str]:
     for node in _default_domain_nodes(model.graph):
         if node.op not in verdict:
             verdict[node.op] = signature_kept(node.op, old, opset)
-        if not verdict[node.op]:
+        since, broken = BROKEN_FORMS.get(node.op, (0, None))
+        if not verdict[node.op] or (old < since <= opset and broken(node)):
             found.setdefault(node.op, node.name)
     return found
 
