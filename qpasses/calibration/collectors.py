@@ -67,19 +67,20 @@ class Histogram:
             return
         if x.dtype not in (np.float32, np.float64):
             x = x.astype(np.float32)
-        lo = float(x.min()) if lo is None else float(lo)
-        hi = float(x.max()) if hi is None else float(hi)
-        lo, hi = min(lo, self.lo), max(hi, self.hi)
+        flat = x.reshape(-1)
+        x_lo = float(flat.min()) if lo is None else float(lo)
+        x_hi = float(flat.max()) if hi is None else float(hi)
+        lo, hi = min(x_lo, self.lo), max(x_hi, self.hi)
         e = self._exponent_for(lo, hi)
         k_lo, k_hi = self._index(lo, e), self._index(hi, e)
         self._regrid(e, k_lo, k_hi)
         self.lo, self.hi = lo, hi
-        if lo <= 0.0 <= hi:
-            self.zeros += int(np.count_nonzero(x == 0))
+        if x_lo <= 0.0 <= x_hi:
+            self.zeros += int(np.count_nonzero(flat == 0))
         # x * 2**-e is exact (a power-of-two scale), so its floor is the exact absolute bin index
-        t = np.multiply(x, x.dtype.type(math.ldexp(1.0, -e)))
+        t = np.multiply(flat, flat.dtype.type(math.ldexp(1.0, -e)))
         np.floor(t, out=t)
-        index = t.astype(np.intp).ravel()
+        index = t.astype(np.intp)
         index -= self.offset
         counts = np.bincount(index, minlength=self.bins)
         if counts.size > self.bins:  # cannot happen with exact arithmetic; keep counts total anyway
