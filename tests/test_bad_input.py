@@ -434,6 +434,7 @@ GOOD = [
     ("ir_version 3 inputs as initializers", lambda d: run(d, mlp(input_init=True, ir_version=3, opset=10),
                                                           calib=feeds())),
     ("contrib Gelu", lambda d: run(d, _custom_op("com.microsoft", "Gelu"), calib=feeds())),
+    ("custom op defined by a local function", lambda d: run(d, _local_function(), calib=feeds())),
     ("contrib FusedMatMul", lambda d: run(d, mlp(domains=("com.microsoft",), nodes=[
         helper.make_node("FusedMatMul", ["x", "w"], ["mm"], name="fused", domain="com.microsoft", alpha=0.5),
         helper.make_node("Add", ["mm", "b"], ["add"], name="add"),
@@ -450,6 +451,16 @@ GOOD = [
         helper.make_tensor_value_info("x", F32, [1, 4]))), calib=feeds())),
     ("unnamed nodes, odd tensor names", lambda d: run(d, edited(mlp(), _odd_names), calib=feeds())),
 ]
+
+
+def _local_function():
+    """A com.example op that the model defines itself (a FunctionProto): onnxruntime inlines it."""
+    m = _custom_op("com.example", "Swish")
+    m.functions.append(helper.make_function(
+        "com.example", "Swish", ["a"], ["o"],
+        [helper.make_node("Sigmoid", ["a"], ["s"]), helper.make_node("Mul", ["a", "s"], ["o"])],
+        [helper.make_opsetid("", 17)]))
+    return m
 
 
 def _odd_names(m):
