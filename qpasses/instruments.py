@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .errors import QpassesError
+from .errors import ModelError
 from .ir import QModel, save
 from .verify import verify
 
@@ -42,7 +42,6 @@ class VerifyEach(Instrument):
         self.level = level
 
     def after(self, index, p, model, record):
-        from .errors import ModelError
 
         try:
             verify(model, self.level)
@@ -58,7 +57,7 @@ class DumpAfter(Instrument):
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise QpassesError(f"{self.directory}: cannot create the --dump-after folder ({exc.strerror})") from None
+            raise ModelError(f"{self.directory}: cannot create the --dump-after folder ({exc.strerror})") from None
 
     def after(self, index, p, model, record):
         save(model, self.directory / f"{index + 1:03d}_{p.name}.onnx")
@@ -72,7 +71,7 @@ class Reproducer(Instrument):
         self._snapshot = None
         existing = next(p for p in (self.directory, *self.directory.parents) if p.exists())
         if not existing.is_dir():  # refuse now: failing while reporting a failure would hide it
-            raise QpassesError(f"{self.directory}: cannot create the --reproducer folder ('{existing}' is a file)")
+            raise ModelError(f"{self.directory}: cannot create the --reproducer folder ('{existing}' is a file)")
 
     def before(self, index, p, model):
         self._snapshot = model.to_proto()

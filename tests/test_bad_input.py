@@ -388,6 +388,7 @@ def test_bad_input(build, fragment, opts, tmp_path, capsys, monkeypatch):
         with pytest.raises(QpassesError) as info:
             _api(args)
         assert str(info.value) == lines[0][len("qpasses: error: "):]
+        assert type(info.value) is not QpassesError, "raise a specific subclass (ModelError, ConfigError, ...)"
         assert _snapshot(out_dir) == outputs and _snapshot(d) == inputs
 
 
