@@ -42,7 +42,6 @@ class VerifyEach(Instrument):
         self.level = level
 
     def after(self, index, p, model, record):
-
         try:
             verify(model, self.level)
         except ModelError as exc:
