@@ -63,7 +63,7 @@ g (float[1,4] x) => (float[1,4] y) {
     max_output_mb: float = field(default=64.0, metadata={
         "help": "do not materialise a folded tensor larger than this many MB (Expand/Tile blow-ups of small "
                 "constants), unless it is a weight (read as a Conv/Gemm/MatMul/Gather/normalization/RNN "
-                "parameter); 0 = no limit"})
+                "parameter: quantization needs it constant) or a Constant node's value; 0 = no limit"})
 
     def run(self, model: QModel) -> PassResult:
         graph = model.graph
@@ -75,14 +75,14 @@ g (float[1,4] x) => (float[1,4] y) {
         while True:
             plan = _Plan(order, feedable, kept, {id(t) for t in graph.outputs})
             big = {id(t.inputs[0]) for t in plan.frontier
-                   if limit and _static_nbytes(t) > limit and not _is_weight(t)}
+                   if limit and _static_nbytes(t) > limit and not _size_exempt(t)}
             if big:
                 kept |= big
                 continue
             failed = _evaluate(plan, [t for t in plan.frontier if t.name not in values], values, model.opset)
             failed |= {id(t.inputs[0]) for t in plan.frontier if t.name in values and (
                        not _storable(values[t.name])
-                       or (limit and values[t.name].nbytes > limit and not _is_weight(t)))}
+                       or (limit and values[t.name].nbytes > limit and not _size_exempt(t)))}
             if not failed:
                 break
             kept |= failed
@@ -194,8 +194,10 @@ def _static_nbytes(t: gs.Tensor) -> int:
         return 0
 
 
-def _is_weight(t: gs.Tensor) -> bool:
-    return any(i in WEIGHT_SLOTS.get(r.op, ()) for r in t.outputs for i, x in enumerate(r.inputs) if x is t)
+def _size_exempt(t: gs.Tensor) -> bool:
+    """Materialised whatever its size: a Constant node's value (already in the model) or a weight."""
+    return t.inputs[0].op == "Constant" or any(
+        i in WEIGHT_SLOTS.get(r.op, ()) for r in t.outputs for i, x in enumerate(r.inputs) if x is t)
 
 
 def _storable(value) -> bool:

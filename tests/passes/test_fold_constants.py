@@ -148,18 +148,21 @@ def test_large_outputs_are_skipped_unless_weights():
        w = ConstantOfShape <value = float[1] {0.5}> (wshape)
        c = Conv <pads = [1, 1, 1, 1]> (x, w)
        e = ConstantOfShape <value = float[1] {2}> (big)
-       y = Mul (c, e)
+       m = Mul (c, e)
+       k = Constant <value = float[1,1,8,8] {1,2,3,4,5,6,7,8,1,2,3,4,5,6,7,8,1,2,3,4,5,6,7,8,1,2,3,4,5,6,7,8,
+                                            1,2,3,4,5,6,7,8,1,2,3,4,5,6,7,8,1,2,3,4,5,6,7,8,1,2,3,4,5,6,7,8}> ()
+       y = Add (m, k)
     }"""
     m = model_from_text(text)
-    before, after, result = _fold(m, max_output_mb=100 / 2**20)   # 100 bytes: w is 36, e is 256
-    assert result.stats["folded"] == 1 and result.stats["not_folded"] == 1
-    assert _ops(after) == {"Conv": 1, "ConstantOfShape": 1, "Mul": 1}
+    before, after, result = _fold(m, max_output_mb=100 / 2**20)   # 100 bytes: w is 36, e and k 256
+    assert result.stats["folded"] == 2 and result.stats["not_folded"] == 1   # w and the Constant k
+    assert _ops(after) == {"Conv": 1, "ConstantOfShape": 1, "Mul": 1, "Add": 1}
     assert not FoldConstants(max_output_mb=100 / 2**20).run(m).modified
     m2 = model_from_text(text)
     _, after2, _ = _fold(m2, max_output_mb=10 / 2**20)            # the Conv weight folds anyway
     assert "w" in {t.name for t in after2.graph.initializer}
     _, after3, _ = _fold(model_from_text(text), max_output_mb=0)   # 0 = no limit
-    assert _ops(after3) == {"Conv": 1, "Mul": 1}
+    assert _ops(after3) == {"Conv": 1, "Mul": 1, "Add": 1}
     assert_same_outputs(before, after, random_feed(before))
 
 
