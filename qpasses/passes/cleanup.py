@@ -25,7 +25,8 @@ class Cleanup(Pass):
     (readers rewired; never initializers that are graph outputs or that the user may feed, nor two
     with different quantization-table entries); nodes are left in a stable topological order.
 
-    Invariants: graph inputs and outputs are unchanged; a second run changes nothing.
+    Invariants: graph outputs and inputs are unchanged (except an initializer also listed as an input
+    that no live node reads: it leaves the inputs, as on any load/save); a second run changes nothing.
     """
 
     name: ClassVar[str] = "cleanup"
