@@ -191,8 +191,11 @@ def load_config(source=None) -> QuantConfig:
 
 def _read_file(path: Path) -> dict:
     if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
-    text = path.read_text()
+        raise ConfigError(f"{path}: {'is a folder, expected a JSON or YAML file' if path.is_dir() else 'config file not found'}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file (byte {exc.start}); expected JSON or YAML") from None
     if path.suffix.lower() in (".yaml", ".yml"):
         import yaml
 
