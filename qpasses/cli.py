@@ -223,8 +223,10 @@ def cmd_example(args) -> int:
 def cmd_compare(args) -> int:
     from .calibration.data import open_data
     from .evaluate import compare
+    from .ir import load
 
-    result = compare(args.float_model, args.quant_model, open_data(args.data))
+    models = [load(path) for path in (args.float_model, args.quant_model)]  # one-line errors naming the file
+    result = compare(*models, open_data(args.data))
     for name, row in result["outputs"].items():
         print(f"{name}: SNR {_fmt_db(row['snr_db'])}, max abs error {row['max_abs_error']:.6g}")
     print(f"samples: {result['samples']}")

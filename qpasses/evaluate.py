@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 
 from .calibration.data import InputSpec, validate
+from .errors import ModelError
 from .ir import QModel, load, load_external_data, max_ort_ir_version
 
 
@@ -32,6 +33,20 @@ def session(model):
             raise
         load_external_data(proto, Path(model).parent)
         return session(load(proto))
+
+
+def _check_same_signature(ref_sess, test_sess) -> None:
+    """Both models need the same required inputs and the test model every reference output."""
+    def names(args):
+        return sorted(a.name for a in args)
+
+    ref_in, test_in = names(ref_sess.get_inputs()), names(test_sess.get_inputs())
+    missing_out = sorted(set(names(ref_sess.get_outputs())) - set(names(test_sess.get_outputs())))
+    if ref_in != test_in:
+        raise ModelError(f"the models have different inputs (reference: {', '.join(ref_in)}; "
+                         f"compared: {', '.join(test_in)})")
+    if missing_out:
+        raise ModelError(f"the compared model lacks the reference output(s) {', '.join(missing_out)}")
 
 
 def _input_specs(sess) -> list:
@@ -69,6 +84,7 @@ def compare(reference_model, test_model, feeds, max_samples: int | None = None) 
     """Run both models on every feed; per output: SNR over all samples and max abs error."""
     ref_sess, test_sess = session(reference_model), session(test_model)
     names = [o.name for o in ref_sess.get_outputs()]
+    _check_same_signature(ref_sess, test_sess)
     refs: dict[str, list] = {n: [] for n in names}
     tests: dict[str, list] = {n: [] for n in names}
     count = 0
