@@ -104,6 +104,11 @@ def _sparse(m):
     m.graph.output[0].name = "z"
 
 
+def _bytes(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
 def _mkdir(path: Path) -> Path:
     path.mkdir()
     return path
@@ -318,6 +323,9 @@ BAD = [
     ("config unknown nested key", lambda d, o: run(d, config={"calibration": {"metod": "minmax"}}),
      "did you mean 'calibration.method'"),
     ("config bad value", lambda d, o: run(d, config={"activation_type": "uint9"}), "activation_type"),
+    ("config not text", lambda d, o: run(d, extra=["--config", _bytes(d / "c.json", b"\xff\xfe\x00")]),
+     "c.json: not a UTF-8 text file"),
+    ("config is a folder", lambda d, o: run(d, extra=["--config", d]), "is a folder, expected a JSON or YAML file"),
     ("missing config", lambda d, o: run(d, extra=["--config", d / "none.json"]), "none.json"),
     ("unknown pass", lambda d, o: run(d, extra=["--passes", "fold-constant"]), "did you mean 'fold-constants'"),
     ("pass before its facts", lambda d, o: run(d, extra=["--passes", "insert-qdq"]), "run 'compute-qparams' before it"),
@@ -332,6 +340,14 @@ BAD = [
      CLI_ONLY),
     ("output is a folder", lambda d, o: run(d, extra=["-o", o]), "out: is a folder", CLI_ONLY),
     ("output is input", lambda d, o: run(d, extra=["-o", d / "model.onnx"]), "overwrite the input", CLI_ONLY),
+    ("compare missing model", lambda d, o: ["compare", write_model(d, mlp()), d / "q.onnx", "--data",
+                                           _npz(d / "e.npz", feeds())], "q.onnx: no such file", CLI_ONLY),
+    ("compare different inputs", lambda d, o: ["compare", write_model(d, mlp()), write_model(d, _two_inputs(), "q.onnx"),
+                                               "--data", _npz(d / "e.npz", feeds())], "different inputs", CLI_ONLY),
+    ("compare bad data", lambda d, o: ["compare", write_model(d, mlp()), write_model(d, mlp(), "q.onnx"), "--data",
+                                       _npz(d / "e.npz", feeds(shape=(2, 4)))], "input 'x' has shape (2, 4)", CLI_ONLY),
+    ("explain not onnx", lambda d, o: ["explain", _bytes(d / "m.onnx", b"text")], "not a readable ONNX model",
+     CLI_ONLY),
     ("output folder read-only", lambda d, o: run(d, calib=feeds()), "Permission denied", {"patch": _read_only_folder}),
     ("disk full", lambda d, o: _previous_output(d, o / "q.onnx"), "No space left on device", {"patch": _disk_full}),
 ]
@@ -353,7 +369,7 @@ def _snapshot(folder: Path) -> dict:
 
 def _cli_args(args: list, out: Path) -> list:
     args = [str(a) for a in args]
-    return args if "-o" in args else args + ["-o", str(out)]
+    return args if "-o" in args or args[0] != "run" else args + ["-o", str(out)]
 
 
 def _api(args: list) -> None:
