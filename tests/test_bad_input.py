@@ -300,7 +300,8 @@ BAD = [
     ("calib scalar array", lambda d, o: run(d, calib={"x": np.float32(1)}), "array 'x' is a scalar"),
     ("calib overflows float16", lambda d, o: run(d, mlp(TensorProto.FLOAT16), calib=feeds(n=2) | {
         "x": np.full((2, 1, 4), 1e6, np.float32)}), "Inf after casting float32 to float16"),
-    ("eval data wrong shape", lambda d, o: run(d, calib=feeds(), extra=["--eval", _npz(d / "e.npz", feeds(shape=(1, 5)))]),
+    ("eval data wrong shape", lambda d, o: run(d, calib=feeds(), extra=[
+        "--eval", _npz(d / "e.npz", feeds(shape=(1, 5)))]),
      "e.npz: sample 0: input 'x' has shape (1, 5)", CLI_ONLY),
     ("calib missing file", lambda d, o: ["run", write_model(d, mlp()), "--calib", d / "none.npz"], "none.npz"),
     ("override unknown tensor", lambda d, o: run(d, calib=feeds(), config={
@@ -342,8 +343,8 @@ BAD = [
     ("output is input", lambda d, o: run(d, extra=["-o", d / "model.onnx"]), "overwrite the input", CLI_ONLY),
     ("compare missing model", lambda d, o: ["compare", write_model(d, mlp()), d / "q.onnx", "--data",
                                            _npz(d / "e.npz", feeds())], "q.onnx: no such file", CLI_ONLY),
-    ("compare different inputs", lambda d, o: ["compare", write_model(d, mlp()), write_model(d, _two_inputs(), "q.onnx"),
-                                               "--data", _npz(d / "e.npz", feeds())], "different inputs", CLI_ONLY),
+    ("compare different inputs", lambda d, o: ["compare", write_model(d, mlp()), write_model(
+        d, _two_inputs(), "q.onnx"), "--data", _npz(d / "e.npz", feeds())], "different inputs", CLI_ONLY),
     ("compare bad data", lambda d, o: ["compare", write_model(d, mlp()), write_model(d, mlp(), "q.onnx"), "--data",
                                        _npz(d / "e.npz", feeds(shape=(2, 4)))], "input 'x' has shape (2, 4)", CLI_ONLY),
     ("explain not onnx", lambda d, o: ["explain", _bytes(d / "m.onnx", b"text")], "not a readable ONNX model",
