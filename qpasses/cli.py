@@ -107,6 +107,8 @@ def cmd_run(args) -> int:
     from .ir import load, save
 
     src, out = Path(args.model), Path(args.output)
+    if args.quiet:
+        os.environ["QPASSES_NO_PROGRESS"] = "1"
     if out.resolve() == src.resolve():
         raise QpassesError(f"{out}: output would overwrite the input model; choose another path")
     for path in (out, Path(args.report) if args.report else None):
