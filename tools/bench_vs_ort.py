@@ -261,58 +261,75 @@ def latencies(paths: list[Path], feed: dict, runs: int) -> list[float]:
 
 
 # -- mixed precision ---------------------------------------------------------------------------------
-def sensitive_activations(bm, qdq_path: Path, fraction: float = MIXED_FRACTION, samples: int = 4) -> list[str]:
-    """Activation tensors ranked by local quantization error, worst first, the top ``fraction``.
+def sensitive_activations(bm, qdq_path: Path, fraction: float = MIXED_FRACTION, samples: int = 4,
+                          method: str = "local") -> list[str]:
+    """The ``fraction`` of quantized activation tensors with the lowest SNR vs float, worst first.
 
-    Linear cost: one float run exposing every quantized activation, then, per tensor, the SNR of
-    its own fake-quantized values (scale/zero point read from the 8-bit QDQ model) vs float."""
+    Linear cost, a few calibration samples. ``local``: one float run exposing every quantized
+    activation; each is fake-quantized with its scale/zero point from the 8-bit QDQ model, so the
+    score is the tensor's own rounding/clipping error. ``accumulated``: the QDQ model's dequantized
+    value of each activation vs float, i.e. including the error of everything upstream."""
     import onnx
     from onnx import numpy_helper
 
     qm = onnx.load(str(qdq_path))
-    inits = {t.name: t for t in qm.graph.initializer}
     fm = onnx.load(str(bm.path))
-    float_tensors = ({o for n in fm.graph.node for o in n.output} | {i.name for i in fm.graph.input}) \
-        - {t.name for t in fm.graph.initializer}
-    params = {}
+    inits = {t.name: t for t in qm.graph.initializer}
+    float_tensors = ({o for n in fm.graph.node if n.op_type != "Constant" for o in n.output}
+                     | {i.name for i in fm.graph.input}) - {t.name for t in fm.graph.initializer}
+    dq_of = {n.input[0]: n.output[0] for n in qm.graph.node if n.op_type == "DequantizeLinear"}
+    params = {}  # activation -> (scale, zero point, qmin, qmax, dequantized tensor in the QDQ model)
     for node in qm.graph.node:
         if node.op_type != "QuantizeLinear" or node.input[0] not in float_tensors or node.input[0] in params:
             continue
-        x = node.input[0]
         if len(node.input) < 3 or node.input[1] not in inits or node.input[2] not in inits:
             continue
         scale = numpy_helper.to_array(inits[node.input[1]]).astype(np.float64)
         zp = numpy_helper.to_array(inits[node.input[2]])
-        if scale.size != 1:
-            continue
-        info = np.iinfo(zp.dtype)
-        params[x] = (float(scale.reshape(-1)[0]), int(zp.reshape(-1)[0]), info.min, info.max)
+        if scale.size == 1 and node.output[0] in dq_of:
+            info = np.iinfo(zp.dtype)
+            params[node.input[0]] = (float(scale.reshape(-1)[0]), int(zp.reshape(-1)[0]), info.min, info.max,
+                                     dq_of[node.output[0]])
     if not params:
         return []
     names = sorted(params)
-    existing = {o.name for o in fm.graph.output}
-    for n in names:
-        if n not in existing:
-            fm.graph.output.add().name = n
+    feeds = list(bm.samples("calib", samples))
+    ref = _intermediates(fm, names, feeds)
+    if method == "accumulated":
+        test = _intermediates(qm, [params[n][4] for n in names], feeds, optimize=False)
+    else:
+        test = {}
+        for n in names:
+            s, zp, lo, hi, _ = params[n]
+            test[params[n][4]] = [(np.clip(np.round(v / s) + zp, lo, hi) - zp) * s for v in ref[n]]
+    score = {n: snr_db(np.concatenate([v.ravel() for v in ref[n]]),
+                       np.concatenate([v.ravel() for v in test[params[n][4]]])) for n in names}
+    ranked = sorted(names, key=lambda n: (score[n] if not math.isnan(score[n]) else -math.inf, n))
+    return ranked[: max(1, math.ceil(fraction * len(ranked)))]
+
+
+def _intermediates(model, names: list[str], feeds: list[dict], optimize: bool = True) -> dict:
+    """Values of the given tensors (as float64 arrays, per feed) from one onnxruntime session."""
+    import onnx
     import onnxruntime as ort
 
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    existing = {o.name for o in probe.graph.output}
+    for n in names:
+        if n not in existing:
+            probe.graph.output.add().name = n
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    sess = ort.InferenceSession(fm.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    sig = dict.fromkeys(names, 0.0)
-    err = dict.fromkeys(names, 0.0)
-    data = bm.samples("calib", samples)
-    for feed in data:
-        feed = {k: v for k, v in feed.items() if k in {i.name for i in sess.get_inputs()}}
-        for n, v in zip(names, sess.run(names, {**feed})):
-            s, zp, lo, hi = params[n]
-            v = np.asarray(v, np.float64)
-            deq = (np.clip(np.round(v / s) + zp, lo, hi) - zp) * s
-            sig[n] += float(np.sum(v * v))
-            err[n] += float(np.sum((v - deq) ** 2))
-    local_snr = {n: (10 * math.log10(sig[n] / err[n]) if err[n] > 0 and sig[n] > 0 else math.inf) for n in names}
-    ranked = sorted(names, key=lambda n: (local_snr[n], n))
-    return ranked[: max(1, math.ceil(fraction * len(ranked)))]
+    if not optimize:  # keep Q/DQ pairs as they are (no QDQ fusion)
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(probe.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    inputs = {i.name for i in sess.get_inputs()}
+    out: dict = {n: [] for n in names}
+    for feed in feeds:
+        for n, v in zip(names, sess.run(names, {k: v for k, v in feed.items() if k in inputs})):
+            out[n].append(np.asarray(v, np.float64))
+    return out
 
 
 # -- one model ---------------------------------------------------------------------------------------
@@ -340,23 +357,29 @@ def _measure(result: dict, bm, refs) -> None:
             result["run_error"] = _one_line(exc)
 
 
-def _load_cached(out_path: Path, samples: int):
+def _model_sig(bm) -> str:
+    st = bm.path.stat()
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def _load_cached(out_path: Path, samples: int, sig: str, cfg):
     meta = out_path.with_suffix(".json")
     if out_path.is_file() and meta.is_file():
         data = json.loads(meta.read_text())
-        if data.get("samples") == samples and data.get("ok"):
+        if data.get("ok") and (data.get("samples"), data.get("model_sig"), data.get("cfg")) == (samples, sig, cfg):
             data["reused"] = True
             return data
     return None
 
 
 def _side(side, bm, samples, cfg, out_path: Path, args) -> dict:
+    sig = _model_sig(bm)
     if side == "ort" and args.reuse_ort:
-        cached = _load_cached(out_path, samples)
+        cached = _load_cached(out_path, samples, sig, cfg)
         if cached:
             return cached
     result = run_child(side, bm, samples, cfg, out_path, args.timeout)
-    result["samples"] = samples
+    result.update(samples=samples, model_sig=sig, cfg=cfg)
     if side == "ort":
         out_path.with_suffix(".json").write_text(json.dumps(result, indent=1))
     return result
@@ -409,10 +432,10 @@ def _mixed(bm, row: Row, n_calib, out_dir: Path, refs, args) -> dict:
     if source.get("snr") is None:
         return {"error": "no 8-bit model to rank activations"}
     try:
-        promoted = sensitive_activations(bm, Path(source["path"]))
+        promoted = sensitive_activations(bm, Path(source["path"]), method=args.mp_rank)
     except Exception as exc:
         return {"error": f"ranking: {_one_line(exc)}"}
-    out = {"ranked_on": "qp" if source is row.qp else "ort", "promoted": promoted}
+    out = {"ranked_on": "qp" if source is row.qp else "ort", "rank_method": args.mp_rank, "promoted": promoted}
     if "qp" in args.sides:
         cfg = {"mixed_precision": {t: MIXED_TYPE for t in promoted}}
         out["qp"] = _side("qp", bm, n_calib, cfg, out_dir / "mixed.qp.onnx", args)
@@ -582,6 +605,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-ort", action="store_true",
                     help="reuse onnxruntime results of an earlier run (same model, config, samples)")
     ap.add_argument("--no-mixed", dest="mixed", action="store_false", help="skip the mixed-precision column")
+    ap.add_argument("--mp-rank", choices=("local", "accumulated"), default="local",
+                    help="mixed-precision ranking: each activation's own quantization error (local) or "
+                         "the QDQ model's error at that tensor including upstream (accumulated)")
     ap.add_argument("--latency-runs", type=int, default=20, help="timed runs per QDQ model (0: skip latency)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per quantization child")
     ap.add_argument("--json", type=Path, help="write all measurements to this JSON file")

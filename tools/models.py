@@ -30,7 +30,7 @@ import onnx
 import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
-FORMAT_VERSION = 4  # bump to rebuild cached models
+FORMAT_VERSION = 5  # bump to rebuild cached models
 DEFAULT_CACHE = Path(os.path.expanduser("~/.cache/qp-bench"))
 DEFAULT_CORPUS = Path(os.path.expanduser("~/.cache/qp-corpus"))
 LIGHT_DIR = Path(onnx.__file__).parent / "backend/test/data/light"
@@ -103,10 +103,10 @@ def prepare(name: str, cache: Path = DEFAULT_CACHE, corpus: Path = DEFAULT_CORPU
         net, rand = (name[len("light_"):-len("_rand")], True) if name.endswith("_rand") else (name[6:], False)
         if net not in LIGHT_NETS:
             raise KeyError(f"unknown light model '{net}'")
-        model = light_model(net, random_weights=rand)
+        model, folded_by = light_model(net, random_weights=rand)
         calib = image_data(model, CALIB_SAMPLES, seed=1)
         evald = image_data(model, EVAL_SAMPLES, seed=2)
-        info = {"kind": "light-rand" if rand else "light", "real": False}
+        info = {"kind": "light-rand" if rand else "light", "real": False, "folded_by": folded_by}
     elif name in CORPUS_MODELS:
         src = Path(corpus) / "models" / f"{name}.onnx"
         if not src.is_file():
@@ -148,8 +148,9 @@ def input_names(folder: Path) -> list[str]:
 
 
 # -- light models ------------------------------------------------------------------------------------
-def light_model(net: str, random_weights: bool, seed: int = 0) -> onnx.ModelProto:
-    """The onnx light model ``net`` with materialised weights, opset 13, BatchNorm folded."""
+def light_model(net: str, random_weights: bool, seed: int = 0) -> tuple[onnx.ModelProto, str]:
+    """The onnx light model ``net`` with materialised weights, opset 13, BatchNorm folded; and the
+    name of the folder (qpasses or onnxruntime)."""
     model = onnx.load(str(LIGHT_DIR / f"light_{net}.onnx"))
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
@@ -162,11 +163,11 @@ def light_model(net: str, random_weights: bool, seed: int = 0) -> onnx.ModelProt
     _drop_unused_inputs(graph)
     model.ir_version = 8  # initializers no longer listed as inputs (IR >= 4)
     model = onnx.version_converter.convert_version(model, LIGHT_OPSET)
-    model = fold(model)
+    model, folded_by = fold(model)
     if random_weights:  # weights reaching Conv/Gemm through a Reshape are only initializers now
         _randomise_weights(model.graph, np.random.default_rng(seed + 1), only_constant=True)
         _temper_logits(model)
-    return model
+    return model, folded_by
 
 
 _HOMOGENEOUS = {"Relu", "Reshape", "Flatten", "GlobalAveragePool", "AveragePool", "MaxPool", "Dropout",
@@ -275,7 +276,7 @@ def _drop_unused_inputs(graph) -> None:
     graph.input.extend(keep)
 
 
-def fold(model: onnx.ModelProto) -> onnx.ModelProto:
+def fold(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
     """Constant-fold and fold BatchNorm: qpasses' fold passes when registered, else onnxruntime's
     basic offline graph optimisation (constant folding, Conv+BN fusion, Dropout removal)."""
     try:
@@ -284,7 +285,11 @@ def fold(model: onnx.ModelProto) -> onnx.ModelProto:
 
         if {"fold-constants", "fold-batchnorm", "cleanup"} <= set(all_passes()):
             qm, _ = qpasses.run_pipeline(model, "fold-constants,fold-batchnorm,cleanup")
-            return qm.to_proto()
+            folded = qm.to_proto()
+            keep = [p for p in folded.metadata_props if not p.key.startswith("qpasses.")]
+            del folded.metadata_props[:]
+            folded.metadata_props.extend(keep)  # a plain float model: no qpasses facts or tables
+            return folded, "qpasses"
     except ImportError:
         pass
     import onnxruntime as ort
@@ -297,7 +302,7 @@ def fold(model: onnx.ModelProto) -> onnx.ModelProto:
         ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
         folded = onnx.load(opts.optimized_model_filepath)
     folded.ir_version = min(folded.ir_version, 10)
-    return folded
+    return folded, "onnxruntime"
 
 
 def image_data(model: onnx.ModelProto, count: int, seed: int) -> dict[str, np.ndarray]:
