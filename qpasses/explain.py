@@ -27,7 +27,9 @@ def explain_lines(model: QModel, tensor: str | None = None) -> list[str]:
             lines.append(f"  shares qparams with '{tq.shares}'")
         if tq.convert is not None:
             c = tq.convert
-            lines.append(f"  converted to {c.qtype} for {', '.join(sorted(c.recv_nodes))}")
+            readers = ", ".join(sorted(c.recv_nodes)) or "every reader"
+            qparams = f": scale {_short(c.scale)}  zero_point {_short(c.zero_point)}" if c.scale else ""
+            lines.append(f"  converted to {c.qtype} for {readers}{qparams}")
         for i, reason in enumerate(tq.why, 1):
             lines.append(f"  {i}. {reason}")
     return lines
