@@ -31,6 +31,14 @@ REGRESSIONS = [
      fuzz (float[1,1,2,2] x) => (float[1,1,1,2] a, float[1,1,1,2] b) {
         a, b = Split <axis = 2> (x)
      }""", {"activation_type": "uint16"}),
+    ("fold-batchnorm renamed a Conv weight to w_bn: a tensor_overrides entry for 'w' was refused",
+     """
+     fuzz (float[1,2,3,3] x) => (float[1,2,3,3] y)
+        <float[2,2,1,1] w = {0.5, -1, 0.25, 2}, float[2] s = {1.5, 0.5}, float[2] b = {0.1, -0.2},
+         float[2] m = {0, 0.3}, float[2] v = {1, 2}> {
+        c = Conv (x, w)
+        y = BatchNormalization (c, s, b, m, v)
+     }""", {"per_channel": True, "tensor_overrides": {"w": [{"quant_type": "int4"}]}}),
 ]
 
 

@@ -22,9 +22,10 @@ class FoldBatchnorm(Pass):
     Conv/ConvTranspose (any group count) or Gemm (any transB) that only this BN reads, with
     constant weights, bias and BN parameters (not initializers the user may feed).
 
-    Writes: the producer gets new weight and bias initializers (``<weight>_bn``, ``<bias>_bn`` or
-    ``<node>_bias`` when it had none; Gemm gets beta=1) and writes the BN's output tensor;
-    the BN node is removed. Original arrays are never modified (they may be shared).
+    Writes: the producer gets new weight and bias initializers, under the old names when only
+    it read them (so config names such as tensor_overrides still apply), else ``<weight>_bn``,
+    ``<bias>_bn`` (``<node>_bias`` when it had no bias; Gemm gets beta=1), and writes the BN's
+    output tensor; the BN node is removed. Original arrays are never modified (they may be shared).
 
     Invariants: tensor names read by other nodes and graph outputs are unchanged; outputs in
     onnxruntime are unchanged within float rounding; a second run folds nothing.
@@ -59,7 +60,7 @@ g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] w = {1,0,0,1}, float[
                 continue
             if taken is None:
                 taken = used_names(graph)
-            _fold(bn, producer, taken)
+            _fold(bn, producer, taken, outputs)
             folded.append(bn)
         remove_nodes(graph, folded)
         if skipped:
@@ -116,7 +117,7 @@ def _out_channels(node: gs.Node, weight: np.ndarray) -> int | None:
     return weight.shape[0] if node.attrs.get("transB", 0) else weight.shape[1]
 
 
-def _fold(bn: gs.Node, node: gs.Node, taken: set[str]) -> None:
+def _fold(bn: gs.Node, node: gs.Node, taken: set[str], graph_outputs: set[int]) -> None:
     """Rewrite ``node`` to compute ``bn``'s output: y = x*s + t, s = gamma/sqrt(var+eps), t = beta-mean*s."""
     gamma, beta, mean, var = (np.asarray(t.values, np.float64).ravel() for t in bn.inputs[1:])
     s = gamma / np.sqrt(var + float(bn.attrs.get("epsilon", 1e-5)))
@@ -139,9 +140,10 @@ def _fold(bn: gs.Node, node: gs.Node, taken: set[str]) -> None:
         b = t if b is None else float(node.attrs.get("beta", 1.0)) * b * s + t
         node.attrs["beta"] = 1.0
     dtype = w_tensor.values.dtype
-    new_w = make_constant(unique_name(f"{w_tensor.name}_bn", taken), w.astype(dtype))
-    bias_base = f"{bias_tensor.name}_bn" if bias_tensor is not None else f"{node.name or w_tensor.name}_bias"
-    new_b = make_constant(unique_name(bias_base, taken), np.asarray(b).astype(dtype))
+    new_w = make_constant(_new_name(w_tensor, node, taken, graph_outputs), w.astype(dtype))
+    bias_name = (_new_name(bias_tensor, node, taken, graph_outputs) if bias_tensor is not None
+                 else unique_name(f"{node.name or w_tensor.name}_bias", taken))
+    new_b = make_constant(bias_name, np.asarray(b).astype(dtype))
     node.inputs[1] = new_w
     if len(node.inputs) > 2:
         node.inputs[2] = new_b
@@ -151,3 +153,11 @@ def _fold(bn: gs.Node, node: gs.Node, taken: set[str]) -> None:
     list.clear(bn.outputs)  # detach the BN from its output so the producer can take it
     list.__setitem__(y.inputs, slice(None), [n for n in y.inputs if n is not bn])
     node.outputs[0] = y
+
+
+def _new_name(old: gs.Tensor, node: gs.Node, taken: set[str], graph_outputs: set[int]) -> str:
+    """The old constant's name when ``node`` is its only reader, else a fresh ``<name>_bn``."""
+    if len(old.outputs) == 1 and old.outputs[0] is node and id(old) not in graph_outputs \
+            and sum(t is old for t in node.inputs) == 1:
+        return old.name
+    return unique_name(f"{old.name}_bn", taken)
