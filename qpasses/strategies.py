@@ -25,11 +25,13 @@ import onnx
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-OPSETS = (13, 17, 19, 21)
+OPSETS = (13, 17, 19, 21, 11, 12)   # 11/12: axes and splits are attributes
 MAX_ELEMENTS = 512          # no activation grows beyond this many elements
 ACTIVATION_TYPES = ("uint8", "int8", "uint16", "int16", "uint4", "int4")
 WEIGHT_TYPES = ("int8", "uint8", "int16", "uint16", "int4", "uint4")
 CALIBRATION = ("minmax", "percentile", "entropy", "mse", "pow2")
+QUANTIZED_OPS = ("Conv", "Gemm", "MatMul", "Add", "Mul", "Concat", "Relu", "Clip", "Sigmoid", "Softmax", "MaxPool",
+                 "AveragePool", "Reshape", "Transpose", "LayerNormalization", "Where", "Resize", "Gather", "Split")
 
 
 @dataclass
@@ -63,25 +65,40 @@ class _Builder:
         self.reads: dict[str, int] = {}
         self.ops: list[str] = []
         self.consts: dict[tuple, list[str]] = {}  # shape -> initializers made by const()
+        self.computed_nodes: list[str] = []
+        self.weights: list[str] = []
+        self.naming = "plain"                     # or "scoped" ('net/x1:0'), "unnamed" nodes
         self.unstable: set[str] = set()           # tensors a fold may remove (mixed precision skips them)
         self.n = 0
 
     # -- naming and plumbing ---------------------------------------------------------------
     def fresh(self, prefix: str) -> str:
         self.n += 1
-        return f"{prefix}{self.n}"
+        return f"net/{prefix}{self.n}:0" if self.naming == "scoped" else f"{prefix}{self.n}"
 
     def add(self, op: str, inputs: list[str], outputs: list[str] | int = 1, **attrs) -> list[str]:
         if isinstance(outputs, int):
             outputs = [self.fresh(op.lower()[:4] + "_") for _ in range(outputs)]
-        self.nodes.append(helper.make_node(op, inputs, outputs, name=self.fresh(op + "_"), **attrs))
+        name = "" if self.naming == "unnamed" else self.fresh(op + "_")
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=name, **attrs))
         for i in inputs:
             if i:
                 self.reads[i] = self.reads.get(i, 0) + 1
         return outputs
 
+    def add_axes(self, op: str, x: str, what: str, values: list[int], outputs=1, **attrs):
+        """``op`` with an int list that is an input from opset 13 and an attribute before."""
+        if self.opset >= 13:
+            out = self.add(op, [x, self.init(np.array(values, np.int64), what)], outputs, **attrs)
+        else:
+            out = self.add(op, [x], outputs, **attrs, **{what: values})
+        return out if outputs != 1 else out[0]
+
     def act(self, name: str, shape) -> str:
         """Register a computed float tensor."""
+        last = self.nodes[-1] if self.nodes else None
+        if last is not None and name in last.output and last.name and last.op_type != "BatchNormalization":
+            self.computed_nodes.append(last.name)   # survives folding: nodes_to_exclude may name it
         self.shapes[name] = tuple(int(d) for d in shape)
         self.pool.append(name)
         return name
@@ -172,6 +189,11 @@ class _Builder:
         same.append(name)
         return name
 
+    def weight(self, value: np.ndarray) -> str:
+        name = self.const(value, "w")
+        self.weights.append(name)
+        return name
+
     def normal(self, *shape, std: float = 1.0) -> np.ndarray:
         return (self.rng.standard_normal(shape) * std).astype(np.float32)
 
@@ -195,7 +217,7 @@ def _conv(b: _Builder, transpose: bool = False) -> None:
         weight = b.normal(cout, c // groups, *k, std=1 / math.sqrt(c // groups * k[0] * k[1]))
     if min(out) < 1 or n * cout * out[0] * out[1] > MAX_ELEMENTS:
         return _unary(b)
-    inputs = [x, b.const(weight, "w")]
+    inputs = [x, b.weight(weight)]
     if b.flag(0.6):
         inputs.append(b.const(b.normal(cout, std=0.3), "bias"))
     op = "ConvTranspose" if transpose else "Conv"
@@ -235,7 +257,7 @@ def _gemm(b: _Builder) -> None:
         return
     nout = b.draw(st.integers(1, 8))
     weight = b.normal(k, nout, std=1 / math.sqrt(k))
-    inputs = [x, b.const(weight.T.copy() if trans_b else weight, "w")]
+    inputs = [x, b.weight(weight.T.copy() if trans_b else weight)]
     bias = b.choice(("none", "n", "1n", "scalar"))
     if bias != "none":
         shape = {"n": (nout,), "1n": (1, nout), "scalar": (1,)}[bias]
@@ -262,9 +284,9 @@ def _matmul(b: _Builder) -> None:
         yt = b.add("Transpose", [b.pick(lambda t: t == s)], perm=perm)[0]
         inputs = [x, b.act(yt, tuple(s[p] for p in perm))]
     elif kind == "left":                                # constant @ x
-        inputs = [b.const(b.normal(n, s[-2], std=1 / math.sqrt(s[-2])), "w"), x]
+        inputs = [b.weight(b.normal(n, s[-2], std=1 / math.sqrt(s[-2]))), x]
     else:
-        inputs = [x, b.const(b.normal(s[-1], n, std=1 / math.sqrt(s[-1])), "w")]
+        inputs = [x, b.weight(b.normal(s[-1], n, std=1 / math.sqrt(s[-1])))]
     out = b.add("MatMul", inputs)[0]
     b.ops.append(f"MatMul({kind})")
     b.act(out, shape)
@@ -438,10 +460,11 @@ def _resize(b: _Builder) -> None:
     out = [int(math.floor(d * f)) for d, f in zip((h, w), factors)]
     if n * c * out[0] * out[1] > MAX_ELEMENTS:
         factors, out = [1.0, 1.0], [h, w]
+    empty = "" if b.opset >= 13 else b.init(np.zeros(0, np.float32), "empty")  # roi/scales required before 13
     if b.flag():
-        inputs = [x, "", b.init(np.array([1, 1, *factors], np.float32), "scales")]
+        inputs = [x, empty, b.init(np.array([1, 1, *factors], np.float32), "scales")]
     else:
-        inputs = [x, "", "", b.init(np.array([n, c, *out], np.int64), "sizes")]
+        inputs = [x, empty, empty, b.init(np.array([n, c, *out], np.int64), "sizes")]
     y = b.add("Resize", inputs, mode=mode)[0]
     b.ops.append(f"Resize({mode})")
     b.act(y, (n, c, *out))
@@ -500,7 +523,7 @@ def _squeeze(b: _Builder) -> None:
             return _unary(b)
         s = b.shapes[x]
         axis = b.draw(st.integers(-len(s) - 1, len(s)))
-        y = b.add("Unsqueeze", [x, b.init(np.array([axis], np.int64), "axes")])[0]
+        y = b.add_axes("Unsqueeze", x, "axes", [axis])
         shape = list(s)
         shape.insert(axis % (len(s) + 1), 1)
         b.ops.append("Unsqueeze")
@@ -509,7 +532,7 @@ def _squeeze(b: _Builder) -> None:
     s = b.shapes[x]
     axes = [i for i in range(1, len(s)) if s[i] == 1]
     axes = axes[: b.draw(st.integers(1, len(axes)))]
-    y = b.add("Squeeze", [x, b.init(np.array(axes, np.int64), "axes")])[0]
+    y = b.add_axes("Squeeze", x, "axes", axes)
     b.ops.append("Squeeze")
     b.act(y, tuple(d for i, d in enumerate(s) if i not in axes))
 
@@ -575,7 +598,7 @@ def _split(b: _Builder) -> None:
         sizes = [d // 2, d // 2]
         outs = b.add("Split", [x], 2, axis=axis, num_outputs=2)
     else:
-        outs = b.add("Split", [x, b.init(np.array(sizes, np.int64), "split")], len(sizes), axis=axis)
+        outs = b.add_axes("Split", x, "split", sizes, len(sizes), axis=axis)
     b.ops.append("Split")
     for out, size in zip(outs, sizes):
         b.act(out, tuple(size if i == axis else v for i, v in enumerate(s)))
@@ -647,12 +670,14 @@ def models(draw, min_ops: int = 1, max_ops: int = 16):
     batch = draw(st.sampled_from((1, 1, 2)))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     b = _Builder(draw, rng, opset, batch, symbolic=draw(st.integers(0, 9)) == 9)
+    b.naming = draw(st.sampled_from(("plain", "plain", "plain", "scoped", "unnamed")))
     for _ in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(("nchw", "nchw", "nk", "nsk")))
         c, h, w = (draw(st.integers(1, 4)), draw(st.integers(1, 6)), draw(st.integers(1, 6)))
         b.input({"nchw": (batch, c, h, w), "nk": (batch, c * h), "nsk": (batch, h, c * w)}[kind], batched=True)
     for _ in range(draw(st.integers(min_ops, max_ops))):
         name = draw(st.sampled_from(list(OPS)))
+        b.rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))  # per op: shrinking keeps later values
         OPS[name](b)
     outputs = [t for t in b.pool if not b.reads.get(t) and t not in b.data]
     extra = [t for t in b.pool if b.reads.get(t) and t not in b.data]
@@ -663,22 +688,31 @@ def models(draw, min_ops: int = 1, max_ops: int = 16):
     declare = draw(st.booleans()) and not b.symbolic
     out_info = [helper.make_tensor_value_info(t, TensorProto.FLOAT, list(b.shapes[t]) if declare
                                               else [None] * len(b.shapes[t])) for t in outputs]
+    weights = [t for t in b.inits if t.data_type == TensorProto.FLOAT]
+    if weights and draw(st.integers(0, 9)) == 9:      # an initializer also listed as a graph input
+        w = weights[draw(st.integers(0, len(weights) - 1))]
+        b.inputs.append(helper.make_tensor_value_info(w.name, TensorProto.FLOAT, list(w.dims)))
     graph = helper.make_graph(b.nodes, "fuzz", b.inputs, out_info, b.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 10
     acts = [t for t in b.pool if t not in b.data and t not in b.unstable]
-    return model, b.data, b.ops, acts, [n.name for n in b.nodes if n.op_type in OPS]
+    return model, b.data, b.ops, acts, b.computed_nodes, b.weights
 
 
-def feeds_for(specs: dict, seed: int, count: int = 4) -> list[dict]:
-    """``count`` random feeds for the graph inputs described by ``models()``."""
+def feeds_for(specs: dict, seed: int, count: int = 4, scales: dict | None = None) -> list[dict]:
+    """``count`` random feeds for the graph inputs described by ``models()``.
+
+    Float inputs are normal * scale + offset, ``scales`` giving ``{input: (scale, offset)}``
+    (default (1, 0)); scale 0 makes a constant input (degenerate ranges downstream).
+    """
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
         feed = {}
         for name, (kind, shape, high) in specs.items():
             if kind == "float":
-                feed[name] = (rng.standard_normal(shape) * 1.0).astype(np.float32)
+                scale, offset = (scales or {}).get(name, (1.0, 0.0))
+                feed[name] = (rng.standard_normal(shape) * scale + offset).astype(np.float32)
             elif kind == "bool":
                 feed[name] = rng.random(shape) < 0.5
             else:
@@ -688,13 +722,13 @@ def feeds_for(specs: dict, seed: int, count: int = 4) -> list[dict]:
 
 
 @st.composite
-def configs(draw, activations: list[str] = (), nodes: list[str] = ()):
+def configs(draw, activations: list[str] = (), nodes: list[str] = (), weights: list[str] = ()):
     """A random QuantConfig as a dict (only keys that differ from the defaults, some of the time)."""
     cfg: dict = {}
     if nodes and draw(st.integers(0, 9)) == 9:
         cfg["nodes_to_exclude"] = [nodes[draw(st.integers(0, len(nodes) - 1))]]
     if draw(st.integers(0, 14)) == 14:
-        cfg["op_types_to_quantize"] = sorted(draw(st.sets(st.sampled_from(list(OPS)), min_size=1, max_size=6)))
+        cfg["op_types_to_quantize"] = sorted(draw(st.sets(st.sampled_from(QUANTIZED_OPS), min_size=1, max_size=6)))
     if draw(st.booleans()):
         cfg["activation_type"] = draw(st.sampled_from(ACTIVATION_TYPES))
     if draw(st.booleans()):
@@ -723,27 +757,63 @@ def configs(draw, activations: list[str] = (), nodes: list[str] = ()):
         base = cfg.get("activation_type", "uint8")
         wide = ("uint16", "int16") if base in ("uint8", "int8", "uint4", "int4") else ("uint8", "int8")
         mp = {}
+        qt = draw(st.sampled_from(wide))
         for _ in range(draw(st.integers(1, 2))):
             name = activations[draw(st.integers(0, len(activations) - 1))]
-            qt = draw(st.sampled_from(wide))
+            qt = draw(st.sampled_from(wide)) if draw(st.integers(0, 3)) == 3 else qt
             mp[name] = qt if draw(st.booleans()) else {"quant_type": qt, "symmetric": draw(st.booleans())}
         cfg["mixed_precision"] = mp
+    if (activations or weights) and draw(st.integers(0, 5)) == 5:
+        cfg["tensor_overrides"] = draw(overrides(activations, weights, cfg.get("activation_type", "uint8")))
     return cfg
+
+
+@st.composite
+def overrides(draw, activations, weights, act_type: str):
+    """onnxruntime-style TensorQuantOverrides for a few random activations and weights."""
+    out = {}
+    for _ in range(draw(st.integers(1, 2))):
+        if weights and (not activations or draw(st.booleans())):
+            name = weights[draw(st.integers(0, len(weights) - 1))]
+            kind = draw(st.sampled_from(("quant_type", "symmetric", "reduce_range", "axis")))
+            value = {"quant_type": st.sampled_from(WEIGHT_TYPES), "symmetric": st.booleans(),
+                     "reduce_range": st.just(True), "axis": st.integers(-1, 1)}[kind]
+            out[name] = [{kind: draw(value)}]
+            continue
+        name = activations[draw(st.integers(0, len(activations) - 1))]
+        kind = draw(st.sampled_from(("quant_type", "symmetric", "range", "scale", "convert")))
+        if kind == "range":
+            entry = {"rmin": -draw(st.sampled_from((0.0, 0.5, 4.0))), "rmax": draw(st.sampled_from((0.5, 1.0, 4.0)))}
+        elif kind == "scale":
+            qt = ACTIVATION_TYPES.index(act_type)
+            lo, hi = ((0, 255), (-128, 127), (0, 65535), (-32768, 32767), (0, 15), (-8, 7))[qt]
+            entry = {"scale": draw(st.sampled_from((0.01, 0.1, 1.0))), "zero_point": draw(st.integers(lo, hi))}
+        elif kind == "convert":
+            entry = {"convert": {"quant_type": draw(st.sampled_from(("uint16", "int16") if act_type.endswith("8")
+                                                                     else ("uint8", "int8")))}}
+        else:
+            entry = {kind: draw(st.sampled_from(ACTIVATION_TYPES) if kind == "quant_type" else st.booleans())}
+        out[name] = [entry]
+    return out
 
 
 @st.composite
 def cases(draw, min_ops: int = 1, max_ops: int = 16):
     """A :class:`FuzzCase`: model, 4 calibration feeds, config."""
-    model, specs, ops, acts, nodes = draw(models(min_ops, max_ops))
-    config = draw(configs(acts, nodes))
-    feeds = feeds_for(specs, draw(st.integers(0, 2**16)))
+    model, specs, ops, acts, nodes, weights = draw(models(min_ops, max_ops))
+    config = draw(configs(acts, nodes, weights))
+    scales = {name: (draw(st.sampled_from((1.0, 1.0, 1.0, 0.01, 100.0, 0.0))),
+                     draw(st.sampled_from((0.0, 0.0, 0.0, 3.0, -3.0))))
+              for name, (kind, _, _) in specs.items() if kind == "float"}
+    feeds = feeds_for(specs, draw(st.integers(0, 2**16)), scales=scales)
     return FuzzCase(model, feeds, config, ops)
 
 
 # -- running a case ----------------------------------------------------------------------------
 @dataclass
 class Outcome:
-    """What the default pipeline did with a case: ``ok``, ``error`` (a QpassesError) or ``crash``.
+    """What the default pipeline did with a case: ``ok``, ``error`` (a QpassesError), ``crash``, or
+    ``skip`` (the float model itself gives inf/NaN on the drawn feeds).
 
     ``kind`` groups outcomes for counting (the error class and message with names and numbers
     blanked, or the crash's stage and exception site); ``detail`` is the full message.
@@ -769,13 +839,14 @@ def snr_floor(config: dict) -> float | None:
     of roughly 40 dB (an output ~100x smaller than its inputs, on every sample) can push it below
     0 dB, i.e. below the SNR of an all-zero output. Measured on thousands of eligible cases the
     lowest SNR seen is 10-20 dB (a tiny Gemm whose output cancels); gross bugs (wrong scale, axis or
-    zero point, a shared scale where ranges differ) land well below 0 dB. 4-bit types and clipping
-    calibrations (percentile, entropy, mse, moving average) legitimately reach 0 dB: no floor.
+    zero point, a shared scale where ranges differ) land well below 0 dB. 4-bit types, clipping
+    calibrations (percentile, entropy, mse, moving average) and tensor overrides (fixed ranges,
+    scales) legitimately reach 0 dB: no floor for them.
     """
     cal = config.get("calibration", {})
     bits = [config.get("activation_type", "uint8"), config.get("weight_type", "int8")]
     if any(t.endswith("4") for t in bits) or cal.get("method", "minmax") not in ("minmax", "pow2") \
-            or cal.get("moving_average"):
+            or cal.get("moving_average") or config.get("tensor_overrides"):
         return None
     return SNR_FLOOR_DB
 
@@ -786,8 +857,10 @@ def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:
     ok: the model passes onnx.checker, loads and runs in onnxruntime with the float model's
     output shapes, no output's SNR (on the calibration feeds) is NaN, and the SNR is at least
     ``snr_floor(case.config)`` dB when that returns a number. The SNR is measured with
-    ORT_ENABLE_BASIC, i.e. exact QDQ semantics: onnxruntime's fused QDQ kernels (QLinearSoftmax
-    over an inner axis, ...) have bugs of their own; their outputs are only checked for NaN.
+    ORT_DISABLE_ALL, i.e. the exact QDQ semantics: onnxruntime's QDQ fusions have bugs of their
+    own (QLinearSoftmax over an inner axis; a float Conv bias dropped with 16-bit Q/DQ; no 4-bit
+    support), so the default session is only checked to load (4-bit: with basic optimizations)
+    and for NaN; ``ORT_4BIT``/``ORT_FUSION`` outcomes mark those onnxruntime bugs.
     error: a one-line QpassesError. Anything else is a crash.
     """
     import qpasses
@@ -799,8 +872,8 @@ def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:
         refs = [ref_sess.run(None, f) for f in case.feeds]
     except Exception as exc:  # the strategy made an invalid model: a bug in this module
         return _crash("invalid-model", exc)
-    if not all(np.all(np.isfinite(r)) for rs in refs for r in rs):
-        return Outcome("crash", "invalid-model: float outputs not finite", "a bug in qpasses.strategies")
+    if not all(np.all(np.isfinite(r)) for rs in refs for r in rs):  # large inputs through act x act products
+        return Outcome("skip", "skip: the float model overflows on these feeds")
     before = case.model.SerializeToString()
     try:
         q = qpasses.quantize(case.model, case.feeds, config=case.config)
@@ -814,7 +887,7 @@ def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:
     if case.model.SerializeToString() != before:
         return Outcome("crash", "input-mutated", "quantize() changed the ModelProto it was given")
     names = [o.name for o in ref_sess.get_outputs()]
-    stage, kind, fused = "export", "ok", None
+    stage, kind = "export", "ok"
     try:
         proto = q.to_proto()
         stage = "checker"
@@ -825,24 +898,31 @@ def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:
         except Exception:
             if not _quantizes_activations_to_4_bits(proto):
                 raise
-            sess, kind = None, "ok, loads only with ORT_ENABLE_BASIC (onnxruntime's QDQ fusions mishandle 4-bit)"
-        exact_sess = _basic_session(proto)
+            sess, kind = _session(proto, "ORT_ENABLE_BASIC"), ORT_4BIT
+        exact_sess = _session(proto, "ORT_DISABLE_ALL")
         stage = "ort-run"
-        fused = [sess.run(names, f) for f in case.feeds] if sess is not None else None
+        fused = [sess.run(names, f) for f in case.feeds]
         exact = [exact_sess.run(names, f) for f in case.feeds]
     except Exception as exc:
         return _crash(stage, exc)
     for i, name in enumerate(names):
         if any(e[i].shape != r[i].shape for e, r in zip(exact, refs)):
             return Outcome("crash", "output-shape", f"output '{name}' changed shape")
-    snr = _snr(names, refs, exact)
-    for which, values in (("", snr), (" (default optimizations)", _snr(names, refs, fused) if fused else {})):
+    snr, fused_snr = _snr(names, refs, exact), _snr(names, refs, fused)
+    for which, values in (("", snr), (" (onnxruntime optimizations on)", fused_snr)):
         if any(math.isnan(v) for v in values.values()):
             return Outcome("crash", "snr-nan" + which, f"NaN SNR{which}: {values}", snr)
     floor = snr_floor(case.config) if snr_floor else None
     if floor is not None and min(snr.values()) < floor:
         return Outcome("crash", "snr-low", f"SNR {min(snr.values()):.1f} dB < floor {floor} dB: {snr}", snr)
+    if kind == "ok" and min(fused_snr.values()) < min(min(snr.values()) - 10, 20):
+        kind = ORT_FUSION
     return Outcome("ok", kind, "", snr)
+
+
+# outcomes that are onnxruntime's bugs, not qpasses': counted apart, never a failure
+ORT_4BIT = "ok, loads only with ORT_ENABLE_BASIC (onnxruntime's QDQ fusions mishandle 4-bit)"
+ORT_FUSION = "ok, >10 dB lost with onnxruntime's optimizations on only (a QDQ fusion bug)"
 
 
 def _snr(names: list[str], refs: list, outs: list) -> dict[str, float]:
@@ -859,13 +939,13 @@ def _quantizes_activations_to_4_bits(proto: onnx.ModelProto) -> bool:
     return any(n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[2] in four for n in proto.graph.node)
 
 
-def _basic_session(proto: onnx.ModelProto):
-    """An onnxruntime session with only the basic graph optimizations (no QDQ fusions)."""
+def _session(proto: onnx.ModelProto, level: str):
+    """An onnxruntime CPU session at graph optimization ``level`` (ORT_DISABLE_ALL: exact QDQ semantics)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
     return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 

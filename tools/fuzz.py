@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 
-from qpasses.strategies import FuzzCase, cases, run_case
+from qpasses.strategies import FuzzCase, cases, run_case, snr_floor
 
 
 class _Crash(Exception):
@@ -95,14 +95,14 @@ class Fuzzer:
         print(f"\n{self.done} examples in {seconds:.0f} s (seed {first_seed}, "
               f"{seconds / max(1, self.done):.2f} s each)")
         crashed = 0
-        for status in ("ok", "error", "crash"):
+        for status in ("ok", "skip", "error", "crash"):
             rows = [(k, v) for (s, k), v in self.counts.items() if s == status]
             total = sum(v for _, v in rows)
             print(f"{status}: {total}")
             crashed += total if status == "crash" else 0
-            if status == "ok":
-                continue
             for kind, count in sorted(rows, key=lambda r: -r[1]):
+                if kind == "ok":
+                    continue
                 where = f"  -> {self.saved[kind][1]}" if kind in self.saved else ""
                 print(f"  {count:5d}  {kind}{where}")
                 if status == "crash":
@@ -111,15 +111,21 @@ class Fuzzer:
         for cls, values in sorted(self.snr.items()):
             finite = [v for v in values if not math.isinf(v)]
             pct = np.percentile(finite, [0, 1, 5, 50]) if finite else [math.inf] * 4
-            print(f"  {cls:28s} n={len(values):5d}  " + "  ".join(f"{p:7.1f}" for p in pct))
+            print(f"  {cls:36s} n={len(values):5d}  " + "  ".join(f"{p:7.1f}" for p in pct))
         return 1 if crashed else 0
 
 
 def _config_class(config: dict) -> str:
-    act, weight = config.get("activation_type", "uint8"), config.get("weight_type", "int8")
-    method = config.get("calibration", {}).get("method", "minmax")
-    bits = "8-bit" if act[-1] == "8" and weight[-1] == "8" else "other-bits"
-    return f"{bits} {method}" + (" mixed" if config.get("mixed_precision") else "")
+    """'floor' when the SNR floor applies, else the reasons it does not."""
+    if snr_floor(config) is not None:
+        return "floor" + (" mixed" if config.get("mixed_precision") else "")
+    bits = [config.get("activation_type", "uint8"), config.get("weight_type", "int8")]
+    cal = config.get("calibration", {})
+    why = ["4-bit" if any(t.endswith("4") for t in bits) else "",
+           cal.get("method", "minmax") if cal.get("method", "minmax") not in ("minmax", "pow2") else "",
+           "moving-average" if cal.get("moving_average") else "",
+           "overrides" if config.get("tensor_overrides") else ""]
+    return "no floor: " + " ".join(w for w in why if w)
 
 
 def _slug(kind: str) -> str:
