@@ -42,6 +42,7 @@ class FuzzCase:
     feeds: list[dict]
     config: dict
     ops: list[str] = field(default_factory=list)
+    unit_feeds: bool = True            # float feeds are N(0, 1) (the SNR floor assumes it)
 
     def __repr__(self) -> str:
         text = onnx.printer.to_text(self.model)
@@ -802,11 +803,11 @@ def cases(draw, min_ops: int = 1, max_ops: int = 16):
     """A :class:`FuzzCase`: model, 4 calibration feeds, config."""
     model, specs, ops, acts, nodes, weights = draw(models(min_ops, max_ops))
     config = draw(configs(acts, nodes, weights))
-    scales = {name: (draw(st.sampled_from((1.0, 1.0, 1.0, 0.01, 100.0, 0.0))),
-                     draw(st.sampled_from((0.0, 0.0, 0.0, 3.0, -3.0))))
-              for name, (kind, _, _) in specs.items() if kind == "float"}
+    scaled = draw(st.integers(0, 3)) == 3          # else every float input is N(0, 1)
+    scales = {name: (draw(st.sampled_from((1.0, 0.01, 100.0, 0.0))), draw(st.sampled_from((0.0, 3.0, -3.0))))
+              for name, (kind, _, _) in specs.items() if kind == "float" and scaled}
     feeds = feeds_for(specs, draw(st.integers(0, 2**16)), scales=scales)
-    return FuzzCase(model, feeds, config, ops)
+    return FuzzCase(model, feeds, config, ops, unit_feeds=all(v == (1.0, 0.0) for v in scales.values()))
 
 
 # -- running a case ----------------------------------------------------------------------------
@@ -828,27 +829,36 @@ class Outcome:
 SNR_FLOOR_DB = 0.0
 
 
-def snr_floor(config: dict) -> float | None:
-    """The least SNR (dB) a correct quantizer reaches on every output of a drawn model, or None.
+def snr_floor(case: "FuzzCase") -> float | None:
+    """The least SNR (dB) a correct quantizer reaches on every output of ``case``, or None.
 
-    Only for activations and weights of 8 bits or more, calibrated with minmax (no moving average)
-    or pow2, since the SNR is measured on the calibration feeds: then no value is clipped and every
-    quantization adds at most half a step, 1/510 of the tensor's range. The drawn ops amplify that
-    error by small factors only (weights ~ N(0, 1/fan_in), divisors >= 0.5, normalisations with
-    eps = 1e-3 scale by at most ~32), so a typical output sits near 40 dB and only a cancellation
-    of roughly 40 dB (an output ~100x smaller than its inputs, on every sample) can push it below
-    0 dB, i.e. below the SNR of an all-zero output. Measured on thousands of eligible cases the
-    lowest SNR seen is 10-20 dB (a tiny Gemm whose output cancels); gross bugs (wrong scale, axis or
-    zero point, a shared scale where ranges differ) land well below 0 dB. 4-bit types, clipping
-    calibrations (percentile, entropy, mse, moving average) and tensor overrides (fixed ranges,
-    scales) legitimately reach 0 dB: no floor for them.
+    Only for unit-normal feeds and activations and weights of 8 bits or more, calibrated with
+    minmax (no moving average) or pow2: the SNR is measured on the calibration feeds, so no value
+    is clipped and every quantization adds at most half a step, 1/510 of the tensor's range. The
+    drawn ops amplify that error by small factors only (weights ~ N(0, 1/fan_in), divisors >= 0.5,
+    normalisations with eps = 1e-3 scale by at most ~32, the kinks of HardSwish/Clip/... sit at
+    unit scale), so a typical output sits near 40 dB and only a cancellation of roughly 40 dB (an
+    output ~100x smaller than its inputs on every sample) pushes it below 0 dB, the SNR of an
+    all-zero output. Measured on thousands of eligible cases, the lowest SNR seen is 10-20 dB (a
+    tiny Gemm whose output cancels); gross bugs (wrong scale, axis or zero point, a shared scale
+    where ranges differ) land well below 0 dB. Without a floor (``no_floor_reasons``): 4-bit types,
+    clipping calibrations (percentile, entropy, mse, moving average), tensor overrides (fixed
+    ranges, scales) and scaled or offset feeds (x100 feeds make HardSwish's output 1000x smaller
+    than its input's range) legitimately reach 0 dB.
     """
+    return None if no_floor_reasons(case) else SNR_FLOOR_DB
+
+
+def no_floor_reasons(case: "FuzzCase") -> list[str]:
+    """Why ``snr_floor`` does not apply to ``case`` (empty: it applies)."""
+    config = case.config
     cal = config.get("calibration", {})
-    bits = [config.get("activation_type", "uint8"), config.get("weight_type", "int8")]
-    if any(t.endswith("4") for t in bits) or cal.get("method", "minmax") not in ("minmax", "pow2") \
-            or cal.get("moving_average") or config.get("tensor_overrides"):
-        return None
-    return SNR_FLOOR_DB
+    method = cal.get("method", "minmax")
+    checks = {"4-bit": any(config.get(k, d).endswith("4") for k, d in (("activation_type", "uint8"),
+                                                                        ("weight_type", "int8"))),
+              method: method not in ("minmax", "pow2"), "moving-average": cal.get("moving_average"),
+              "overrides": config.get("tensor_overrides"), "scaled-feeds": not case.unit_feeds}
+    return [why for why, applies in checks.items() if applies]
 
 
 def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:
@@ -856,7 +866,7 @@ def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:
 
     ok: the model passes onnx.checker, loads and runs in onnxruntime with the float model's
     output shapes, no output's SNR (on the calibration feeds) is NaN, and the SNR is at least
-    ``snr_floor(case.config)`` dB when that returns a number. The SNR is measured with
+    ``snr_floor(case)`` dB when that returns a number. The SNR is measured with
     ORT_DISABLE_ALL, i.e. the exact QDQ semantics: onnxruntime's QDQ fusions have bugs of their
     own (QLinearSoftmax over an inner axis; a float Conv bias dropped with 16-bit Q/DQ; no 4-bit
     support), so the default session is only checked to load (4-bit: with basic optimizations)
@@ -912,7 +922,7 @@ def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:
     for which, values in (("", snr), (" (onnxruntime optimizations on)", fused_snr)):
         if any(math.isnan(v) for v in values.values()):
             return Outcome("crash", "snr-nan" + which, f"NaN SNR{which}: {values}", snr)
-    floor = snr_floor(case.config) if snr_floor else None
+    floor = snr_floor(case) if snr_floor else None
     if floor is not None and min(snr.values()) < floor:
         return Outcome("crash", "snr-low", f"SNR {min(snr.values()):.1f} dB < floor {floor} dB: {snr}", snr)
     if kind == "ok" and min(fused_snr.values()) < min(min(snr.values()) - 10, 20):

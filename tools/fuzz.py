@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 
-from qpasses.strategies import FuzzCase, cases, run_case, snr_floor
+from qpasses.strategies import FuzzCase, cases, no_floor_reasons, run_case
 
 
 class _Crash(Exception):
@@ -53,7 +53,7 @@ class Fuzzer:
         self.counts[(outcome.status, outcome.kind)] += 1
         self.examples.setdefault(outcome.kind, outcome.detail)
         if outcome.status == "ok" and outcome.snr:
-            self.snr[_config_class(case.config)].append(min(outcome.snr.values()))
+            self.snr[_config_class(case)].append(min(outcome.snr.values()))
         if outcome.status == "crash" and outcome.kind not in self.saved:
             self.target = outcome.kind
             self.save(case, outcome)
@@ -67,6 +67,7 @@ class Fuzzer:
         folder.mkdir(parents=True, exist_ok=True)
         onnx.save(case.model, folder / "model.onnx")
         (folder / "config.json").write_text(json.dumps(case.config, indent=1))
+        (folder / "meta.json").write_text(json.dumps({"unit_feeds": case.unit_feeds, "ops": case.ops}))
         np.savez(folder / "feeds.npz", **{f"{i}:{k}": v for i, f in enumerate(case.feeds) for k, v in f.items()})
         (folder / "case.txt").write_text(f"{outcome.kind}\n{outcome.detail}\nconfig: {case.config}\n"
                                          f"ops: {case.ops}\n\n{onnx.printer.to_text(case.model)}\n")
@@ -115,17 +116,11 @@ class Fuzzer:
         return 1 if crashed else 0
 
 
-def _config_class(config: dict) -> str:
+def _config_class(case: FuzzCase) -> str:
     """'floor' when the SNR floor applies, else the reasons it does not."""
-    if snr_floor(config) is not None:
-        return "floor" + (" mixed" if config.get("mixed_precision") else "")
-    bits = [config.get("activation_type", "uint8"), config.get("weight_type", "int8")]
-    cal = config.get("calibration", {})
-    why = ["4-bit" if any(t.endswith("4") for t in bits) else "",
-           cal.get("method", "minmax") if cal.get("method", "minmax") not in ("minmax", "pow2") else "",
-           "moving-average" if cal.get("moving_average") else "",
-           "overrides" if config.get("tensor_overrides") else ""]
-    return "no floor: " + " ".join(w for w in why if w)
+    why = no_floor_reasons(case)
+    mixed = " mixed" if case.config.get("mixed_precision") else ""
+    return ("no floor: " + " ".join(why) if why else "floor") + mixed
 
 
 def _slug(kind: str) -> str:
@@ -140,7 +135,9 @@ def replay(folder: Path) -> int:
     for key in data.files:
         index, name = key.split(":", 1)
         feeds[int(index)][name] = data[key]
-    outcome = run_case(FuzzCase(model, [feeds[i] for i in sorted(feeds)], config))
+    meta = json.loads((folder / "meta.json").read_text()) if (folder / "meta.json").exists() else {}
+    outcome = run_case(FuzzCase(model, [feeds[i] for i in sorted(feeds)], config, meta.get("ops", []),
+                                meta.get("unit_feeds", True)))
     print(f"{outcome.status}: {outcome.kind}\n{outcome.detail}")
     return 1 if outcome.status == "crash" else 0
 
