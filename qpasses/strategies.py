@@ -42,7 +42,7 @@ class FuzzCase:
     feeds: list[dict]
     config: dict
     ops: list[str] = field(default_factory=list)
-    unit_feeds: bool = True            # float feeds are N(0, 1) (the SNR floor assumes it)
+    traits: list[str] = field(default_factory=list)  # "scaled-feeds" (not N(0, 1)), "scaled-params"
 
     def __repr__(self) -> str:
         text = onnx.printer.to_text(self.model)
@@ -66,8 +66,11 @@ class _Builder:
         self.reads: dict[str, int] = {}
         self.ops: list[str] = []
         self.consts: dict[tuple, list[str]] = {}  # shape -> initializers made by const()
+        self.values: dict[str, np.ndarray] = {}
         self.computed_nodes: list[str] = []
         self.weights: list[str] = []
+        self.param_scale = (1.0, 1.0)             # (weight, bias) factors of the current op
+        self.scaled_params = False
         self.naming = "plain"                     # or "scoped" ('net/x1:0'), "unnamed" nodes
         self.unstable: set[str] = set()           # tensors a fold may remove (mixed precision skips them)
         self.n = 0
@@ -169,8 +172,11 @@ class _Builder:
         """
         value = np.asarray(value, np.float32)
         same = self.consts.setdefault(value.shape, []) if reuse else []
-        if same and self.flag(0.15):
-            return self.choice(same)
+        if same and self.flag(0.2):
+            name = self.choice(same)
+            if self.flag(0.5):
+                return name                     # the same constant read twice
+            value = self.values[name]           # a twin: same values, another name (cleanup merges)
         route = self.choice(("init", "init", "init", "constant", "of_shape", "reshape", "transpose", "add"))
         if route == "constant":
             return self.add("Constant", [], value=numpy_helper.from_array(value, self.fresh("v")))[0]
@@ -188,12 +194,20 @@ class _Builder:
             return self.add("Add", [self.init(half, prefix), self.const(value - half, prefix, reuse=False)])[0]
         name = self.init(value, prefix)
         same.append(name)
+        self.values[name] = value
         return name
 
     def weight(self, value: np.ndarray) -> str:
-        name = self.const(value, "w")
+        """A Conv/ConvTranspose/Gemm/MatMul weight, scaled by this op's ``param_scale[0]``."""
+        name = self.const(value * np.float32(self.param_scale[0]), "w")
         self.weights.append(name)
+        self.scaled_params |= self.param_scale[0] != 1.0
         return name
+
+    def bias(self, value: np.ndarray) -> str:
+        """A Conv/ConvTranspose/Gemm bias, scaled by this op's ``param_scale[1]`` (int32 overflow)."""
+        self.scaled_params |= self.param_scale[1] != 1.0
+        return self.const(value * np.float32(self.param_scale[1]), "bias")
 
     def normal(self, *shape, std: float = 1.0) -> np.ndarray:
         return (self.rng.standard_normal(shape) * std).astype(np.float32)
@@ -220,7 +234,7 @@ def _conv(b: _Builder, transpose: bool = False) -> None:
         return _unary(b)
     inputs = [x, b.weight(weight)]
     if b.flag(0.6):
-        inputs.append(b.const(b.normal(cout, std=0.3), "bias"))
+        inputs.append(b.bias(b.normal(cout, std=0.3)))
     op = "ConvTranspose" if transpose else "Conv"
     y = b.add(op, inputs, kernel_shape=k, strides=stride, dilations=dil, pads=pads, group=groups)[0]
     b.ops.append(op + ("+bias" if len(inputs) == 3 else "") + (f"/g{groups}" if groups > 1 else ""))
@@ -262,7 +276,7 @@ def _gemm(b: _Builder) -> None:
     bias = b.choice(("none", "n", "1n", "scalar"))
     if bias != "none":
         shape = {"n": (nout,), "1n": (1, nout), "scalar": (1,)}[bias]
-        inputs.append(b.const(b.normal(*shape, std=0.3), "bias"))
+        inputs.append(b.bias(b.normal(*shape, std=0.3)))
     alpha, beta = b.choice((1.0, 1.0, 0.5, 2.0)), b.choice((1.0, 1.0, 0.5))
     y = b.add("Gemm", inputs, transA=int(trans_a), transB=int(trans_b), alpha=alpha, beta=beta)[0]
     b.ops.append(f"Gemm(bias={bias})")
@@ -666,7 +680,7 @@ OPS = {
 
 @st.composite
 def models(draw, min_ops: int = 1, max_ops: int = 16):
-    """A random valid float model: ``(ModelProto, input specs, op labels, activations, node names)``."""
+    """A random valid float model (a :class:`DrawnModel`)."""
     opset = draw(st.sampled_from(OPSETS))
     batch = draw(st.sampled_from((1, 1, 2)))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -679,6 +693,10 @@ def models(draw, min_ops: int = 1, max_ops: int = 16):
     for _ in range(draw(st.integers(min_ops, max_ops))):
         name = draw(st.sampled_from(list(OPS)))
         b.rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))  # per op: shrinking keeps later values
+        if draw(st.integers(0, 7)) == 7:   # tiny/huge weights, huge biases (int32 bias overflow)
+            b.param_scale = (draw(st.sampled_from((1.0, 1e-4, 100.0))), draw(st.sampled_from((1.0, 1e3))))
+        else:
+            b.param_scale = (1.0, 1.0)
         OPS[name](b)
     outputs = [t for t in b.pool if not b.reads.get(t) and t not in b.data]
     extra = [t for t in b.pool if b.reads.get(t) and t not in b.data]
@@ -697,7 +715,20 @@ def models(draw, min_ops: int = 1, max_ops: int = 16):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 10
     acts = [t for t in b.pool if t not in b.data and t not in b.unstable]
-    return model, b.data, b.ops, acts, b.computed_nodes, b.weights
+    return DrawnModel(model, b.data, b.ops, acts, b.computed_nodes, b.weights, b.scaled_params)
+
+
+@dataclass
+class DrawnModel:
+    """What ``models()`` draws: the model and what configs and feeds need to know about it."""
+
+    model: onnx.ModelProto
+    inputs: dict            # graph input -> (kind, shape, int high)
+    ops: list[str]          # labels of the drawn ops
+    activations: list[str]  # computed float tensors that survive folding
+    nodes: list[str]        # names of nodes that survive folding
+    weights: list[str]
+    scaled_params: bool     # some weights/biases drawn far from unit scale
 
 
 def feeds_for(specs: dict, seed: int, count: int = 4, scales: dict | None = None) -> list[dict]:
@@ -728,6 +759,19 @@ def configs(draw, activations: list[str] = (), nodes: list[str] = (), weights: l
     cfg: dict = {}
     if nodes and draw(st.integers(0, 9)) == 9:
         cfg["nodes_to_exclude"] = [nodes[draw(st.integers(0, len(nodes) - 1))]]
+    if nodes and draw(st.integers(0, 14)) == 14:
+        cfg["nodes_to_quantize"] = sorted({nodes[draw(st.integers(0, len(nodes) - 1))] for _ in range(3)})
+    if draw(st.integers(0, 9)) == 9:
+        cfg["scale_type"] = "float16"
+    if draw(st.integers(0, 9)) == 9:
+        cfg["minimum_real_range"] = draw(st.sampled_from((1e-4, 0.01, 1.0)))
+    if draw(st.integers(0, 9)) == 9:
+        cfg["force_quantize_no_input_check"] = True
+    if draw(st.integers(0, 14)) == 14:
+        cfg["op_types_to_exclude_output_quantization"] = sorted(
+            draw(st.sets(st.sampled_from(QUANTIZED_OPS), min_size=1, max_size=3)))
+    if draw(st.integers(0, 14)) == 14:
+        cfg["target"] = "qnn"
     if draw(st.integers(0, 14)) == 14:
         cfg["op_types_to_quantize"] = sorted(draw(st.sets(st.sampled_from(QUANTIZED_OPS), min_size=1, max_size=6)))
     if draw(st.booleans()):
@@ -801,13 +845,15 @@ def overrides(draw, activations, weights, act_type: str):
 @st.composite
 def cases(draw, min_ops: int = 1, max_ops: int = 16):
     """A :class:`FuzzCase`: model, 4 calibration feeds, config."""
-    model, specs, ops, acts, nodes, weights = draw(models(min_ops, max_ops))
-    config = draw(configs(acts, nodes, weights))
+    drawn = draw(models(min_ops, max_ops))
+    config = draw(configs(drawn.activations, drawn.nodes, drawn.weights))
+    specs = drawn.inputs
     scaled = draw(st.integers(0, 3)) == 3          # else every float input is N(0, 1)
     scales = {name: (draw(st.sampled_from((1.0, 0.01, 100.0, 0.0))), draw(st.sampled_from((0.0, 3.0, -3.0))))
               for name, (kind, _, _) in specs.items() if kind == "float" and scaled}
     feeds = feeds_for(specs, draw(st.integers(0, 2**16)), scales=scales)
-    return FuzzCase(model, feeds, config, ops, unit_feeds=all(v == (1.0, 0.0) for v in scales.values()))
+    traits = ["scaled-feeds"] if any(v != (1.0, 0.0) for v in scales.values()) else []
+    return FuzzCase(drawn.model, feeds, config, drawn.ops, traits + ["scaled-params"] * drawn.scaled_params)
 
 
 # -- running a case ----------------------------------------------------------------------------
@@ -843,8 +889,8 @@ def snr_floor(case: "FuzzCase") -> float | None:
     tiny Gemm whose output cancels); gross bugs (wrong scale, axis or zero point, a shared scale
     where ranges differ) land well below 0 dB. Without a floor (``no_floor_reasons``): 4-bit types,
     clipping calibrations (percentile, entropy, mse, moving average), tensor overrides (fixed
-    ranges, scales) and scaled or offset feeds (x100 feeds make HardSwish's output 1000x smaller
-    than its input's range) legitimately reach 0 dB.
+    ranges, scales), scaled or offset feeds (x100 feeds make HardSwish's output 1000x smaller
+    than its input's range) and scaled weights/biases legitimately reach 0 dB.
     """
     return None if no_floor_reasons(case) else SNR_FLOOR_DB
 
@@ -857,8 +903,8 @@ def no_floor_reasons(case: "FuzzCase") -> list[str]:
     checks = {"4-bit": any(config.get(k, d).endswith("4") for k, d in (("activation_type", "uint8"),
                                                                         ("weight_type", "int8"))),
               method: method not in ("minmax", "pow2"), "moving-average": cal.get("moving_average"),
-              "overrides": config.get("tensor_overrides"), "scaled-feeds": not case.unit_feeds}
-    return [why for why, applies in checks.items() if applies]
+              "overrides": config.get("tensor_overrides")}
+    return [why for why, applies in checks.items() if applies] + list(case.traits)
 
 
 def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:

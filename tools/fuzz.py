@@ -67,7 +67,7 @@ class Fuzzer:
         folder.mkdir(parents=True, exist_ok=True)
         onnx.save(case.model, folder / "model.onnx")
         (folder / "config.json").write_text(json.dumps(case.config, indent=1))
-        (folder / "meta.json").write_text(json.dumps({"unit_feeds": case.unit_feeds, "ops": case.ops}))
+        (folder / "meta.json").write_text(json.dumps({"traits": case.traits, "ops": case.ops}))
         np.savez(folder / "feeds.npz", **{f"{i}:{k}": v for i, f in enumerate(case.feeds) for k, v in f.items()})
         (folder / "case.txt").write_text(f"{outcome.kind}\n{outcome.detail}\nconfig: {case.config}\n"
                                          f"ops: {case.ops}\n\n{onnx.printer.to_text(case.model)}\n")
@@ -119,8 +119,7 @@ class Fuzzer:
 def _config_class(case: FuzzCase) -> str:
     """'floor' when the SNR floor applies, else the reasons it does not."""
     why = no_floor_reasons(case)
-    mixed = " mixed" if case.config.get("mixed_precision") else ""
-    return ("no floor: " + " ".join(why) if why else "floor") + mixed
+    return "floor" if not why else "no floor, 4-bit" if "4-bit" in why else "no floor, 8/16-bit"
 
 
 def _slug(kind: str) -> str:
@@ -137,7 +136,7 @@ def replay(folder: Path) -> int:
         feeds[int(index)][name] = data[key]
     meta = json.loads((folder / "meta.json").read_text()) if (folder / "meta.json").exists() else {}
     outcome = run_case(FuzzCase(model, [feeds[i] for i in sorted(feeds)], config, meta.get("ops", []),
-                                meta.get("unit_feeds", True)))
+                                meta.get("traits", [])))
     print(f"{outcome.status}: {outcome.kind}\n{outcome.detail}")
     return 1 if outcome.status == "crash" else 0
 
