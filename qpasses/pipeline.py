@@ -151,7 +151,7 @@ def print_pipeline(passes) -> str:
 
 
 BASE_PIPELINE = "fold-constants,fold-batchnorm,cleanup"
-QUANTIZE_PIPELINE = (BASE_PIPELINE + ",calibrate,annotate-types,propagate-mixed-precision,"
+QUANTIZE_PIPELINE = (BASE_PIPELINE + ",annotate-types,propagate-mixed-precision,calibrate,"
                      "compute-qparams,fix-bias-scales,insert-qdq,insert-converts,cleanup")
 
 

@@ -218,12 +218,15 @@ class Progress:
 class _Plan:
     """What one calibration run needs: the session, what to fetch and how to read it."""
 
-    def __init__(self, model: QModel, use_hist: bool, in_memory_weights: bool | None = None):
+    def __init__(self, model: QModel, use_hist: bool, in_memory_weights: bool | None = None,
+                 only: set[str] | None = None):
         import onnxruntime as ort
 
         proto = model.to_proto()
         self.specs = model_inputs(proto)
         self.tensors = activation_tensors(proto, _gs_types(model))
+        if only is not None:
+            self.tensors = [(n, e) for n, e in self.tensors if n in only]
         tracked = {name for name, _ in self.tensors}
         self.inputs = [s.name for s in self.specs if s.name in tracked]
         self.derived = {} if use_hist else derived_ranges(proto, tracked)
@@ -266,12 +269,14 @@ def _unrunnable(model: QModel, exc: Exception) -> str:
 
 def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int = 2048,
                   averaging_constant: float | None = None, max_samples: int = 0,
-                  progress_stream=None, in_memory_weights: bool | None = None) -> tuple[dict[str, TensorStats], int]:
+                  progress_stream=None, in_memory_weights: bool | None = None,
+                  only: set[str] | None = None) -> tuple[dict[str, TensorStats], int]:
     """Run ``model`` on every sample of ``data`` (validated one by one) and return
-    ({tensor name: TensorStats} in graph order, number of samples)."""
+    ({tensor name: TensorStats} in graph order, number of samples). ``only`` limits the tensors
+    measured (fewer model outputs also leave onnxruntime's fusions, e.g. Conv+Relu, intact)."""
     data = open_data(data)
     use_hist = method in HISTOGRAM_METHODS
-    plan = _Plan(model, use_hist, in_memory_weights)
+    plan = _Plan(model, use_hist, in_memory_weights, only)
     bins = histogram_bins(num_bins) if use_hist else 0
     stats = {name: TensorStats(bins, averaging_constant) for name, _ in plan.tensors}
     total = data.count if not max_samples else min(max_samples, data.count or max_samples)
@@ -317,12 +322,12 @@ def _update_ranges(stats, feed, plan: _Plan, outputs) -> None:
 def calibrate_ranges(model: QModel, data, *, method: str = "minmax", percentile: float = 99.999,
                      num_bins: int = 2048, bits: int = 8, symmetric: bool = False,
                      moving_average: bool = False, averaging_constant: float = 0.01,
-                     max_samples: int = 0, progress_stream=None):
+                     max_samples: int = 0, progress_stream=None, only: set[str] | None = None):
     """Collect statistics and finalise them: returns (ranges, observed, samples), both dicts of
     tensor name -> (float, float) in graph order."""
     stats, samples = collect_stats(model, data, method=method, num_bins=num_bins,
                                    averaging_constant=averaging_constant if moving_average else None,
-                                   max_samples=max_samples, progress_stream=progress_stream)
+                                   max_samples=max_samples, progress_stream=progress_stream, only=only)
     ranges, observed = {}, {}
     for name, st in stats.items():
         lo, hi = finalise(method, st, percentile=percentile, num_bins=num_bins, bits=bits,

@@ -14,6 +14,15 @@ from ..qtypes import qtype
 from ..registry import register
 
 
+def tensors_needing_ranges(model: QModel) -> set[str] | None:
+    """Activations whose qparams are computed from a calibrated range (None: not annotated yet)."""
+    if "types-annotated" not in model.facts:
+        return None
+    return {name for name, tq in model.quant.items()
+            if tq.role == "activation" and tq.shares is None and not tq.fixed
+            and (tq.rmin is None or tq.rmax is None or tq.convert is not None)}
+
+
 @register
 class Calibrate(Pass):
     """Run the float model on calibration data and record a range for every float activation.
@@ -21,7 +30,10 @@ class Calibrate(Pass):
     Reads: the calibration data (``data`` option, else the data attached to the model), options not
     given come from ``config.calibration``; the activation bit width from ``config.activation_type``.
     Writes: ``model.ranges[t] = (rmin, rmax)`` chosen by the method and ``model.observed[t] =
-    (min, max)`` seen, for every float graph input and non-constant float node output.
+    (min, max)`` seen, for every float graph input and non-constant float node output; after
+    annotate-types, only for the activations whose qparams come from a range (not those that share
+    another tensor's qparams, are fixed or have a user range), which keeps onnxruntime's fusions
+    (Conv+Relu, ...) in the calibration run and makes it faster.
     Invariants: the graph is not changed; memory does not grow with the number of samples.
     """
 
@@ -64,7 +76,7 @@ class Calibrate(Pass):
             model, open_data(source), method=cal.method, percentile=float(cal.percentile),
             num_bins=int(cal.num_bins), bits=qtype(config.activation_type).bits, symmetric=bool(cal.symmetric),
             moving_average=bool(cal.moving_average), averaging_constant=float(cal.averaging_constant),
-            max_samples=int(self.max_samples))
+            max_samples=int(self.max_samples), only=tensors_needing_ranges(model))
         modified = ranges != model.ranges or observed != model.observed
         model.ranges, model.observed = ranges, observed
         return PassResult(model, modified, {"tensors": len(ranges), "samples": samples, "method": cal.method})

@@ -213,3 +213,27 @@ def test_in_memory_weights_path_gives_the_same_ranges():
     b = collect_stats(from_proto(proto), feeds, in_memory_weights=False)[0]
     assert {k: v.observed for k, v in a.items()} == {k: v.observed for k, v in b.items()}
     assert a["y"].observed[1] > 0
+
+
+def test_after_annotate_types_only_range_sourced_activations_are_measured():
+    model = model_from_text("""
+    g (float[1, 4] x) => (float[1, 2, 2] y) <float[4, 4] w = {0.5, -1, 2, 0.1, 1, 1, -1, 0.3, 0.2, -0.4, 0.9, 1, 0, 2, -2, 1},
+                                              int64[3] shape = {1, 2, 2}> {
+        m = MatMul(x, w)
+        r = Relu(m)
+        t = Tanh(r)
+        y = Reshape(t, shape)
+    }
+    """)
+    model.config = QuantConfig()
+    PassManager("annotate-types").run(model)
+    needed = {n for n, tq in model.quant.items() if tq.role == "activation" and tq.shares is None}
+    sharing = {n for n, tq in model.quant.items() if tq.shares is not None}
+    assert needed == {"x", "r", "t"} and sharing == {"m", "y"}  # m merged into Relu, y reshapes t
+    feeds = [{"x": f["x"]} for f in _feeds(4)]
+    model.calibration_data = feeds
+    PassManager("calibrate").run(model)
+    assert set(model.ranges) == needed
+    reference = _reference_minmax(model.to_proto(), feeds, sorted(needed))
+    for name in needed:
+        np.testing.assert_allclose(model.ranges[name], reference[name], rtol=1e-6)
