@@ -9,6 +9,7 @@ Three families, each materialised once into a cache folder (``--cache``, default
   Data: smooth seeded random images, 64 calibration / 16 eval samples.
 * corpus models (``ppocr_v4_det`` ...): the trained models of /work/shared/corpus, used unchanged,
   with the corpus' own calib/eval sets. Skipped (with a note) when the corpus folder is absent.
+  ``<corpus model>_init``: the same with Constant nodes turned into initializers.
 * ``encoder_block``: one transformer encoder layer (4-head attention with a padding mask,
   LayerNormalization, erf-GELU FFN) built with onnx.helper, opset 17, seeded weights.
 
@@ -79,7 +80,7 @@ class Samples:
 # -- registry ----------------------------------------------------------------------------------------
 def all_names() -> list[str]:
     light = [f"light_{n}{s}" for n in LIGHT_NETS for s in ("", "_rand")]
-    return light + list(CORPUS_MODELS) + ["encoder_block"]
+    return light + list(CORPUS_MODELS) + [f"{n}_init" for n in CORPUS_MODELS] + ["encoder_block"]
 
 
 # Default benchmark set: fits a ~30 min full run on 2 shared cores (the big-FC nets alexnet, vgg19,
@@ -107,13 +108,16 @@ def prepare(name: str, cache: Path = DEFAULT_CACHE, corpus: Path = DEFAULT_CORPU
         calib = image_data(model, CALIB_SAMPLES, seed=1)
         evald = image_data(model, EVAL_SAMPLES, seed=2)
         info = {"kind": "light-rand" if rand else "light", "real": False, "folded_by": folded_by}
-    elif name in CORPUS_MODELS:
-        src = Path(corpus) / "models" / f"{name}.onnx"
+    elif name in CORPUS_MODELS or name.removesuffix("_init") in CORPUS_MODELS:
+        base = name.removesuffix("_init")
+        src = Path(corpus) / "models" / f"{base}.onnx"
         if not src.is_file():
             raise FileNotFoundError(f"{src}: corpus absent (build it with make_corpus.sh)")
         model = onnx.load(str(src))
-        calib = dict(np.load(Path(corpus) / "calib" / f"{name}.npz"))
-        evald = dict(np.load(Path(corpus) / "eval" / f"{name}.npz"))
+        if name != base:
+            constants_to_initializers(model.graph)
+        calib = dict(np.load(Path(corpus) / "calib" / f"{base}.npz"))
+        evald = dict(np.load(Path(corpus) / "eval" / f"{base}.npz"))
         info = {"kind": "corpus", "real": True}
     elif name == "encoder_block":
         model = encoder_block()
@@ -134,6 +138,23 @@ def prepare(name: str, cache: Path = DEFAULT_CACHE, corpus: Path = DEFAULT_CORPU
     info["format"] = FORMAT_VERSION
     info_path.write_text(json.dumps(info, indent=1))
     return _bench(name, folder, info)
+
+
+def constants_to_initializers(graph) -> None:
+    """Turn tensor-valued Constant nodes into initializers (onnxruntime's quantizer treats Constant
+    outputs as activations: weights held in Constant nodes get U8 asymmetric activation Q/DQ)."""
+    keep = []
+    for node in graph.node:
+        attr = node.attribute[0] if node.op_type == "Constant" and len(node.attribute) == 1 else None
+        if attr is not None and attr.name == "value":
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(attr.t)
+            tensor.name = node.output[0]
+            graph.initializer.append(tensor)
+        else:
+            keep.append(node)
+    del graph.node[:]
+    graph.node.extend(keep)
 
 
 def _bench(name, folder, info) -> BenchModel:
