@@ -232,3 +232,17 @@ def test_cli_reports_bad_data_in_one_line(tmp_path, capsys):
     assert code == 2
     assert err.strip().count("\n") == 0 and "sample 0: input 'x' contains NaN" in err
     assert "Traceback" not in err
+
+
+def test_negative_dim_value_is_dynamic():
+    """Some exporters write dim_value -1 for a dynamic batch (ppocr_v2_cls): any size is accepted."""
+    from onnx import TensorProto, helper
+
+    from qpasses.calibration.data import model_inputs, validate
+
+    vi = helper.make_tensor_value_info("x", TensorProto.FLOAT, [-1, 3, 0, 4])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [vi],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    specs = model_inputs(helper.make_model(graph))
+    feed = validate({"x": np.zeros((2, 3, 5, 4), np.float32)}, specs)
+    assert feed["x"].shape == (2, 3, 5, 4)

@@ -274,7 +274,9 @@ def _spec_from_value_info(vi: onnx.ValueInfoProto, optional: bool) -> InputSpec:
     tt = vi.type.tensor_type
     shape = None
     if tt.HasField("shape"):
-        shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
+        # dim_value <= 0 (some exporters write -1 for a dynamic batch) is as dynamic as a dim_param
+        shape = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None)
+                      for d in tt.shape.dim)
     return InputSpec(vi.name, _np_dtype(tt.elem_type), shape, optional)
 
 
