@@ -21,6 +21,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import CalibrationDataError, ModelError
+from ..graphutil import node_reads
 from ..ir import EXTERNAL_DATA_THRESHOLD, QModel, tensor_bytes
 from .collectors import HISTOGRAM_METHODS, TensorStats, finalise, histogram_bins
 from .data import model_inputs, open_data
@@ -31,13 +32,15 @@ RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "Ra
 MIN_SUFFIX, MAX_SUFFIX = "__qpasses_min", "__qpasses_max"
 
 
-def activation_tensors(proto: onnx.ModelProto, fallback_types: dict | None = None) -> list[tuple[str, int]]:
+def activation_tensors(proto: onnx.ModelProto, fallback_types: dict | None = None, *,
+                       types: dict | None = None) -> list[tuple[str, int]]:
     """(name, elem_type) of every float activation of the top-level graph, in graph order: float
     graph inputs that are not initializers, then float node outputs that are not constants (a
     Constant node's output, or computed only from initializers and constants). Subgraphs are skipped.
+    ``types``: element types already inferred (else shape inference runs here).
     """
     graph = proto.graph
-    types = _elem_types(proto)
+    types = dict(types) if types is not None else _elem_types(proto)
     for name, elem in (fallback_types or {}).items():
         types.setdefault(name, elem)
     constant = {t.name for t in graph.initializer}
@@ -57,8 +60,14 @@ def activation_tensors(proto: onnx.ModelProto, fallback_types: dict | None = Non
 
 
 def _elem_types(proto: onnx.ModelProto) -> dict[str, int]:
-    """Element types of the top-level tensors, by shape inference on a weight-free copy (types do
-    not depend on weight values, and the copy stays small for models of any size)."""
+    """Element types of the top-level tensors (see ``_inferred``)."""
+    return _inferred(proto)[0]
+
+
+def _inferred(proto: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]:
+    """Element types and static element counts of the top-level tensors, by shape inference on a
+    weight-free copy (types do not depend on weight values, and the copy stays small for models of
+    any size). Tensors whose shape is not fully static have no count."""
     light = onnx.ModelProto()
     light.ir_version = proto.ir_version
     light.opset_import.extend(proto.opset_import)
@@ -75,11 +84,14 @@ def _elem_types(proto: onnx.ModelProto) -> dict[str, int]:
         g2 = onnx.shape_inference.infer_shapes(light, strict_mode=False).graph
     except Exception:  # inference failure on exotic ops: keep what the model declares
         g2 = g
-    types = {}
+    types, sizes = {}, {}
     for vi in list(g2.input) + list(g2.value_info) + list(g2.output):
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-            types[vi.name] = vi.type.tensor_type.elem_type
-    return types
+            tt = vi.type.tensor_type
+            types[vi.name] = tt.elem_type
+            if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
+                sizes[vi.name] = math.prod(d.dim_value for d in tt.shape.dim)
+    return types, sizes
 
 
 def _gs_types(model: QModel) -> dict[str, int]:
@@ -215,31 +227,196 @@ class Progress:
             self.stream.flush()
 
 
+CHUNK_NODES = 2000   # top-level nodes per onnxruntime session: session creation grows faster than
+                     # linearly with the graph (one session over 12k nodes + measurements: ~2 min)
+SMALL_TENSOR = 4096  # min/max mode: tensors of at most this many elements (static shape) are fetched
+                     # and reduced in numpy (creating a ReduceMin/ReduceMax pair costs more)
+
+
+class _RunError(Exception):
+    """onnxruntime failed on a sample."""
+
+
+class _Segment:
+    """One onnxruntime session over consecutive top-level nodes: the values it reads (None: the
+    whole feed), what it returns, which values later segments need and which are no longer needed."""
+
+    def __init__(self, session, inputs, outputs, live_out, done, raw, reduced, minmax):
+        self.session, self.inputs, self.outputs = session, inputs, outputs
+        self.live_out, self.done = live_out, done
+        self.raw, self.reduced = raw, reduced    # measured tensors: fetched whole / (name, min, max)
+        self.minmax = minmax                     # reduce the raw ones to (min, max) here
+
+    def run(self, env: dict):
+        """Run on ``env`` (name -> array, updated in place); yields (tensor, array) for the raw
+        measurements, or (tensor, (min, max)) in min/max mode, and for the reduced ones."""
+        feed = env if self.inputs is None else {n: env[n] for n in self.inputs}
+        try:
+            values = dict(zip(self.outputs, self.session.run(self.outputs, feed)))
+        except Exception as exc:
+            raise _RunError(_first_line(exc)) from None
+        for name in self.live_out:
+            env[name] = values[name]
+        for name in self.done:
+            env.pop(name, None)
+        if self.minmax:
+            yield from _batch_minmax([(name, values[name]) for name in self.raw])
+        else:
+            for name in self.raw:
+                yield name, values[name]
+        for name, lo, hi in self.reduced:
+            yield name, (values[lo], values[hi])
+
+
+def _batch_minmax(arrays: list[tuple[str, np.ndarray]]):
+    """(name, (min, max)) of many small arrays with a few numpy calls per dtype (one call per
+    array costs ~8 us, more than onnxruntime spends computing them). Empty arrays are skipped."""
+    groups: dict = {}
+    for name, arr in arrays:
+        if arr.size:
+            groups.setdefault(arr.dtype, []).append((name, arr))
+    for members in groups.values():
+        flat = np.concatenate([arr.reshape(-1) for _, arr in members])
+        starts = np.cumsum([0] + [arr.size for _, arr in members[:-1]])
+        lows, highs = np.minimum.reduceat(flat, starts), np.maximum.reduceat(flat, starts)
+        for (name, _), lo, hi in zip(members, lows, highs):
+            yield name, (lo, hi)
+
+
 class _Plan:
-    """What one calibration run needs: the session, what to fetch and how to read it."""
+    """What one calibration run needs: the sessions, what to fetch and how to read it.
+
+    A graph of more than CHUNK_NODES top-level nodes runs as a chain of sessions of about that many
+    nodes (values crossing a cut go from one session to the next), so building them stays linear.
+    """
 
     def __init__(self, model: QModel, use_hist: bool, in_memory_weights: bool | None = None,
                  only: set[str] | None = None):
-        import onnxruntime as ort
-
         proto = model.to_proto()
         self.specs = model_inputs(proto)
-        self.tensors = activation_tensors(proto, _gs_types(model))
+        types, sizes = _inferred(proto)
+        self.tensors = activation_tensors(proto, _gs_types(model), types=types)
         if only is not None:
             self.tensors = [(n, e) for n, e in self.tensors if n in only]
         tracked = {name for name, _ in self.tensors}
         self.inputs = [s.name for s in self.specs if s.name in tracked]
         self.derived = {} if use_hist else derived_ranges(proto, tracked)
         self.inner = [(n, e) for n, e in self.tensors if n not in self.inputs and n not in self.derived]
-        self.fetch = augment(proto, self.inner, reduce=not use_hist)
-        opts, self._keep = session_options(proto, in_memory_weights=in_memory_weights)
+        raw = {n for n, _ in self.inner if use_hist or 0 <= sizes.get(n, -1) <= SMALL_TENSOR}
+        self._keep: list = []
+        self.segments: list[_Segment] = []
+        chain = _Chain(model, proto, types) if len(proto.graph.node) > CHUNK_NODES else None
+        if chain is None or len(chain.spans) == 1:
+            self._add(model, proto, None, [], [], set(self.inner), raw, in_memory_weights, not use_hist)
+            return
+        for span in chain.spans:
+            sub, inputs, live_out, done = chain.segment(span)
+            produced = {o for node in sub.graph.node for o in node.output}
+            self._add(model, sub, inputs, live_out, done, {t for t in self.inner if t[0] in produced},
+                      raw, in_memory_weights, not use_hist, chained=True)
+
+    def _add(self, model, proto, inputs, live_out, done, measured, raw, in_memory_weights, minmax,
+             chained=False) -> None:
+        import onnxruntime as ort
+
+        inner = [t for t in self.inner if t in measured]   # graph order
+        to_reduce = [t for t in inner if t[0] not in raw]
+        fetch_raw = augment(proto, [t for t in inner if t[0] in raw], reduce=False)
+        fetch_red = augment(proto, to_reduce, reduce=True)
+        outputs = list(dict.fromkeys(live_out + fetch_raw + fetch_red))
+        if not outputs:
+            return   # nothing measured here and nothing needed later
+        reduced = [(n, fetch_red[2 * i], fetch_red[2 * i + 1]) for i, (n, _) in enumerate(to_reduce)]
+        opts, keep = session_options(proto, in_memory_weights=in_memory_weights)
+        if chained:  # fusions stay; the layout pass (NCHWc reorders) cost 2x session time, 4x run time
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        self._keep.extend(keep)
         data = proto.SerializeToString()
         del proto  # free the exported copy before onnxruntime makes its own
         try:
-            self.session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+            session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
         except Exception as exc:
             raise ModelError(f"onnxruntime cannot run the model, so it cannot be calibrated: "
                              f"{_unrunnable(model, exc)}") from None
+        self.segments.append(_Segment(session, inputs, outputs, live_out, done, fetch_raw, reduced, minmax))
+
+    def run(self, feed: dict):
+        """The measurements of one sample, segment by segment (see _Segment.run)."""
+        env = dict(feed)
+        for segment in self.segments:
+            yield from segment.run(env)
+
+
+class _Chain:
+    """Cuts a sorted top-level graph into spans of about CHUNK_NODES nodes, only where every value
+    crossing the cut is a tensor of known element type (it becomes a session input), and builds
+    the model of each span."""
+
+    def __init__(self, model: QModel, proto: onnx.ModelProto, types: dict[str, int]):
+        self.proto, self.types = proto, types
+        self.spans = [range(len(proto.graph.node))]
+        nodes = model.graph.nodes
+        if model.input_initializers or len(nodes) != len(proto.graph.node):
+            return   # user-feedable initializers: keep one session
+        self.reads = [node_reads(n) for n in nodes]
+        self.last: dict[str, int] = {}
+        for i, names in enumerate(self.reads):
+            for name in names:
+                self.last[name] = i
+        self.produced = {o for node in proto.graph.node for o in node.output if o}
+        self.initializers = {t.name: t for t in proto.graph.initializer}
+        self.spans = self._cut(CHUNK_NODES)
+
+    def _cut(self, chunk: int) -> list[range]:
+        ending: dict[int, list[str]] = {}
+        for name, i in self.last.items():
+            ending.setdefault(i, []).append(name)
+        live: set[str] = set()
+        unknown, start, spans = 0, 0, []
+        count = len(self.proto.graph.node)
+        for i, node in enumerate(self.proto.graph.node):
+            for o in node.output:
+                if o and self.last.get(o, -1) > i and o not in live:
+                    live.add(o)
+                    unknown += o not in self.types
+            for name in ending.get(i, ()):
+                if name in live:
+                    live.discard(name)
+                    unknown -= name not in self.types
+            if i + 1 - start >= chunk and unknown == 0 and i + 1 < count:
+                spans.append(range(start, i + 1))
+                start = i + 1
+        spans.append(range(start, count))
+        return spans
+
+    def segment(self, span: range) -> tuple[onnx.ModelProto, list[str], list[str], list[str]]:
+        """(model of the span, its inputs, values it passes on, values read for the last time)."""
+        g = self.proto.graph
+        sub = onnx.ModelProto()
+        sub.ir_version = self.proto.ir_version
+        sub.opset_import.extend(self.proto.opset_import)
+        sub.functions.extend(self.proto.functions)
+        sg = sub.graph
+        sg.name = g.name
+        sg.node.extend(g.node[i] for i in span)
+        here = {o for node in sg.node for o in node.output if o}
+        read = dict.fromkeys(name for i in span for name in self.reads[i] if name not in here)
+        inits = self.initializers
+        graph_inputs = {vi.name: vi for vi in g.input}
+        inputs = []
+        for name in read:
+            if name in inits:
+                sg.initializer.append(inits[name])
+            elif name in graph_inputs:
+                sg.input.append(graph_inputs[name])
+                inputs.append(name)
+            elif name in self.produced:
+                sg.input.append(helper.make_tensor_value_info(name, self.types[name], None))
+                inputs.append(name)
+        live_out = [o for node in sg.node for o in node.output if o and self.last.get(o, -1) >= span.stop]
+        sg.output.extend(helper.make_tensor_value_info(o, self.types[o], None) for o in live_out)
+        done = [name for name in read if self.last.get(name, -1) < span.stop]
+        return sub, inputs, live_out, done
 
 
 def _is_bfloat16(dtype) -> bool:
@@ -283,19 +460,21 @@ def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int 
     bar = Progress("calibrate", total, progress_stream)
     count = 0
     for index, feed in enumerate(data.validated(plan.specs, max_samples)):
-        try:
-            outputs = plan.session.run(plan.fetch, feed)
-        except Exception as exc:
-            raise CalibrationDataError(f"{data.source}: sample {index}: onnxruntime cannot run the model "
-                                       f"on it ({_first_line(exc)})") from None
         if use_hist:
             for name in plan.inputs:
                 stats[name].update(feed[name])
-            for name, arr in zip(plan.fetch, outputs):
-                stats[name].update(arr)
-        else:
-            _update_ranges(stats, feed, plan, outputs)
-        del outputs
+        current = {}
+        try:
+            for name, value in plan.run(feed):   # one segment's values at a time
+                if use_hist:
+                    stats[name].update(value)
+                else:
+                    current[name] = value
+        except _RunError as exc:
+            raise CalibrationDataError(f"{data.source}: sample {index}: onnxruntime cannot run the model "
+                                       f"on it ({exc})") from None
+        if not use_hist:
+            _update_ranges(stats, feed, plan, current)
         count += 1
         bar.update(count)
     bar.close()
@@ -304,10 +483,9 @@ def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int 
     return stats, count
 
 
-def _update_ranges(stats, feed, plan: _Plan, outputs) -> None:
-    """Min/max mode: one (min, max) per tensor for this sample, measured or derived."""
-    current = {name: (feed[name].min(), feed[name].max()) for name in plan.inputs if feed[name].size}
-    current.update((name, (outputs[2 * i], outputs[2 * i + 1])) for i, (name, _) in enumerate(plan.inner))
+def _update_ranges(stats, feed, plan: _Plan, current: dict) -> None:
+    """Min/max mode: one (min, max) per tensor for this sample, measured (``current``) or derived."""
+    current.update((name, (feed[name].min(), feed[name].max())) for name in plan.inputs if feed[name].size)
     for name, (src, kind) in plan.derived.items():   # graph order: sources come first
         if src in current:
             lo, hi = current[src]
