@@ -99,7 +99,7 @@ def test_rules_reapply_after_type_changes_and_are_idempotent():
 
 
 def test_16bit_activation_puts_matmul_and_layernorm_weights_back_to_8bit():
-    model = annotate(MATMUL_LN, activation_type="uint16")
+    model = annotate(MATMUL_LN, activation_type="uint16", per_channel=False)
     assert model.quant["w"].qtype == "uint8" and model.quant["sc"].qtype == "uint8"
     assert apply_target_rules(model) == 0
     for name in ("w", "sc"):                          # a later pass promoted the weights with the region
@@ -115,7 +115,7 @@ def test_16bit_activation_puts_matmul_and_layernorm_weights_back_to_8bit():
 def test_weight_rule_respects_user_overrides_and_8bit_activations():
     model = annotate(MATMUL_LN, activation_type="uint16", tensor_overrides={"w": [{"quant_type": "uint16"}]})
     assert model.quant["w"].qtype == "uint16"
-    model = annotate(MATMUL_LN)                        # 8-bit activations: nothing to do
+    model = annotate(MATMUL_LN, per_channel=False)     # 8-bit activations: nothing to do
     model.quant["w"].qtype = "uint16"
     assert apply_target_rules(model) == 0
 

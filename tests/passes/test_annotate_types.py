@@ -130,13 +130,13 @@ def test_op_family_rules(name):
 
 def test_per_tensor_weights_follow_the_weight_type_signedness():
     text = FAMILIES["conv"][0]
-    model, _ = annotate(text)
+    model, _ = annotate(text, per_channel=False)
     assert (model.quant["w"].axis, model.quant["w"].symmetric) == (None, True)
-    model, _ = annotate(text, weight_type="uint8")
+    model, _ = annotate(text, weight_type="uint8", per_channel=False)
     assert (model.quant["w"].qtype, model.quant["w"].symmetric) == ("uint8", False)
     model, _ = annotate(text, weight_type="uint8", per_channel=True)   # per-channel: symmetric (onnxruntime)
     assert model.quant["w"].symmetric and "per-channel weights are symmetric" in model.quant["w"].why[1]
-    model, _ = annotate(text, weight_type="int8", weight_symmetric=False)
+    model, _ = annotate(text, weight_type="int8", weight_symmetric=False, per_channel=False)
     assert model.quant["w"].symmetric is False
 
 

@@ -143,7 +143,8 @@ def test_max_samples_and_data_option(tmp_path):
 
 
 def test_symmetric_and_moving_average():
-    model = _model(QuantConfig(calibration={"moving_average": True, "averaging_constant": 0.5}))
+    model = _model(QuantConfig(calibration={"method": "minmax", "moving_average": True,
+                                                "averaging_constant": 0.5}))
     model.calibration_data = _feeds(3)
     Calibrate().run(model)
     raw = model.observed["m"]
