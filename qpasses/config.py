@@ -21,6 +21,7 @@ class CalibrationConfig:
     moving_average: bool = False
     averaging_constant: float = 0.01
     symmetric: bool = False  # percentile: clip |x| symmetrically
+    clip_graph_outputs: bool = False  # clipping methods also clip graph outputs (default: full range)
 
     def __post_init__(self):
         self.method = _CALIB_ALIASES.get(str(self.method).lower(), str(self.method).lower())

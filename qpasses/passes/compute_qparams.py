@@ -53,14 +53,20 @@ def _fmt(x) -> str:
 def activation_range(model: QModel, name: str, tq: TensorQuant, qt: str, config: QuantConfig | None = None):
     """(rmin, rmax, source text) for an activation, or None when nothing gives it a range.
 
-    The entry's own rmin/rmax win; otherwise the calibrated range, or the observed min/max for
-    types wider than 8 bits when the calibration method clips.
+    The entry's own rmin/rmax win; otherwise the calibrated range, or the observed min/max when
+    the calibration method clips and the type is wider than 8 bits or the tensor is a graph output
+    (unless ``calibration.clip_graph_outputs``).
     """
-    method = (config or config_of(model)).calibration.method
+    calibration = (config or config_of(model)).calibration
+    method = calibration.method
     base, source = model.ranges.get(name), f"calibration ({method})"
-    if method in CLIPPING_METHODS and name in model.observed and qtype(qt).bits > 8:
-        base = model.observed[name]
-        source = f"observed min/max ({qt} is wider than 8 bits: the {method} range would waste precision)"
+    if method in CLIPPING_METHODS and name in model.observed:
+        if qtype(qt).bits > 8:
+            base = model.observed[name]
+            source = f"observed min/max ({qt} is wider than 8 bits: the {method} range would waste precision)"
+        elif not calibration.clip_graph_outputs and name in _graph_outputs(model):
+            base = model.observed[name]
+            source = "observed min/max (a graph output: clipping it would show directly in the result)"
     if tq.rmin is not None and tq.rmax is not None:
         return float(tq.rmin), float(tq.rmax), "the entry's rmin/rmax"
     if base is None:
@@ -70,6 +76,10 @@ def activation_range(model: QModel, name: str, tq: TensorQuant, qt: str, config:
     if tq.rmin is not None or tq.rmax is not None:
         source += " with a bound from the entry"
     return rmin, rmax, source
+
+
+def _graph_outputs(model: QModel) -> set[str]:
+    return model.cached("graph_output_names", lambda m: {t.name for t in m.graph.outputs})
 
 
 def weight_range(model: QModel, name: str, tq: TensorQuant):
