@@ -39,6 +39,17 @@ REGRESSIONS = [
         c = Conv (x, w)
         y = BatchNormalization (c, s, b, m, v)
      }""", {"per_channel": True, "tensor_overrides": {"w": [{"quant_type": "int4"}]}}),
+    ("a convert on a tensor two shares away from its root (Slice -> Reshape -> MaxPool) found no range",
+     """
+     fuzz (float[1,8] x) => (float[1,1,1,1] y, float[1,1] z)
+        <float[1] s = {1}, float[1] b = {0}, float[1] mu = {0}, float[1] v = {1}, int64[4] shp = {1,1,1,1},
+         int64[1] c0 = {6}, int64[1] c1 = {7}, int64[1] ax = {1}, float[1] k = {0.3}> {
+        sl = Slice (x, c0, c1, ax)
+        r = Reshape (sl, shp)
+        m = MaxPool <kernel_shape = [1, 1]> (r)
+        y = BatchNormalization (m, s, b, mu, v)
+        z = Add (sl, k)
+     }""", {"mixed_precision": {"sl": {"quant_type": "uint16", "symmetric": True}}}),
 ]
 
 

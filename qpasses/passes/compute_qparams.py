@@ -268,8 +268,14 @@ class _Planner:
     def _convert(self, name: str, tq: TensorQuant, reason: str | None) -> str | None:
         conv = tq.convert
         found = activation_range(self.model, name, tq, conv.qtype, self.config)
-        if found is None and tq.shares and tq.shares in self.done:
-            found = activation_range(self.model, tq.shares, self.table[tq.shares], conv.qtype, self.config)
+        current, seen = tq, {name}
+        while found is None and current.shares in self.table and current.shares not in seen:
+            # a sharing tensor only moves values and calibration records no range for it: use the
+            # range of the tensor it shares with, up the chain (Reshape -> MaxPool -> ...)
+            seen.add(current.shares)
+            found = activation_range(self.model, current.shares, self.table[current.shares], conv.qtype,
+                                     self.config)
+            current = self.table[current.shares]
         if found is None or not is_finite_range(found[0], found[1]):
             raise ModelError(f"tensor '{name}': no finite range for its convert to {conv.qtype}")
         opts = qparams_options(tq, self.config, symmetric=conv.symmetric)
