@@ -1,16 +1,20 @@
 """Hypothesis strategies for fuzzing: random valid float models, quantization configs and data.
 
 ``cases()`` draws a :class:`FuzzCase`: a random DAG over the ops qpasses quantizes (and a few it
-does not), with random static shapes, tensors read by several nodes, several graph outputs (some
-also read inside the graph), graph inputs read by several nodes, constants given as initializers
-or built by constant subgraphs (Constant, ConstantOfShape, Reshape/Transpose/Add of constants, so
-fold-constants has work), Conv/ConvTranspose/Gemm followed by BatchNormalization (fold-batchnorm),
-plus a random QuantConfig (types, symmetry, per-channel, calibration method, mixed precision
-requests on random activations) and 4 calibration samples.
+does not: Abs, Neg, Shape arithmetic), opset 11-21, random static (sometimes symbolic-batch)
+shapes, tensors and graph inputs read by several nodes, several graph outputs (some also read
+inside the graph, sometimes a graph input), constants given as initializers, shared or twinned
+(same values, another name), or built by constant subgraphs (Constant, ConstantOfShape,
+Reshape/Transpose/Add of constants: fold-constants has work), Conv/ConvTranspose/Gemm followed by
+BatchNormalization (fold-batchnorm), scoped ('net/x:0') or missing node names; plus a random
+QuantConfig (types, symmetry, per-channel, calibration method, mixed precision requests, tensor
+overrides, node/op selections, ...) and 4 calibration feeds (N(0, 1), sometimes scaled, offset
+or constant). ``run_case`` quantizes a case with the default pipeline and classifies the outcome.
 
 Every drawn model passes onnx.checker and runs in onnxruntime (``run_case`` checks it again).
 Numerics are kept well-conditioned on purpose: divisors are constants away from zero or
-``Sigmoid(t) + 1``, the Where condition is a bool graph input, and no op can overflow.
+``Sigmoid(t) + 1``, the Where condition is a bool graph input, Softmax never runs over a size-1
+axis (onnxruntime's QLinearSoftmax turns that 1.0 into 0).
 
 Hypothesis is a test extra: only this module (and the tests/tools using it) imports it.
 """
@@ -30,8 +34,9 @@ MAX_ELEMENTS = 512          # no activation grows beyond this many elements
 ACTIVATION_TYPES = ("uint8", "int8", "uint16", "int16", "uint4", "int4")
 WEIGHT_TYPES = ("int8", "uint8", "int16", "uint16", "int4", "uint4")
 CALIBRATION = ("minmax", "percentile", "entropy", "mse", "pow2")
-QUANTIZED_OPS = ("Conv", "Gemm", "MatMul", "Add", "Mul", "Concat", "Relu", "Clip", "Sigmoid", "Softmax", "MaxPool",
-                 "AveragePool", "Reshape", "Transpose", "LayerNormalization", "Where", "Resize", "Gather", "Split")
+QUANTIZED_OPS = ("Conv", "Gemm", "MatMul", "Add", "Mul", "Concat", "Relu", "Clip", "Sigmoid", "Softmax",
+                 "MaxPool", "AveragePool", "Reshape", "Transpose", "LayerNormalization", "Where", "Resize",
+                 "Gather", "Split")
 
 
 @dataclass
@@ -72,7 +77,8 @@ class _Builder:
         self.param_scale = (1.0, 1.0)             # (weight, bias) factors of the current op
         self.scaled_params = False
         self.naming = "plain"                     # or "scoped" ('net/x1:0'), "unnamed" nodes
-        self.unstable: set[str] = set()           # tensors a fold may remove (mixed precision skips them)
+        self.unstable: set[str] = set()
+        self.padded: set[str] = set()             # Pad outputs (no pool may read them)           # tensors a fold may remove (mixed precision skips them)
         self.n = 0
 
     # -- naming and plumbing ---------------------------------------------------------------
@@ -191,7 +197,8 @@ class _Builder:
             return self.add("Transpose", [self.init(np.transpose(value, perm), prefix)], perm=perm)[0]
         if route == "add":
             half = np.float32(0.5) * value
-            return self.add("Add", [self.init(half, prefix), self.const(value - half, prefix, reuse=False)])[0]
+            rest = self.const(value - half, prefix, reuse=False)
+            return self.add("Add", [self.init(half, prefix), rest])[0]
         name = self.init(value, prefix)
         same.append(name)
         self.values[name] = value
@@ -251,7 +258,8 @@ def _batchnorm(b: _Builder, x: str | None = None) -> None:
     c = b.shapes[x][1]
     scale, bias = b.normal(c, std=0.5) + 1, b.normal(c, std=0.2)
     mean, var = b.normal(c, std=0.3), (b.rng.random(c) + 0.5).astype(np.float32)
-    params = [b.const(v, p, reuse=p != "bn_v") for v, p in ((scale, "bn_s"), (bias, "bn_b"), (mean, "bn_m"), (var, "bn_v"))]
+    params = [b.const(v, p, reuse=p != "bn_v")
+              for v, p in ((scale, "bn_s"), (bias, "bn_b"), (mean, "bn_m"), (var, "bn_v"))]
     y = b.add("BatchNormalization", [x, *params], epsilon=1e-5)[0]
     b.unstable.add(x)
     b.ops.append("BatchNormalization")
@@ -369,7 +377,8 @@ def _concat(b: _Builder) -> None:
         if b.flag(0.2):
             parts.append(tuple(b.draw(st.integers(1, 2)) if i == a else d for i, d in enumerate(s)))
         else:
-            parts.append(b.pick(lambda t: len(t) == len(s) and all(t[i] == s[i] for i in range(len(s)) if i != a)))
+            parts.append(b.pick(lambda t: len(t) == len(s) and all(t[i] == s[i] for i in range(len(s))
+                                                                   if i != a)))
     total = sum((p if isinstance(p, tuple) else b.shapes[p])[a] for p in parts)
     shape = tuple(total if i == a else d for i, d in enumerate(s))
     if np.prod(shape) > MAX_ELEMENTS:
@@ -384,6 +393,8 @@ def _concat(b: _Builder) -> None:
 def _pool(b: _Builder, op: str) -> None:
     x = b.rank4()
     n, c, h, w = b.shapes[x]
+    if x in b.padded and op != "GlobalAveragePool":
+        return _unary(b)   # onnxruntime's PadFusion folds the Pad into the pool's pads, past the kernel
     if op == "GlobalAveragePool":
         y = b.add(op, [x])[0]
         b.ops.append(op)
@@ -460,7 +471,10 @@ def _where(b: _Builder) -> None:
     cond_shape = b.choice((s, (1,) * (len(s) - 1) + s[-1:], s[1:]))
     cond = b.input(cond_shape, "bool")
     other = b.choice(("tensor", "const"))
-    y = b.pick(lambda t: t == s) if other == "tensor" else b.const(b.normal(*b.choice(_broadcast_shapes(s))), "k")
+    if other == "tensor":
+        y = b.pick(lambda t: t == s)
+    else:
+        y = b.const(b.normal(*b.choice(_broadcast_shapes(s))), "k")
     inputs = [cond, x, y] if b.flag() else [cond, y, x]
     out = b.add("Where", inputs)[0]
     b.ops.append(f"Where({other})")
@@ -635,6 +649,7 @@ def _pad(b: _Builder) -> None:
     if value is not None:
         inputs.append(b.init(np.array(value, np.float32), "pad_value"))
     y = b.add("Pad", inputs, mode=mode)[0]
+    b.padded.add(y)
     b.ops.append(f"Pad({mode},{value})")
     b.act(y, shape)
 
@@ -679,6 +694,20 @@ OPS = {
 
 
 @st.composite
+def _op_step(draw, b: _Builder) -> None:
+    """Add one random op to ``b``: its own strategy, so the shrinker can delete the op as a unit."""
+    outer, b.draw = b.draw, draw
+    name = draw(st.sampled_from(list(OPS)))
+    b.rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))  # per op: deleting one keeps the rest
+    if draw(st.integers(0, 7)) == 7:   # tiny/huge weights, huge biases (int32 bias overflow)
+        b.param_scale = (draw(st.sampled_from((1.0, 1e-4, 100.0))), draw(st.sampled_from((1.0, 1e3))))
+    else:
+        b.param_scale = (1.0, 1.0)
+    OPS[name](b)
+    b.draw = outer
+
+
+@st.composite
 def models(draw, min_ops: int = 1, max_ops: int = 16):
     """A random valid float model (a :class:`DrawnModel`)."""
     opset = draw(st.sampled_from(OPSETS))
@@ -689,15 +718,10 @@ def models(draw, min_ops: int = 1, max_ops: int = 16):
     for _ in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(("nchw", "nchw", "nk", "nsk")))
         c, h, w = (draw(st.integers(1, 4)), draw(st.integers(1, 6)), draw(st.integers(1, 6)))
-        b.input({"nchw": (batch, c, h, w), "nk": (batch, c * h), "nsk": (batch, h, c * w)}[kind], batched=True)
+        shape = {"nchw": (batch, c, h, w), "nk": (batch, c * h), "nsk": (batch, h, c * w)}[kind]
+        b.input(shape, batched=True)
     for _ in range(draw(st.integers(min_ops, max_ops))):
-        name = draw(st.sampled_from(list(OPS)))
-        b.rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))  # per op: shrinking keeps later values
-        if draw(st.integers(0, 7)) == 7:   # tiny/huge weights, huge biases (int32 bias overflow)
-            b.param_scale = (draw(st.sampled_from((1.0, 1e-4, 100.0))), draw(st.sampled_from((1.0, 1e3))))
-        else:
-            b.param_scale = (1.0, 1.0)
-        OPS[name](b)
+        draw(_op_step(b))
     outputs = [t for t in b.pool if not b.reads.get(t) and t not in b.data]
     extra = [t for t in b.pool if b.reads.get(t) and t not in b.data]
     if extra and (not outputs or draw(st.integers(0, 3)) == 3):
@@ -773,12 +797,15 @@ def configs(draw, activations: list[str] = (), nodes: list[str] = (), weights: l
     if draw(st.integers(0, 14)) == 14:
         cfg["target"] = "qnn"
     if draw(st.integers(0, 14)) == 14:
-        cfg["op_types_to_quantize"] = sorted(draw(st.sets(st.sampled_from(QUANTIZED_OPS), min_size=1, max_size=6)))
+        ops = draw(st.sets(st.sampled_from(QUANTIZED_OPS), min_size=1, max_size=6))
+        cfg["op_types_to_quantize"] = sorted(ops)
     if draw(st.booleans()):
         cfg["activation_type"] = draw(st.sampled_from(ACTIVATION_TYPES))
     if draw(st.booleans()):
         cfg["weight_type"] = draw(st.sampled_from(WEIGHT_TYPES))
-    for key in ("per_channel", "activation_symmetric", "reduce_range", "keep_removable_activations"):
+    if draw(st.integers(0, 2)) == 2:
+        cfg["per_channel"] = draw(st.booleans())
+    for key in ("activation_symmetric", "reduce_range", "keep_removable_activations"):
         if draw(st.integers(0, 3)) == 3:
             cfg[key] = True
     if draw(st.integers(0, 4)) == 4:
@@ -787,8 +814,8 @@ def configs(draw, activations: list[str] = (), nodes: list[str] = (), weights: l
         cfg["weight_symmetric"] = draw(st.booleans())
     if draw(st.integers(0, 9)) == 9:
         cfg["quantize_bias"] = False
-    method = draw(st.sampled_from(CALIBRATION))
-    if method != "minmax" or draw(st.booleans()):
+    method = draw(st.sampled_from(("default",) + CALIBRATION))
+    if method != "default":
         cal = {"method": method}
         if method == "entropy":
             cal["num_bins"] = draw(st.sampled_from((16, 128)))
@@ -828,14 +855,16 @@ def overrides(draw, activations, weights, act_type: str):
         name = activations[draw(st.integers(0, len(activations) - 1))]
         kind = draw(st.sampled_from(("quant_type", "symmetric", "range", "scale", "convert")))
         if kind == "range":
-            entry = {"rmin": -draw(st.sampled_from((0.0, 0.5, 4.0))), "rmax": draw(st.sampled_from((0.5, 1.0, 4.0)))}
+            entry = {"rmin": -draw(st.sampled_from((0.0, 0.5, 4.0))),
+                     "rmax": draw(st.sampled_from((0.5, 1.0, 4.0)))}
         elif kind == "scale":
             qt = ACTIVATION_TYPES.index(act_type)
             lo, hi = ((0, 255), (-128, 127), (0, 65535), (-32768, 32767), (0, 15), (-8, 7))[qt]
-            entry = {"scale": draw(st.sampled_from((0.01, 0.1, 1.0))), "zero_point": draw(st.integers(lo, hi))}
+            entry = {"scale": draw(st.sampled_from((0.01, 0.1, 1.0))),
+                     "zero_point": draw(st.integers(lo, hi))}
         elif kind == "convert":
-            entry = {"convert": {"quant_type": draw(st.sampled_from(("uint16", "int16") if act_type.endswith("8")
-                                                                     else ("uint8", "int8")))}}
+            wide = ("uint16", "int16") if act_type.endswith("8") else ("uint8", "int8")
+            entry = {"convert": {"quant_type": draw(st.sampled_from(wide))}}
         else:
             entry = {kind: draw(st.sampled_from(ACTIVATION_TYPES) if kind == "quant_type" else st.booleans())}
         out[name] = [entry]
@@ -897,13 +926,16 @@ def snr_floor(case: "FuzzCase") -> float | None:
 
 def no_floor_reasons(case: "FuzzCase") -> list[str]:
     """Why ``snr_floor`` does not apply to ``case`` (empty: it applies)."""
-    config = case.config
-    cal = config.get("calibration", {})
-    method = cal.get("method", "minmax")
-    checks = {"4-bit": any(config.get(k, d).endswith("4") for k, d in (("activation_type", "uint8"),
-                                                                        ("weight_type", "int8"))),
-              method: method not in ("minmax", "pow2"), "moving-average": cal.get("moving_average"),
-              "overrides": config.get("tensor_overrides")}
+    from qpasses import QpassesError, load_config
+
+    try:
+        config = load_config(case.config)
+    except QpassesError:
+        return ["invalid-config"]
+    cal = config.calibration
+    checks = {"4-bit": any(t.endswith("4") for t in (config.activation_type, config.weight_type)),
+              cal.method: cal.method not in ("minmax", "pow2"), "moving-average": cal.moving_average,
+              "overrides": config.tensor_overrides}
     return [why for why, applies in checks.items() if applies] + list(case.traits)
 
 
@@ -915,8 +947,9 @@ def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:
     ``snr_floor(case)`` dB when that returns a number. The SNR is measured with
     ORT_DISABLE_ALL, i.e. the exact QDQ semantics: onnxruntime's QDQ fusions have bugs of their
     own (QLinearSoftmax over an inner axis; a float Conv bias dropped with 16-bit Q/DQ; no 4-bit
-    support), so the default session is only checked to load (4-bit: with basic optimizations)
-    and for NaN; ``ORT_4BIT``/``ORT_FUSION`` outcomes mark those onnxruntime bugs.
+    support; QLinearConv refusing per-channel weight scales on another axis), so the default
+    session is only checked to load (or else to load with basic optimizations), to run (except in
+    fused QLinear kernels) and for NaN; the ``ORT_*`` outcomes mark those onnxruntime bugs.
     error: a one-line QpassesError. Anything else is a crash.
     """
     import qpasses
@@ -951,20 +984,27 @@ def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:
         stage = "ort-load"
         try:
             sess = session(proto)
-        except Exception:
-            if not _quantizes_activations_to_4_bits(proto):
-                raise
-            sess, kind = _session(proto, "ORT_ENABLE_BASIC"), ORT_4BIT
+        except Exception as exc:   # onnxruntime's QDQ fusions fail on some valid models
+            try:
+                sess = _session(proto, "ORT_ENABLE_BASIC")
+            except Exception:
+                raise exc from None
+            kind = ORT_4BIT if _quantizes_activations_to_4_bits(proto) else ORT_LOAD
         exact_sess = _session(proto, "ORT_DISABLE_ALL")
         stage = "ort-run"
-        fused = [sess.run(names, f) for f in case.feeds]
         exact = [exact_sess.run(names, f) for f in case.feeds]
+        try:
+            fused = [sess.run(names, f) for f in case.feeds]
+        except Exception as exc:
+            if "QLinear" not in str(exc):   # only onnxruntime's fused kernels are excused
+                raise
+            fused, kind = None, ORT_RUN
     except Exception as exc:
         return _crash(stage, exc)
     for i, name in enumerate(names):
         if any(e[i].shape != r[i].shape for e, r in zip(exact, refs)):
             return Outcome("crash", "output-shape", f"output '{name}' changed shape")
-    snr, fused_snr = _snr(names, refs, exact), _snr(names, refs, fused)
+    snr, fused_snr = _snr(names, refs, exact), _snr(names, refs, fused) if fused else {}
     for which, values in (("", snr), (" (onnxruntime optimizations on)", fused_snr)):
         if any(math.isnan(v) for v in values.values()):
             return Outcome("crash", "snr-nan" + which, f"NaN SNR{which}: {values}", snr)
@@ -978,7 +1018,9 @@ def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:
 
 # outcomes that are onnxruntime's bugs, not qpasses': counted apart, never a failure
 ORT_4BIT = "ok, loads only with ORT_ENABLE_BASIC (onnxruntime's QDQ fusions mishandle 4-bit)"
+ORT_LOAD = "ok, loads only with ORT_ENABLE_BASIC (an onnxruntime QDQ optimizer bug)"
 ORT_FUSION = "ok, >10 dB lost with onnxruntime's optimizations on only (a QDQ fusion bug)"
+ORT_RUN = "ok, onnxruntime's fused QLinear kernel fails at run time (the exact QDQ model runs)"
 
 
 def _snr(names: list[str], refs: list, outs: list) -> dict[str, float]:
@@ -992,7 +1034,8 @@ def _snr(names: list[str], refs: list, outs: list) -> dict[str, float]:
 def _quantizes_activations_to_4_bits(proto: onnx.ModelProto) -> bool:
     """A QuantizeLinear (activations only: weights are stored quantized) writes int4/uint4."""
     four = {t.name for t in proto.graph.initializer if t.data_type in (TensorProto.INT4, TensorProto.UINT4)}
-    return any(n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[2] in four for n in proto.graph.node)
+    return any(n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[2] in four
+               for n in proto.graph.node)
 
 
 def _session(proto: onnx.ModelProto, level: str):

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import math
+import os
 import random
 import re
 import sys
@@ -33,8 +35,8 @@ class _Crash(Exception):
 
 
 class Fuzzer:
-    def __init__(self, out: Path, max_ops: int):
-        self.out, self.max_ops = out, max_ops
+    def __init__(self, out: Path, max_ops: int, fail_on: str | None = None):
+        self.out, self.max_ops, self.fail_on = out, max_ops, fail_on
         self.counts: collections.Counter = collections.Counter()
         self.examples: dict[str, str] = {}
         self.saved: dict[str, tuple[int, Path]] = {}   # crash kind -> (size, folder)
@@ -43,7 +45,10 @@ class Fuzzer:
         self.target: str | None = None                 # crash kind being shrunk
 
     def body(self, case: FuzzCase) -> None:
-        outcome = run_case(case)
+        with _native_stderr_silenced():   # onnxruntime logs the load failures we provoke
+            outcome = run_case(case)
+        if self.fail_on and outcome.status == "error" and re.search(self.fail_on, outcome.detail):
+            outcome.status = "crash"      # --fail-on: shrink and save these errors too
         if self.target is not None:                    # shrinking: only the target kind fails
             if outcome.status == "crash" and outcome.kind == self.target:
                 self.save(case, outcome)
@@ -68,7 +73,8 @@ class Fuzzer:
         onnx.save(case.model, folder / "model.onnx")
         (folder / "config.json").write_text(json.dumps(case.config, indent=1))
         (folder / "meta.json").write_text(json.dumps({"traits": case.traits, "ops": case.ops}))
-        np.savez(folder / "feeds.npz", **{f"{i}:{k}": v for i, f in enumerate(case.feeds) for k, v in f.items()})
+        arrays = {f"{i}:{k}": v for i, f in enumerate(case.feeds) for k, v in f.items()}
+        np.savez(folder / "feeds.npz", **arrays)
         (folder / "case.txt").write_text(f"{outcome.kind}\n{outcome.detail}\nconfig: {case.config}\n"
                                          f"ops: {case.ops}\n\n{onnx.printer.to_text(case.model)}\n")
         self.saved[outcome.kind] = (size, folder)
@@ -141,6 +147,20 @@ def replay(folder: Path) -> int:
     return 1 if outcome.status == "crash" else 0
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """Send file descriptor 2 (C++ logging) to /dev/null for the duration."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _quiet_libraries() -> None:
     """onnxruntime and onnx-graphsurgeon log to stderr on the failures we provoke: silence them."""
     import onnxruntime as ort
@@ -154,15 +174,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("n", nargs="?", type=int, default=1000, help="number of examples")
     parser.add_argument("--seed", type=int, default=None, help="first hypothesis seed (default: random)")
-    parser.add_argument("--out", type=Path, default=Path("fuzz-crashes"), help="folder for minimal crashing cases")
-    parser.add_argument("--max-ops", type=int, default=16, help="ops drawn per model (a few more nodes result)")
+    parser.add_argument("--out", type=Path, default=Path("fuzz-crashes"),
+                        help="folder for minimal crashing cases")
+    parser.add_argument("--max-ops", type=int, default=16,
+                        help="ops drawn per model (a few more nodes result)")
     parser.add_argument("--replay", type=Path, help="re-run a saved case folder")
+    parser.add_argument("--fail-on", metavar="REGEX",
+                        help="treat QpassesErrors whose message matches as crashes (to shrink and save them)")
     args = parser.parse_args(argv)
     _quiet_libraries()
     if args.replay:
         return replay(args.replay)
     first_seed = args.seed if args.seed is not None else random.randrange(2**32)
-    fuzzer = Fuzzer(args.out, args.max_ops)
+    fuzzer = Fuzzer(args.out, args.max_ops, args.fail_on)
     start = time.perf_counter()
     try:
         fuzzer.run(args.n, first_seed)
