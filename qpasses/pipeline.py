@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from .errors import PassFailure, PipelineError, PreconditionError, QpassesError
-from .ir import QModel
+from .ir import QModel, relaxed_gc
 from .registry import establishers, get_pass
 
 
@@ -180,6 +180,7 @@ class PassManager:
     def text(self) -> str:
         return print_pipeline(self.passes)
 
+    @relaxed_gc()
     def run(self, model: QModel) -> list[PassRecord]:
         records: list[PassRecord] = []
         for index, p in enumerate(self.passes):
