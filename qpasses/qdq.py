@@ -346,11 +346,26 @@ def ops_needing_rewrite(model: QModel, opset: int) -> dict[str, str]:
     return found
 
 
+def _absent_resize_inputs(model: QModel) -> None:
+    """Resize before opset 13 marks roi/scales as absent with empty tensors; from 13 on an absent
+    input has an empty name (onnxruntime refuses 'scales' next to 'sizes' unless it is a constant
+    it can see is empty, e.g. not when the empty tensor is also a graph input)."""
+    for node in _default_domain_nodes(model.graph):
+        if node.op != "Resize":
+            continue
+        sizes = len(node.inputs) > 3 and bool(node.inputs[3].name)
+        for index in (1, 2) if sizes else (1,):
+            t = node.inputs[index] if index < len(node.inputs) else None
+            if isinstance(t, gs.Constant) and t.name and np.asarray(t.values).size == 0:
+                node.inputs[index] = gs.Variable.empty()
+
+
 def require_opset(model: QModel, opset: int) -> bool:
     """Raise the model's default opset to ``opset`` without changing what its nodes compute.
 
     A plain bump when every op keeps its signature and meaning; otherwise the graph is rewritten
     with onnx.version_converter (Split/Squeeze/Reduce* attributes become inputs, Softmax axis, ...).
+    Either way, Resize's empty roi/scales become absent inputs when crossing opset 13.
     Raises ModelError naming the op when that is impossible. Returns True if the opset changed.
     """
     old = model.opset
@@ -358,7 +373,10 @@ def require_opset(model: QModel, opset: int) -> bool:
         return False
     risky = ops_needing_rewrite(model, opset)
     if not risky:
-        return model.raise_opset(opset)
+        model.raise_opset(opset)
+        if old < 13 <= opset:
+            _absent_resize_inputs(model)
+        return True
     where = ", ".join(f"'{n}' ({op})" for op, n in sorted(risky.items()))
     for op, since in NOT_CONVERTIBLE.items():
         if op in risky and old < since <= opset:
@@ -378,5 +396,7 @@ def require_opset(model: QModel, opset: int) -> bool:
     if lost:
         raise ModelError(f"cannot raise opset {old} -> {opset}: converting {where} lost tensor '{lost[0]}'")
     model.graph = graph
+    if old < 13 <= opset:
+        _absent_resize_inputs(model)
     model.touch()
     return True

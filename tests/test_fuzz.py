@@ -50,12 +50,17 @@ REGRESSIONS = [
         y = BatchNormalization (m, s, b, mu, v)
         z = Add (sl, k)
      }""", {"mixed_precision": {"sl": {"quant_type": "uint16", "symmetric": True}}}),
+    ("opset 11 -> 21 kept Resize's empty 'scales' (also a graph input) next to 'sizes': onnxruntime refused it",
+     """<ir_version: 10, opset_import: ["" : 11]>
+     fuzz (float[1,1,2,6] x, float[0] e) => (float[1,1,1,12] y) <float[0] e = {}, int64[4] sz = {1,1,1,12}> {
+        y = Resize <mode = "nearest"> (x, e, e, sz)
+     }""", {"activation_type": "int16", "force_quantize_no_input_check": True}),
 ]
 
 
 @pytest.mark.parametrize("bug,text,config", REGRESSIONS, ids=[r[0].split(":")[0] for r in REGRESSIONS])
 def test_regression(bug, text, config):
-    model = parse(text, opset=13)
+    model = parse(text.strip(), opset=13)  # texts without a header are opset 13
     case = FuzzCase(model, [random_feed(model, seed) for seed in range(4)], config)
     outcome = run_case(case)
     assert outcome.status == "ok", f"{bug}: {outcome.kind}: {outcome.detail}"
