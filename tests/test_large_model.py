@@ -68,3 +68,23 @@ def test_a_sequence_value_is_never_cut(monkeypatch):
     cuts = [s.start for s in chain.spans[1:]]
     assert len(cuts) >= 1, names
     assert not any(seq_at < c <= read_at for c in cuts)
+
+
+
+def test_sparse_histograms_count_what_dense_ones_count(monkeypatch):
+    """Histograms of small tensors keep (bin, count) pairs: same grid and counts as dense ones."""
+    from qpasses.calibration import collectors
+
+    rng = np.random.default_rng(1)
+    parts = [(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4) + rng.integers(-5, 5)).astype(np.float32)
+             for n in (5, 64, 300, 1, 700, 64, 2000, 64, 5000, 64)]
+    sparse, dense = collectors.Histogram(8192), collectors.Histogram(8192)
+    for i, part in enumerate(parts):
+        monkeypatch.setattr(collectors, "SPARSE_BINS", 1024)
+        sparse.add(part)
+        monkeypatch.setattr(collectors, "SPARSE_BINS", 0)
+        dense.add(part)
+        assert (sparse.exponent, sparse.offset, sparse.zeros) == (dense.exponent, dense.offset, dense.zeros)
+        np.testing.assert_array_equal(sparse.counts, dense.counts)
+        assert (sparse._dense is None) == (i < 8)
+    assert sparse.total == sum(p.size for p in parts)

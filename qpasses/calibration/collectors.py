@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 MIN_EXPONENT = -100       # bins are never narrower than 2**-100
+SPARSE_BINS = 1024        # up to this many occupied bins are kept as (bin, count) pairs, not a dense array
 INDEX_BITS = 22           # |x / w| < 2**22: bin indices are exact even in float32 arithmetic
 
 
@@ -33,7 +34,10 @@ class Histogram:
 
     def __init__(self, bins: int = 8192):
         self.bins = int(bins)
-        self.counts = np.zeros(self.bins, np.int64)
+        # Sparse while few bins are occupied (small tensors; a dense array per tensor is 64 KB,
+        # gigabytes for 100k-node graphs): sorted absolute bins and their counts. Else dense.
+        self._dense: np.ndarray | None = None
+        self._keys = self._vals = np.zeros(0, np.int64)
         self.exponent: int | None = None   # bin width = 2**exponent
         self.offset = 0                    # absolute index of counts[0]
         self.lo, self.hi = math.inf, -math.inf  # extremes of the values counted
@@ -44,8 +48,17 @@ class Histogram:
         return math.ldexp(1.0, self.exponent) if self.exponent is not None else 0.0
 
     @property
+    def counts(self) -> np.ndarray:
+        """Counts of the ``bins`` bins of the window starting at absolute bin ``offset``."""
+        if self._dense is not None:
+            return self._dense
+        dense = np.zeros(self.bins, np.int64)
+        dense[self._keys - self.offset] = self._vals
+        return dense
+
+    @property
     def total(self) -> int:
-        return int(self.counts.sum())
+        return int((self._dense if self._dense is not None else self._vals).sum())
 
     def _index(self, value: float, exponent: int) -> int:
         return math.floor(math.ldexp(value, -exponent))
@@ -80,13 +93,25 @@ class Histogram:
         # x * 2**-e is exact (a power-of-two scale), so its floor is the exact absolute bin index
         t = np.multiply(flat, flat.dtype.type(math.ldexp(1.0, -e)))
         np.floor(t, out=t)
-        index = t.astype(np.intp)
+        index = t.astype(np.int64)
+        if self._dense is None and self._keys.size + index.size <= 4 * SPARSE_BINS:
+            keys = np.concatenate([self._keys, np.clip(index, k_lo, k_hi)])
+            self._keys, self._vals = _merged(keys, np.concatenate([self._vals, np.ones(index.size, np.int64)]))
+            if self._keys.size > SPARSE_BINS:
+                self._densify()
+            return
+        self._densify()
         index -= self.offset
         counts = np.bincount(index, minlength=self.bins)
         if counts.size > self.bins:  # cannot happen with exact arithmetic; keep counts total anyway
             counts[self.bins - 1] += counts[self.bins:].sum()
             counts = counts[:self.bins]
-        self.counts += counts
+        self._dense += counts
+
+    def _densify(self) -> None:
+        if self._dense is None:
+            self._dense = self.counts
+            self._keys = self._vals = np.zeros(0, np.int64)
 
     def _regrid(self, e: int, k_lo: int, k_hi: int) -> None:
         if self.exponent is None:
@@ -95,11 +120,15 @@ class Histogram:
         shift = e - self.exponent
         if shift == 0 and self.offset <= k_lo and k_hi < self.offset + self.bins:
             return
+        if self._dense is None:   # absolute bins: merge those that fall into one wider bin
+            self._keys, self._vals = _merged(self._keys >> min(shift, 62), self._vals)
+            self.exponent, self.offset = e, k_lo
+            return
         occupied = np.flatnonzero(self.counts)
         absolute = (self.offset + occupied) >> min(shift, 62)   # arithmetic shift: floor division
         merged = np.zeros(self.bins, np.int64)
         np.add.at(merged, absolute - k_lo, self.counts[occupied])
-        self.counts, self.exponent, self.offset = merged, e, k_lo
+        self._dense, self.exponent, self.offset = merged, e, k_lo
 
     # -- views for the finalisers --------------------------------------------------------------
     def occupied(self, zero_atom: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -133,6 +162,14 @@ class Histogram:
             return edges, counts
         counts = np.concatenate([counts[:j], [self.zeros, counts[j] - self.zeros], counts[j + 1:]])
         return np.insert(edges, j, 0.0), counts
+
+
+def _merged(keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique ``keys`` with the sums of their ``vals``."""
+    order = np.argsort(keys, kind="stable")
+    keys, vals = keys[order], vals[order]
+    starts = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
+    return keys[starts], (np.add.reduceat(vals, starts) if vals.size else vals)
 
 
 class TensorStats:
