@@ -55,6 +55,12 @@ REGRESSIONS = [
      fuzz (float[1,1,2,6] x, float[0] e) => (float[1,1,1,12] y) <float[0] e = {}, int64[4] sz = {1,1,1,12}> {
         y = Resize <mode = "nearest"> (x, e, e, sz)
      }""", {"activation_type": "int16", "force_quantize_no_input_check": True}),
+    ("a convert on a Gather of a constant table had no range (the table is not calibrated)",
+     """
+     fuzz (int64[1,2] ids) => (float[1,2,3] y) <float[4,3] table = {1,2,3,4,5,6,7,8,9,10,11,12}, float[1] k = {0.5}> {
+        g = Gather <axis = 0> (table, ids)
+        y = Mul (k, g)
+     }""", {"mixed_precision": {"y": "uint16"}}),
 ]
 
 

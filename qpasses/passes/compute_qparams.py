@@ -271,11 +271,14 @@ class _Planner:
         current, seen = tq, {name}
         while found is None and current.shares in self.table and current.shares not in seen:
             # a sharing tensor only moves values and calibration records no range for it: use the
-            # range of the tensor it shares with, up the chain (Reshape -> MaxPool -> ...)
-            seen.add(current.shares)
-            found = activation_range(self.model, current.shares, self.table[current.shares], conv.qtype,
-                                     self.config)
-            current = self.table[current.shares]
+            # range of the tensor it shares with, up the chain (Reshape -> MaxPool -> ..., or the
+            # values of a Gather table)
+            root, current = current.shares, self.table[current.shares]
+            seen.add(root)
+            found = ((weight_range(self.model, root, current) if current.role == "weight" else None)
+                     or activation_range(self.model, root, current, conv.qtype, self.config))
+        if found is not None and np.ndim(found[0]):   # a per-channel root: one range for the convert
+            found = (float(np.min(found[0])), float(np.max(found[1])), found[2])
         if found is None or not is_finite_range(found[0], found[1]):
             raise ModelError(f"tensor '{name}': no finite range for its convert to {conv.qtype}")
         opts = qparams_options(tq, self.config, symmetric=conv.symmetric)
