@@ -768,11 +768,11 @@ def feeds_for(specs: dict, seed: int, count: int = 4, scales: dict | None = None
         for name, (kind, shape, high) in specs.items():
             if kind == "float":
                 scale, offset = (scales or {}).get(name, (1.0, 0.0))
-                feed[name] = (rng.standard_normal(shape) * scale + offset).astype(np.float32)
+                feed[name] = np.asarray(rng.standard_normal(shape) * scale + offset, np.float32)
             elif kind == "bool":
-                feed[name] = rng.random(shape) < 0.5
+                feed[name] = np.asarray(rng.random(shape) < 0.5)   # 0-d draws are numpy scalars
             else:
-                feed[name] = rng.integers(0, high, shape).astype(np.int64)
+                feed[name] = np.asarray(rng.integers(0, high, shape), np.int64)
         out.append(feed)
     return out
 
