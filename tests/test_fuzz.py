@@ -7,7 +7,7 @@ Long runs: ``python tools/fuzz.py N``. Crashes found by fuzzing stay below as re
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from qpasses.strategies import FuzzCase, cases, run_case
+from qpasses.strategies import FuzzCase, cases, run_case, snr_floor
 from qpasses.testing import parse, random_feed
 
 
@@ -70,3 +70,32 @@ def test_regression(bug, text, config):
     case = FuzzCase(model, [random_feed(model, seed) for seed in range(4)], config)
     outcome = run_case(case)
     assert outcome.status == "ok", f"{bug}: {outcome.kind}: {outcome.detail}"
+
+
+def _tiny_case(config):
+    model = parse("fuzz (float[1,4] x) => (float[1,4] y) <float[1] k = {0.5}> { y = Add (x, k) }")
+    return FuzzCase(model, [random_feed(model, seed) for seed in range(4)], config)
+
+
+def test_run_case_tells_errors_from_crashes(monkeypatch):
+    assert run_case(_tiny_case({})).status == "ok"
+    error = run_case(_tiny_case({"mixed_precision": {"nope": "uint16"}}))
+    assert error.status == "error" and error.kind.startswith("ConfigError")
+    from qpasses.passes.insert_qdq import InsertQDQ
+
+    def broken(self, model):
+        raise ValueError("boom")
+
+    monkeypatch.setattr(InsertQDQ, "run", broken)
+    crash = run_case(_tiny_case({}))
+    assert crash.status == "crash" and crash.kind.startswith("pipeline: ValueError at"), crash
+
+
+def test_snr_floor_only_for_unclipped_8_bit_and_wider():
+    assert snr_floor(_tiny_case({"calibration": {"method": "minmax"}})) == 0.0
+    assert snr_floor(_tiny_case({"activation_type": "uint16", "calibration": {"method": "pow2"}})) == 0.0
+    assert snr_floor(_tiny_case({})) is None                       # default: percentile clips
+    assert snr_floor(_tiny_case({"weight_type": "int4", "calibration": {"method": "minmax"}})) is None
+    scaled = _tiny_case({"calibration": {"method": "minmax"}})
+    scaled.traits = ["scaled-feeds"]
+    assert snr_floor(scaled) is None
