@@ -61,6 +61,12 @@ REGRESSIONS = [
         g = Gather <axis = 0> (table, ids)
         y = Mul (k, g)
      }""", {"mixed_precision": {"y": "uint16"}}),
+    ("a convert on a tensor with a fixed scale/zero point override had no range (fixed tensors are not calibrated)",
+     """
+     fuzz (float[1,4] x) => (float[1,4] y) <float[1] k = {0.5}, float[1] j = {2}> {
+        r = Add (x, k)
+        y = Mul (r, j)
+     }""", {"tensor_overrides": {"r": [{"scale": 0.01, "zero_point": 3}]}, "mixed_precision": {"y": "uint16"}}),
 ]
 
 

@@ -277,6 +277,11 @@ class _Planner:
             seen.add(root)
             found = ((weight_range(self.model, root, current) if current.role == "weight" else None)
                      or activation_range(self.model, root, current, conv.qtype, self.config))
+        if found is None and tq.fixed and tq.scale:    # fixed qparams: the values are within their grid
+            qt, scale = qtype(tq.qtype), np.asarray(tq.scale, np.float64)
+            zp = np.asarray(tq.zero_point if tq.zero_point is not None else 0, np.float64)
+            found = ((qt.qmin - zp) * scale, (qt.qmax - zp) * scale,
+                     "the range its fixed scale/zero point covers")
         if found is not None and np.ndim(found[0]):   # a per-channel root: one range for the convert
             found = (float(np.min(found[0])), float(np.max(found[1])), found[2])
         if found is None or not is_finite_range(found[0], found[1]):
