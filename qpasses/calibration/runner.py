@@ -292,7 +292,7 @@ class _Plan:
 
     def __init__(self, model: QModel, use_hist: bool, in_memory_weights: bool | None = None,
                  only: set[str] | None = None):
-        proto = model.to_proto()
+        proto = model.to_proto(metadata=False)
         self.specs = model_inputs(proto)
         types, sizes = _inferred(proto)
         self.tensors = activation_tensors(proto, _gs_types(model), types=types)
