@@ -18,6 +18,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper
+from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from .annotations import QuantTable
 from .errors import ModelError
@@ -102,11 +103,22 @@ class QModel:
 
     # -- conversion ----------------------------------------------------------------------
     @relaxed_gc()
-    def to_proto(self, *, metadata: bool = True) -> onnx.ModelProto:
+    def to_proto(self, *, metadata: bool = True, weights: dict | None = None) -> onnx.ModelProto:
         """Export to a ModelProto with our metadata (``metadata=False``: the user's only, e.g. for
-        an onnxruntime session), the original signature and a capped IR version."""
-        _pack_subbyte_constants(tensor_map(self.graph).values())
-        proto = gs.export_onnx(self.graph, do_type_check=False)
+        an onnxruntime session), the original signature and a capped IR version.
+
+        With a ``weights`` dict, top-level constants of numpy types and at least 1 KiB are not
+        copied into the proto: they are exported as external data at location IN_MEMORY and their
+        arrays are put into ``weights`` (name -> array), e.g. for onnxruntime's
+        ``add_external_initializers``: the weights of a large model are then held once."""
+        tensors = tensor_map(self.graph)
+        _pack_subbyte_constants(tensors.values())
+        stubs = _stub_out(tensors.values(), weights) if weights is not None else []
+        try:
+            proto = gs.export_onnx(self.graph, do_type_check=False)
+        finally:
+            for t, values in stubs:
+                t._values = values
         _restore_input_initializers(proto, self.input_order, self.input_initializers)
         for key, value in self.model_fields.items():
             setattr(proto, key, value)
@@ -150,10 +162,32 @@ def load(src, *, base_dir: str | Path | None = None) -> QModel:
     except Exception as exc:  # protobuf raises assorted types on garbage input
         raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__})") from None
     try:
-        load_external_data(proto, path.parent)
-        return from_proto(proto, base_dir=path.parent)
+        check_external_data(proto, path.parent)
+        model = from_proto(proto, base_dir=path.parent)
+        _own_constants(model.graph, path.parent)  # external data is read here, straight into arrays
     except ModelError as exc:  # name the file in graph-level messages
         raise ModelError(f"{path}: {exc}") from None
+    return model
+
+
+def _external_file(tensor: onnx.TensorProto, root: Path) -> Path:
+    """The file holding ``tensor``'s external data, refusing locations outside ``root``."""
+    info = external_data_helper.ExternalDataInfo(tensor)
+    target = (root / info.location).resolve()
+    if os.path.isabs(info.location) or root not in target.parents:
+        raise ModelError(f"tensor '{tensor.name}': external data location '{info.location}' "
+                         f"is outside the model's folder (refused)")
+    if not target.is_file():
+        raise ModelError(f"tensor '{tensor.name}': external data file '{info.location}' not found")
+    return target
+
+
+def check_external_data(proto: onnx.ModelProto, base_dir: Path) -> None:
+    """Check every external data location of the proto (see ``_external_file``)."""
+    root = base_dir.resolve()
+    for tensor in external_data_helper._get_all_tensors(proto):
+        if external_data_helper.uses_external_data(tensor):
+            _external_file(tensor, root)
 
 
 def load_external_data(proto: onnx.ModelProto, base_dir: Path) -> None:
@@ -162,16 +196,62 @@ def load_external_data(proto: onnx.ModelProto, base_dir: Path) -> None:
     for tensor in external_data_helper._get_all_tensors(proto):
         if not external_data_helper.uses_external_data(tensor):
             continue
-        info = external_data_helper.ExternalDataInfo(tensor)
-        target = (root / info.location).resolve()
-        if os.path.isabs(info.location) or root not in target.parents:
-            raise ModelError(f"tensor '{tensor.name}': external data location '{info.location}' "
-                             f"is outside the model's folder (refused)")
-        if not target.is_file():
-            raise ModelError(f"tensor '{tensor.name}': external data file '{info.location}' not found")
+        _external_file(tensor, root)
         external_data_helper.load_external_data_for_tensor(tensor, str(root))
         tensor.data_location = onnx.TensorProto.DEFAULT
         del tensor.external_data[:]
+
+
+def _own_constants(graph: gs.Graph, base_dir: Path) -> None:
+    """gs imports constants lazily: they point into the loaded ModelProto (as do the graphs'
+    opset lists), which keeps all of it alive. Give every constant its own values, reading
+    external data straight from its file, so that the proto is freed once loaded and the
+    weights are held once (loading the data into the proto first held them twice)."""
+    root = base_dir.resolve()
+    graphs = [graph, *graph.subgraphs(recursive=True)]
+    for function in graph.functions or ():
+        graphs += [function, *function.subgraphs(recursive=True)]
+    for g in graphs:
+        if g.import_domains is not None:
+            g.import_domains = [onnx.helper.make_opsetid(d.domain, d.version) for d in g.import_domains]
+        constants = [t for t in tensor_map(g).values() if isinstance(t, gs.Constant)]
+        constants += [v for node in g.nodes for v in node.attrs.values() if isinstance(v, gs.Constant)]
+        for t in constants:
+            if isinstance(t._values, LazyValues):
+                t._values = _own_values(t._values.tensor, root)
+                t.data_location = None
+
+
+def _own_values(tensor, root: Path):
+    """A numpy array of ``tensor`` (external data read from its file), or a LazyValues over a
+    standalone copy for types numpy does not hold (gs would cast them)."""
+    external = isinstance(tensor, onnx.TensorProto) and external_data_helper.uses_external_data(tensor)
+    if external and tensor.data_type in _NUMPY_TYPES:
+        return _read_external(tensor, root)
+    if not external and isinstance(tensor, onnx.TensorProto) and tensor.data_type in _NUMPY_TYPES:
+        return onnx.numpy_helper.to_array(tensor)
+    copy = type(tensor)()
+    copy.CopyFrom(tensor)
+    if external:
+        external_data_helper.load_external_data_for_tensor(copy, str(root))
+        copy.data_location = onnx.TensorProto.DEFAULT
+        del copy.external_data[:]
+    return LazyValues(copy)
+
+
+def _read_external(tensor: onnx.TensorProto, root: Path) -> np.ndarray:
+    info = external_data_helper.ExternalDataInfo(tensor)
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")
+    count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
+    expected = count * dtype.itemsize
+    if info.length and info.length != expected:
+        raise ModelError(f"initializer '{tensor.name}': {info.length} bytes of external data for shape "
+                         f"{list(tensor.dims)} (expected {expected})")
+    values = np.fromfile(_external_file(tensor, root), dtype=dtype, count=count, offset=info.offset or 0)
+    if values.size != count:
+        raise ModelError(f"initializer '{tensor.name}': external data file '{info.location}' ends before "
+                         f"its {expected} bytes")
+    return values.astype(dtype.newbyteorder("="), copy=False).reshape(tuple(tensor.dims))
 
 
 @relaxed_gc()
@@ -328,15 +408,46 @@ def _fsync(path: Path) -> None:
 
 
 _SUBBYTE = ("int4", "uint4")
+_NUMPY_TYPES = frozenset({  # ONNX types numpy holds as they are (gs would cast the others on load)
+    onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BOOL,
+    onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32, onnx.TensorProto.INT64,
+    onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64})
+
+
+IN_MEMORY = "qpasses-in-memory"  # external data location of weights handed over as arrays
+
+
+def _stub_out(tensors, weights: dict) -> list:
+    """Swap big numpy constants for external-data stubs (see QModel.to_proto); returns what to restore."""
+    swapped = []
+    for t in tensors:
+        if not isinstance(t, gs.Constant):
+            continue
+        values = t._values
+        array = values.load() if isinstance(values, LazyValues) and values.tensor.data_type in _NUMPY_TYPES \
+            and values.nbytes >= 1024 else values
+        if not isinstance(array, np.ndarray) or array.nbytes < 1024 or array.dtype.kind not in "fiub":
+            continue
+        stub = onnx.TensorProto(name=t.name, dims=array.shape, data_location=onnx.TensorProto.EXTERNAL,
+                                data_type=onnx.helper.np_dtype_to_tensor_dtype(array.dtype))
+        for key, value in (("location", IN_MEMORY), ("offset", "0"), ("length", str(array.nbytes))):
+            stub.external_data.add(key=key, value=value)
+        weights[t.name] = np.ascontiguousarray(array)
+        swapped.append((t, values))
+        t._values = LazyValues(stub)
+    return swapped
 
 
 def _pack_subbyte_constants(tensors) -> None:
     """gs exports constants one byte per value: hand int4/uint4 arrays over as packed TensorProtos."""
-    from onnx_graphsurgeon.ir.tensor import LazyValues
-
     for t in tensors:
         if isinstance(t, gs.Constant) and isinstance(t._values, np.ndarray) and t._values.dtype.name in _SUBBYTE:
             t._values = LazyValues(onnx.numpy_helper.from_array(t._values, t.name))
+
+
+def constant_bytes(graph: gs.Graph) -> int:
+    """Bytes held by the top-level graph's constants."""
+    return sum(getattr(t._values, "nbytes", 0) for t in tensor_map(graph).values() if isinstance(t, gs.Constant))
 
 
 def tensor_map(graph: gs.Graph) -> dict[str, gs.Tensor]:

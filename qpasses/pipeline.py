@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 import typing
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from .errors import PassFailure, PipelineError, PreconditionError, QpassesError
-from .ir import QModel, relaxed_gc
+from .ir import QModel, constant_bytes, relaxed_gc
 from .registry import establishers, get_pass
 
 
@@ -160,6 +161,9 @@ def default_pipeline(quantize: bool) -> str:
     return QUANTIZE_PIPELINE if quantize else BASE_PIPELINE
 
 
+COLLECT_BYTES = 64 * 2**20  # models with this many bytes of weights are garbage-collected after each pass
+
+
 @dataclass
 class PassRecord:
     name: str
@@ -183,6 +187,10 @@ class PassManager:
     @relaxed_gc()
     def run(self, model: QModel) -> list[PassRecord]:
         records: list[PassRecord] = []
+        # gs tensors and nodes sit in reference cycles (with their own input/output lists): the
+        # weights a pass replaces are freed only by a full collection. Models with big weights
+        # (few nodes: it is cheap) get one after each pass that changed them.
+        collect = constant_bytes(model.graph) >= COLLECT_BYTES
         for index, p in enumerate(self.passes):
             self._check_requires(p, model, records)
             for inst in self.instruments:
@@ -204,6 +212,8 @@ class PassManager:
                 model.touch()
                 model.facts -= set(p.invalidates)
             model.facts |= set(p.establishes)
+            if collect and result.modified:
+                gc.collect()
             record = PassRecord(p.name, p.text(), result.modified, seconds, dict(result.stats))
             records.append(record)
             for inst in self.instruments:

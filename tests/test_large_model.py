@@ -5,7 +5,12 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+import gc
+
+import onnx_graphsurgeon as gs
+
 import qpasses
+from qpasses import ModelError, ir, pipeline
 from qpasses.calibration import runner
 from qpasses.ir import from_proto
 from qpasses.testing import parse, random_feed, run
@@ -88,3 +93,115 @@ def test_sparse_histograms_count_what_dense_ones_count(monkeypatch):
         np.testing.assert_array_equal(sparse.counts, dense.counts)
         assert (sparse._dense is None) == (i < 8)
     assert sparse.total == sum(p.size for p in parts)
+
+
+def _mlp(layers: int = 3, width: int = 64, seed: int = 0) -> onnx.ModelProto:
+    """MatMul+Add+Relu layers: weights of width*width floats (16 KB at 64)."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, x = [], [], "x"
+    for i in range(layers):
+        inits += [numpy_helper.from_array((rng.standard_normal((width, width)) / 8).astype(np.float32), f"w{i}"),
+                  numpy_helper.from_array((rng.standard_normal(width) / 8).astype(np.float32), f"b{i}")]
+        nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]), helper.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"]),
+                  helper.make_node("Relu", [f"a{i}"], [f"r{i}"])]
+        x = f"r{i}"
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, width])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+def _save_external(proto: onnx.ModelProto, path) -> None:
+    """Save with every tensor in one external data file (on a copy: save_model edits the proto)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    onnx.save_model(copy, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=0)
+
+
+def test_load_reads_external_data_into_arrays_and_keeps_no_reference_to_the_proto(tmp_path):
+    """External data is read straight into numpy arrays and nothing points into the loaded
+    proto (gs would keep all of it, weights included, alive through lazy values and opset lists)."""
+    proto = _mlp()
+    _save_external(proto, tmp_path / "m.onnx")
+    model = qpasses.load(tmp_path / "m.onnx")
+    constants = [t for t in model.tensors().values() if isinstance(t, gs.Constant)]
+    assert len(constants) == 6 and all(isinstance(t._values, np.ndarray) for t in constants)
+    assert all(t.data_location is None for t in constants)
+    assert isinstance(model.graph.import_domains, list)
+    feed = random_feed(proto)
+    np.testing.assert_array_equal(run(model, feed)[0], run(proto, feed)[0])
+
+
+def test_short_external_data_is_a_one_line_error(tmp_path):
+    _save_external(_mlp(), tmp_path / "m.onnx")
+    data = tmp_path / "m.onnx.data"
+    data.write_bytes(data.read_bytes()[:-100])
+    with pytest.raises(ModelError, match=r"m.onnx: initializer 'b2': external data file 'm.onnx.data' ends before"):
+        qpasses.load(tmp_path / "m.onnx")
+
+
+@pytest.mark.parametrize("source", ["path", "proto"])
+def test_to_proto_hands_big_weights_over_as_arrays(tmp_path, source):
+    _save_external(_mlp(), tmp_path / "m.onnx")
+    model = qpasses.load(tmp_path / "m.onnx") if source == "path" else from_proto(_mlp())
+    before = {n: t._values for n, t in model.tensors().items() if isinstance(t, gs.Constant)}
+    weights = {}
+    proto = model.to_proto(metadata=False, weights=weights)
+    assert sorted(weights) == ["w0", "w1", "w2"]          # biases (256 bytes) stay in the proto
+    if source == "path":  # arrays: handed over as they are (from a proto: loaded from its lazy values)
+        assert all(weights[n] is before[n] for n in weights)
+    stubs = {t.name: t for t in proto.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    assert sorted(stubs) == sorted(weights) and not any(t.raw_data for t in stubs.values())
+    assert {e.key: e.value for e in stubs["w0"].external_data}["location"] == ir.IN_MEMORY
+    assert all(t._values is before[n] for n, t in model.tensors().items() if isinstance(t, gs.Constant))
+
+
+def test_replaced_weights_are_freed_after_each_pass(monkeypatch):
+    """gs objects sit in reference cycles: the float weights insert-qdq replaces are freed by the
+    collection the pass manager runs for models with big weights, not whenever gc gets to them."""
+    monkeypatch.setattr(pipeline, "COLLECT_BYTES", 0)
+    proto = _mlp()
+    model = from_proto(proto)
+    feeds = [random_feed(proto, seed=s) for s in range(4)]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        qpasses.quantize(model, feeds)
+        floats = [o for o in gc.get_objects() if isinstance(o, gs.Constant) and o.name in ("w0", "w1", "w2")
+                  and isinstance(o._values, np.ndarray) and o._values.dtype == np.float32]
+    finally:
+        if enabled:
+            gc.enable()
+    assert floats == []
+
+
+@pytest.mark.slow
+def test_external_data_model_through_the_default_pipeline(tmp_path, monkeypatch):
+    """A small stand-in for a >2 GB model (tools/bench_big_model.py runs the real size): external
+    data in, weights handed to onnxruntime as arrays for calibration, external data out."""
+    monkeypatch.setattr(ir, "EXTERNAL_DATA_THRESHOLD", 64 * 1024)   # save decides external data itself
+    monkeypatch.setattr(runner, "IN_MEMORY_BYTES", 1)               # the >2 GB calibration path
+    proto = _mlp(layers=6, width=128)
+    _save_external(proto, tmp_path / "float.onnx")
+    feeds = [random_feed(proto, seed=s) for s in range(8)]
+    model = qpasses.quantize(qpasses.load(tmp_path / "float.onnx"), feeds)
+    out = qpasses.save(model, tmp_path / "q.onnx")
+    assert (tmp_path / "q.onnx.data").stat().st_size >= 6 * 128 * 128  # the int8 weights
+    saved = onnx.load(str(out), load_external_data=False)
+    assert sum(t.data_location == TensorProto.EXTERNAL for t in saved.graph.initializer) >= 6
+    assert sum(t.data_type == TensorProto.INT8 for t in saved.graph.initializer) >= 6
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    ref = np.concatenate([run(proto, f)[0] for f in feeds])
+    got = np.concatenate([session.run(None, f)[0] for f in feeds])
+    assert 10 * np.log10(np.sum(ref ** 2) / np.sum((ref - got) ** 2)) > 25
+    again = qpasses.load(out)
+    assert again.quant == model.quant and "qdq-inserted" in again.facts
+    check_onnx(again)
+    # the in-memory calibration path measured what the serialised one measures
+    monkeypatch.setattr(runner, "IN_MEMORY_BYTES", 2**62)
+    serialised = qpasses.quantize(qpasses.load(tmp_path / "float.onnx"), feeds)
+    assert serialised.ranges == model.ranges

@@ -18,11 +18,11 @@ import time
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from ..errors import CalibrationDataError, ModelError
 from ..graphutil import node_reads
-from ..ir import EXTERNAL_DATA_THRESHOLD, QModel, tensor_bytes
+from ..ir import IN_MEMORY, QModel, constant_bytes
 from .collectors import HISTOGRAM_METHODS, TensorStats, finalise, histogram_bins
 from .data import model_inputs, open_data
 
@@ -158,47 +158,22 @@ def _unique(name: str, taken: set) -> str:
     return candidate
 
 
-_SHAREABLE = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.INT8,
-                        TensorProto.UINT8, TensorProto.INT16, TensorProto.UINT16, TensorProto.INT32,
-                        TensorProto.INT64, TensorProto.UINT32, TensorProto.UINT64, TensorProto.BOOL})
-
-
-def session_options(proto: onnx.ModelProto, *, in_memory_weights: bool | None = None):
-    """onnxruntime SessionOptions for ``proto``. Models past the 2 GB protobuf limit (or with
-    ``in_memory_weights=True``) have their large initializers moved out of ``proto`` and handed to
-    onnxruntime as in-memory external data (``add_external_initializers``: no temporary files).
-    Returns (options, objects that must outlive the session)."""
+def session_options(proto: onnx.ModelProto, weights: dict | None = None):
+    """onnxruntime SessionOptions for ``proto``; initializers of ``proto`` stubbed out as external
+    data at location IN_MEMORY (``QModel.to_proto(weights=...)``) are handed to onnxruntime from
+    ``weights`` (``add_external_initializers``: no serialised copy; onnxruntime still makes its
+    own). Returns (options, objects that must outlive the session)."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    if in_memory_weights is None:
-        in_memory_weights = tensor_bytes(proto) > EXTERNAL_DATA_THRESHOLD
-    return opts, (_move_weights_out(proto, opts) if in_memory_weights else [])
-
-
-def _move_weights_out(proto: onnx.ModelProto, opts) -> list:
-    import onnxruntime as ort
-
-    names, values, keep = [], [], []
-    for tensor in proto.graph.initializer:
-        if tensor.data_type not in _SHAREABLE or tensor.data_location == TensorProto.EXTERNAL:
-            continue
-        if len(tensor.raw_data) < 1024 and tensor.ByteSize() < 1024:
-            continue
-        array = np.ascontiguousarray(numpy_helper.to_array(tensor))
-        for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
-            tensor.ClearField(field)
-        tensor.data_location = TensorProto.EXTERNAL
-        for key, value in (("location", "qpasses-in-memory"), ("offset", "0"), ("length", str(array.nbytes))):
-            entry = tensor.external_data.add()
-            entry.key, entry.value = key, value
-        names.append(tensor.name)
-        values.append(ort.OrtValue.ortvalue_from_numpy(array))
-        keep.append(array)
-    if names:
-        opts.add_external_initializers(names, values)
-    return keep + values
+    names = [t.name for t in proto.graph.initializer if t.data_location == TensorProto.EXTERNAL
+             and any(e.key == "location" and e.value == IN_MEMORY for e in t.external_data)]
+    if not names or weights is None:
+        return opts, []
+    values = [ort.OrtValue.ortvalue_from_numpy(weights[n]) for n in names]
+    opts.add_external_initializers(names, values)
+    return opts, values
 
 
 class Progress:
@@ -227,6 +202,7 @@ class Progress:
             self.stream.flush()
 
 
+IN_MEMORY_BYTES = 64 * 2**20  # weights from this size on go to onnxruntime as arrays (always past 2 GB)
 CHUNK_NODES = 2000   # top-level nodes per onnxruntime session: session creation grows faster than
                      # linearly with the graph (one session over 12k nodes + measurements: ~2 min)
 SMALL_TENSOR = 4096  # min/max mode: tensors of at most this many elements (static shape) are fetched
@@ -292,7 +268,10 @@ class _Plan:
 
     def __init__(self, model: QModel, use_hist: bool, in_memory_weights: bool | None = None,
                  only: set[str] | None = None):
-        proto = model.to_proto(metadata=False)
+        if in_memory_weights is None:  # hand big weights over as arrays: serialising them for a
+            in_memory_weights = constant_bytes(model.graph) >= IN_MEMORY_BYTES  # session peaked at 5x their size
+        self.weights: dict | None = {} if in_memory_weights else None
+        proto = model.to_proto(metadata=False, weights=self.weights)
         self.specs = model_inputs(proto)
         types, sizes = _inferred(proto)
         self.tensors = activation_tensors(proto, _gs_types(model), types=types)
@@ -307,16 +286,15 @@ class _Plan:
         self.segments: list[_Segment] = []
         chain = _Chain(model, proto, types) if len(proto.graph.node) > CHUNK_NODES else None
         if chain is None or len(chain.spans) == 1:
-            self._add(model, proto, None, [], [], set(self.inner), raw, in_memory_weights, not use_hist)
+            self._add(model, proto, None, [], [], set(self.inner), raw, not use_hist)
             return
         for span in chain.spans:
             sub, inputs, live_out, done = chain.segment(span)
             produced = {o for node in sub.graph.node for o in node.output}
             self._add(model, sub, inputs, live_out, done, {t for t in self.inner if t[0] in produced},
-                      raw, in_memory_weights, not use_hist, chained=True)
+                      raw, not use_hist, chained=True)
 
-    def _add(self, model, proto, inputs, live_out, done, measured, raw, in_memory_weights, minmax,
-             chained=False) -> None:
+    def _add(self, model, proto, inputs, live_out, done, measured, raw, minmax, chained=False) -> None:
         import onnxruntime as ort
 
         inner = [t for t in self.inner if t in measured]   # graph order
@@ -327,7 +305,7 @@ class _Plan:
         if not outputs:
             return   # nothing measured here and nothing needed later
         reduced = [(n, fetch_red[2 * i], fetch_red[2 * i + 1]) for i, (n, _) in enumerate(to_reduce)]
-        opts, keep = session_options(proto, in_memory_weights=in_memory_weights)
+        opts, keep = session_options(proto, self.weights)
         if chained:  # fusions stay; the layout pass (NCHWc reorders) cost 2x session time, 4x run time
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
         self._keep.extend(keep)
