@@ -205,3 +205,26 @@ def test_external_data_model_through_the_default_pipeline(tmp_path, monkeypatch)
     monkeypatch.setattr(runner, "IN_MEMORY_BYTES", 2**62)
     serialised = qpasses.quantize(qpasses.load(tmp_path / "float.onnx"), feeds)
     assert serialised.ranges == model.ranges
+
+
+def test_cleanup_merges_big_equal_weights_by_sampled_fingerprint():
+    """Large constants are fingerprinted from samples, then compared in full: equal ones merge,
+    ones that differ only between the samples do not."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((256, 256)) / 16).astype(np.float32)   # 256 KB: sampled fingerprint
+    twin, near = w.copy(), w.copy()
+    near[100, 7] += 1.0                                              # outside the sampled bytes
+    inits = [numpy_helper.from_array(a, n) for a, n in ((w, "w"), (twin, "twin"), (near, "near"))]
+    nodes = [helper.make_node("MatMul", ["x", n], [f"y_{n}"]) for n in ("w", "twin", "near")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 256])],
+                              [helper.make_tensor_value_info(f"y_{n}", TensorProto.FLOAT, [1, 256])
+                               for n in ("w", "twin", "near")], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    proto.ir_version = 10
+    model = from_proto(proto)
+    records = pipeline.PassManager("cleanup").run(model)
+    assert records[0].stats["initializers_merged"] == 1
+    assert [n.inputs[1].name for n in model.graph.nodes] == ["w", "w", "near"]
+    feed = random_feed(proto)
+    for got, ref in zip(run(model, feed), run(proto, feed)):
+        np.testing.assert_array_equal(got, ref)
