@@ -128,13 +128,20 @@ class QuantTable:
 
     def rename(self, old: str, new: str) -> None:
         """Move an entry to a new tensor name and fix every reference to it."""
-        if old in self._entries:
-            self._entries[new] = self._entries.pop(old)
+        self.rename_many({old: new})
+
+    def rename_many(self, names: dict[str, str]) -> None:
+        """``rename`` for many tensors in one pass over the table (new names are not renamed again)."""
+        if not names:
+            return
+        for old, new in names.items():
+            if old in self._entries:
+                self._entries[new] = self._entries.pop(old)
         for tq in self._entries.values():
-            if tq.shares == old:
-                tq.shares = new
-            if tq.derived_from and old in tq.derived_from:
-                tq.derived_from = [new if n == old else n for n in tq.derived_from]
+            if tq.shares in names:
+                tq.shares = names[tq.shares]
+            if tq.derived_from and any(n in names for n in tq.derived_from):
+                tq.derived_from = [names.get(n, n) for n in tq.derived_from]
 
     def clear(self) -> None:
         self._entries.clear()

@@ -100,7 +100,7 @@ def _merge_duplicates(model: QModel, nodes: list[gs.Node]) -> int:
                 if not isinstance(t._values, (np.ndarray, LazyValues)):
                     continue  # sparse
                 by_shape.setdefault((t.dtype, tuple(t.shape)), []).append(t)
-    merged = 0
+    merged, renames = 0, {}
     for group in by_shape.values():
         if len(group) < 2:
             continue
@@ -111,9 +111,10 @@ def _merge_duplicates(model: QModel, nodes: list[gs.Node]) -> int:
             if keep is t or _raw_bytes(keep) != data or not _same_quant(model, keep.name, t.name):
                 continue
             if t.name in model.quant:
-                model.quant.rename(t.name, keep.name)
+                renames[t.name] = keep.name
             replace_all_uses(t, keep)
             merged += 1
+    model.quant.rename_many(renames)  # one pass over the table (a pass per merge was quadratic)
     return merged
 
 
