@@ -69,12 +69,14 @@ def _initializers(nodes, graph: gs.Graph) -> set[str]:
 
 
 def _raw_bytes(t: gs.Constant):
-    """The constant's bytes (a view of its array when it has one: no copy)."""
+    """The constant's bytes (a view of a large array: no copy)."""
     values = t._values
     if isinstance(values, LazyValues) and values.tensor.raw_data:
         return values.tensor.raw_data
     array = np.ascontiguousarray(t.values)
-    return memoryview(array).cast("B") if array.size else b""
+    if array.nbytes <= 65536:
+        return array.tobytes()
+    return memoryview(array.reshape(-1).view(np.uint8))  # byte view: works for int4 (ml_dtypes) too
 
 
 def _fingerprint(data) -> bytes:
@@ -107,8 +109,9 @@ def _merge_duplicates(model: QModel, nodes: list[gs.Node]) -> int:
         first: dict[bytes, gs.Constant] = {}
         for t in group:
             data = _raw_bytes(t)
-            keep = first.setdefault(_fingerprint(data), t)
-            if keep is t or _raw_bytes(keep) != data or not _same_quant(model, keep.name, t.name):
+            exact = len(data) <= 64   # scales, zero points: the bytes are the key
+            keep = first.setdefault(data if exact else _fingerprint(data), t)
+            if keep is t or (not exact and _raw_bytes(keep) != data) or not _same_quant(model, keep.name, t.name):
                 continue
             if t.name in model.quant:
                 renames[t.name] = keep.name
