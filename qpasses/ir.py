@@ -38,13 +38,18 @@ def relaxed_gc():
 
     A graph is millions of long-lived Python objects; with the default thresholds, collections
     scanning them all took a third of the CPU time of a 50k-node quantization. Young objects are
-    still collected (every 100k allocations)."""
+    still collected (every 100k allocations). On exit, what the block allocated moves to the oldest
+    generation unscanned (freeze + unfreeze): else the restored thresholds made the next
+    allocation collect them all (7 s after a 200k-node quantization)."""
     old = gc.get_threshold()
     gc.set_threshold(100_000, 50, 100)
     try:
         yield
     finally:
         gc.set_threshold(*old)
+        if gc.get_freeze_count() == 0:  # never unfreeze what the caller froze
+            gc.freeze()
+            gc.unfreeze()
 
 
 class QModel:
