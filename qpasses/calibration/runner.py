@@ -205,6 +205,7 @@ class Progress:
 IN_MEMORY_BYTES = 64 * 2**20  # weights from this size on go to onnxruntime as arrays (always past 2 GB)
 CHUNK_NODES = 2000   # top-level nodes per onnxruntime session: session creation grows faster than
                      # linearly with the graph (one session over 12k nodes + measurements: ~2 min)
+MAX_IO = 1200        # ... and at most about this many session inputs + node outputs
 SMALL_TENSOR = 4096  # min/max mode: tensors of at most this many elements (static shape) are fetched
                      # and reduced in numpy (creating a ReduceMin/ReduceMax pair costs more)
 
@@ -346,14 +347,22 @@ class _Chain:
         self.spans = self._cut(CHUNK_NODES)
 
     def _cut(self, chunk: int) -> list[range]:
+        """Spans of ``chunk`` nodes, or fewer when their inputs plus outputs reach MAX_IO (session
+        creation and onnxruntime's per-run input check grow with the square of those)."""
         ending: dict[int, list[str]] = {}
         for name, i in self.last.items():
             ending.setdefault(i, []).append(name)
+        sources = self.produced | {vi.name for vi in self.proto.graph.input}
         live: set[str] = set()
+        here: set[str] = set()       # produced in the current span
+        outside: set[str] = set()    # read in the current span, computed before it
         unknown, start, spans = 0, 0, []
         count = len(self.proto.graph.node)
         for i, node in enumerate(self.proto.graph.node):
+            outside.update(n for n in self.reads[i] if n not in here and n in sources)
             for o in node.output:
+                if o:
+                    here.add(o)
                 if o and self.last.get(o, -1) > i and o not in live:
                     live.add(o)
                     unknown += o not in self.types
@@ -361,9 +370,11 @@ class _Chain:
                 if name in live:
                     live.discard(name)
                     unknown -= name not in self.types
-            if i + 1 - start >= chunk and unknown == 0 and i + 1 < count:
+            full = i + 1 - start >= chunk or len(outside) + len(here) >= MAX_IO
+            if full and unknown == 0 and i + 1 < count:
                 spans.append(range(start, i + 1))
                 start = i + 1
+                here, outside = set(), set()
         spans.append(range(start, count))
         return spans
 
