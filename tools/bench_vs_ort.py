@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -610,6 +610,9 @@ def main(argv=None) -> int:
                          "the QDQ model's error at that tensor including upstream (accumulated)")
     ap.add_argument("--latency-runs", type=int, default=20, help="timed runs per QDQ model (0: skip latency)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per quantization child")
+    ap.add_argument("--qp-default", type=json.loads, default=None, metavar="JSON",
+                    help="qpasses config for the 'default' row instead of the built-in defaults "
+                         "(to try a candidate default, e.g. '{\"calibration\": {\"method\": \"mse\"}}')")
     ap.add_argument("--json", type=Path, help="write all measurements to this JSON file")
     ap.add_argument("--corpus", type=Path, default=bench_models.DEFAULT_CORPUS)
     ap.add_argument("--cache", type=Path, default=bench_models.DEFAULT_CACHE,
@@ -637,6 +640,8 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown config(s) {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
     configs = [CONFIGS[c] for c in (args.configs or CONFIGS)]
+    if args.qp_default is not None:
+        configs = [replace(c, qp=args.qp_default) if c.name == "default" else c for c in configs]
     rows, skipped, start = [], [], time.perf_counter()
     log("| " + " | ".join(COLUMNS) + " |")
     for name in names:
