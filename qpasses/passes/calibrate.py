@@ -4,8 +4,11 @@ from __future__ import annotations
 from dataclasses import field
 from typing import ClassVar
 
+import onnx_graphsurgeon as gs
+
 from ..calibration.data import open_data
 from ..calibration.runner import calibrate_ranges
+from ..calibration.softmax import row_max_probes
 from ..config import CALIBRATION_METHODS, CalibrationConfig, QuantConfig
 from ..errors import CalibrationDataError
 from ..ir import QModel
@@ -30,7 +33,9 @@ class Calibrate(Pass):
     Reads: the calibration data (``data`` option, else the data attached to the model), options not
     given come from ``config.calibration``; the activation bit width from ``config.activation_type``.
     Writes: ``model.ranges[t] = (rmin, rmax)`` chosen by the method and ``model.observed[t] =
-    (min, max)`` seen, for every float graph input and non-constant float node output; after
+    (min, max)`` seen, for every float graph input and non-constant float node output, and for a
+    tensor read only by Softmax also ``<t>::softmax_row_max``: the range of its row maxima
+    (qpasses.calibration.softmax: compute-qparams clips below the smallest one); after
     annotate-types, only for the activations whose qparams come from a range (not those that share
     another tensor's qparams, are fixed or have a user range), which keeps onnxruntime's fusions
     (Conv+Relu, ...) in the calibration run and makes it faster.
@@ -72,11 +77,16 @@ class Calibrate(Pass):
         if source is None or source == "":
             raise CalibrationDataError("calibrate: no calibration data (pass --calib ...)")
         config = model.config or QuantConfig()
-        ranges, observed, samples = calibrate_ranges(
-            model, open_data(source), method=cal.method, percentile=float(cal.percentile),
-            num_bins=int(cal.num_bins), bits=qtype(config.activation_type).bits, symmetric=bool(cal.symmetric),
-            moving_average=bool(cal.moving_average), averaging_constant=float(cal.averaging_constant),
-            max_samples=int(self.max_samples), only=tensors_needing_ranges(model))
+        only = tensors_needing_ranges(model)
+        candidates = only if only is not None else [
+            name for name, t in model.tensors().items() if isinstance(t, gs.Variable)]
+        with row_max_probes(model, candidates) as probes:
+            ranges, observed, samples = calibrate_ranges(
+                model, open_data(source), method=cal.method, percentile=float(cal.percentile),
+                num_bins=int(cal.num_bins), bits=qtype(config.activation_type).bits,
+                symmetric=bool(cal.symmetric), moving_average=bool(cal.moving_average),
+                averaging_constant=float(cal.averaging_constant), max_samples=int(self.max_samples),
+                only=None if only is None else only | set(probes))
         modified = ranges != model.ranges or observed != model.observed
         model.ranges, model.observed = ranges, observed
         return PassResult(model, modified, {"tensors": len(ranges), "samples": samples, "method": cal.method})

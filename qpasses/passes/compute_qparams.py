@@ -8,6 +8,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..annotations import TensorQuant
+from ..calibration.softmax import NEGLIGIBLE, lower_bound
 from ..config import QuantConfig
 from ..errors import ModelError
 from ..ir import QModel
@@ -75,6 +76,11 @@ def activation_range(model: QModel, name: str, tq: TensorQuant, qt: str, config:
     rmax = float(base[1]) if tq.rmax is None else float(tq.rmax)
     if tq.rmin is not None or tq.rmax is not None:
         source += " with a bound from the entry"
+    softmax = lower_bound(model, name) if tq.rmin is None else None
+    if softmax is not None and softmax[0] > rmin:
+        rmin = min(softmax[0], rmax)
+        source += (f", lower end raised to {_fmt(rmin)}: read only by Softmax, whose smallest row maximum "
+                   f"was {_fmt(softmax[1])} (values {NEGLIGIBLE:g} below a row's maximum vanish)")
     return rmin, rmax, source
 
 

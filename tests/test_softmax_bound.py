@@ -1,0 +1,94 @@
+"""Softmax inputs: calibrate measures the row maxima, compute-qparams clips below the smallest one."""
+import numpy as np
+import onnx
+import pytest
+
+from qpasses.api import quantize
+from qpasses.calibration.softmax import NEGLIGIBLE, ROW_MAX_SUFFIX
+from qpasses.evaluate import snr_db
+from qpasses.pipeline import PassManager
+from qpasses.testing import model_from_text, parse, run
+from qpasses.verify import check_onnx
+
+# attention-like scores plus an additive padding mask (0 or -10000 per key)
+MASKED = """
+g (float[1, 8, 16] scores, float[1, 1, 16] mask) => (float[1, 8, 16] y) {
+    masked = Add(scores, mask)
+    y = Softmax <axis = -1> (masked)
+}
+"""
+
+
+def _feeds(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        mask = np.zeros((1, 1, 16), np.float32)
+        mask[..., rng.integers(4, 16):] = -10000.0
+        out.append({"scores": (rng.standard_normal((1, 8, 16)) * 3).astype(np.float32), "mask": mask})
+    return out
+
+
+CONFIG = {"activation_type": "uint8", "weight_type": "int8", "per_channel": False,
+          "calibration": {"method": "minmax"}}
+
+
+def _calibrated(text=MASKED, opset=17, feeds=None):
+    model = model_from_text(text, opset=opset)
+    model.calibration_data = feeds or _feeds(8)
+    PassManager("annotate-types,calibrate").run(model)
+    return model
+
+
+def test_row_maximum_measured_and_graph_untouched():
+    model = model_from_text(MASKED)
+    before = onnx.printer.to_text(model.to_proto().graph)
+    feeds = _feeds(8)
+    model.calibration_data = feeds
+    PassManager("annotate-types,calibrate").run(model)
+    assert onnx.printer.to_text(model.to_proto().graph) == before   # the probe node is gone again
+    check_onnx(model)
+    lo, hi = model.ranges["masked" + ROW_MAX_SUFFIX]
+    row_max = [(f["scores"] + f["mask"]).max(axis=-1) for f in feeds]
+    assert lo == pytest.approx(min(r.min() for r in row_max), abs=1e-3)
+    assert hi == pytest.approx(max(r.max() for r in row_max), abs=1e-3)
+    assert model.ranges["masked"][0] < -9000   # the tensor's own range still has the mask
+
+
+def test_lower_end_clipped_and_explained():
+    model = _calibrated()
+    PassManager("compute-qparams").run(model)
+    row_min = model.ranges["masked" + ROW_MAX_SUFFIX][0]
+    tq = model.quant["masked"]
+    # [row_min - 20, max] on a u8 grid (zero inside), instead of [-10000, max]
+    expected = (model.ranges["masked"][1] - (row_min - NEGLIGIBLE)) / 255
+    assert tq.scale[0] == pytest.approx(expected, rel=0.02)
+    assert any("read only by Softmax" in why for why in tq.why)
+
+
+def test_quantized_softmax_far_closer_to_float():
+    feeds, evals = _feeds(16), _feeds(8, seed=1)
+    proto = parse(MASKED)
+    q = quantize(model_from_text(MASKED), feeds, config=CONFIG).to_proto()
+    check_onnx(q)
+    ref = np.concatenate([run(proto, f)[0].ravel() for f in evals])
+    got = np.concatenate([run(q, f)[0].ravel() for f in evals])
+    assert snr_db(ref, got) > 30   # about 3 dB with the grid spread over the mask
+
+
+def test_not_applied_when_another_op_reads_the_tensor():
+    text = MASKED.replace("=> (float[1, 8, 16] y)", "=> (float[1, 8, 16] y, float[1, 8, 16] z)") \
+                 .replace("y = Softmax <axis = -1> (masked)", "y = Softmax <axis = -1> (masked)\n    z = Relu(masked)")
+    model = _calibrated(text)
+    assert "masked" + ROW_MAX_SUFFIX not in model.ranges
+    PassManager("compute-qparams").run(model)
+    assert model.quant["masked"].scale[0] > 30   # the full [-10000, max] range
+
+
+@pytest.mark.parametrize("opset", [11, 18])
+def test_old_softmax_axes_and_reduce_axes_input(opset):
+    text = MASKED.replace("Softmax <axis = -1>", "Softmax <axis = 2>")
+    model = _calibrated(text, opset=opset)
+    lo, _ = model.ranges["masked" + ROW_MAX_SUFFIX]
+    feeds = model.calibration_data
+    assert lo == pytest.approx(min((f["scores"] + f["mask"]).max(axis=-1).min() for f in feeds), abs=1e-3)
