@@ -45,7 +45,7 @@ class QuantConfig:
     weight_type: str = "int8"
     per_channel: bool = True
     activation_symmetric: bool = False
-    weight_symmetric: bool | None = None          # None: symmetric when the weight type is signed
+    weight_symmetric: bool | None = None          # None: per-channel symmetric, per-tensor asymmetric
     activation_restricted_asymmetric: bool = False
     reduce_range: bool = False
     minimum_real_range: float | None = None

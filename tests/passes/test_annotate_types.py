@@ -128,10 +128,13 @@ def test_op_family_rules(name):
     assert result.modified is bool(expected)
 
 
-def test_per_tensor_weights_follow_the_weight_type_signedness():
+def test_per_tensor_weights_asymmetric_unless_told():
     text = FAMILIES["conv"][0]
     model, _ = annotate(text, per_channel=False)
-    assert (model.quant["w"].axis, model.quant["w"].symmetric) == (None, True)
+    assert (model.quant["w"].axis, model.quant["w"].symmetric) == (None, False)
+    assert "asymmetric: a per-tensor weight grid" in model.quant["w"].why[-1]
+    model, _ = annotate(text, per_channel=False, weight_symmetric=True)
+    assert model.quant["w"].symmetric is True
     model, _ = annotate(text, weight_type="uint8", per_channel=False)
     assert (model.quant["w"].qtype, model.quant["w"].symmetric) == ("uint8", False)
     model, _ = annotate(text, weight_type="uint8", per_channel=True)   # per-channel: symmetric (onnxruntime)
