@@ -204,7 +204,9 @@ def test_external_data_model_through_the_default_pipeline(tmp_path, monkeypatch)
     # the in-memory calibration path measured what the serialised one measures
     monkeypatch.setattr(runner, "IN_MEMORY_BYTES", 2**62)
     serialised = qpasses.quantize(qpasses.load(tmp_path / "float.onnx"), feeds)
-    assert serialised.ranges == model.ranges
+    assert list(serialised.ranges) == list(model.ranges)
+    for name, got in model.ranges.items():   # without prepacked weights, MatMul sums in another order
+        np.testing.assert_allclose(got, serialised.ranges[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_cleanup_merges_big_equal_weights_by_sampled_fingerprint():

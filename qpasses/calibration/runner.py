@@ -7,6 +7,13 @@ One onnxruntime CPU session runs an augmented copy of the model:
   are counted into the streaming histograms and dropped before the next sample.
 Float graph inputs are measured from the feeds directly. Memory therefore stays at one sample's
 activations plus a fixed amount per tensor, whatever the number of samples.
+
+onnxruntime copies every initializer into its own buffers, so a session holds a second copy of
+the weights. Models with at least SEGMENT_BYTES of constants are therefore cut into segments of
+bounded weight bytes that run segment-outer: one session at a time sees every sample, the values
+later segments read are stashed per sample, and the session is dropped before the next one is
+created (see ``_segment_outer``). Per tensor, updates still arrive in sample order: the
+statistics are those of the sample-outer run.
 """
 from __future__ import annotations
 
@@ -209,20 +216,27 @@ IN_MEMORY_BYTES = 64 * 2**20  # weights from this size on go to onnxruntime as a
 CHUNK_NODES = 2000   # top-level nodes per onnxruntime session: session creation grows faster than
                      # linearly with the graph (one session over 12k nodes + measurements: ~2 min)
 MAX_IO = 1200        # ... and at most about this many session inputs + node outputs
+SEGMENT_BYTES = 2**30  # constants from this size on: calibrate segment-outer (a second copy of
+                       # smaller weights costs less than the lost cross-segment fusions and extra sessions)
+SEGMENT_MIN_WEIGHTS = 256 * 2**20  # weight bytes per segment: at most the larger of this
+SEGMENT_PARTS = 8                  # ... and this fraction of all weights
 SMALL_TENSOR = 4096  # min/max mode: tensors of at most this many elements (static shape) are fetched
                      # and reduced in numpy (creating a ReduceMin/ReduceMax pair costs more)
 
 
 class _RunError(Exception):
-    """onnxruntime failed on a sample."""
+    """onnxruntime failed on a sample (``index``: which one, set by ``_measure``)."""
+
+    index = -1
 
 
 class _Segment:
     """One onnxruntime session over consecutive top-level nodes: the values it reads (None: the
     whole feed), what it returns, which values later segments need and which are no longer needed."""
 
-    def __init__(self, session, inputs, outputs, live_out, done, raw, reduced, minmax):
+    def __init__(self, session, inputs, outputs, live_out, done, raw, reduced, minmax, keep=()):
         self.session, self.inputs, self.outputs = session, inputs, outputs
+        self.keep = keep                         # OrtValues of in-memory weights: live with the session
         self.live_out, self.done = live_out, done
         self.raw, self.reduced = raw, reduced    # measured tensors: fetched whole / (name, min, max)
         self.minmax = minmax                     # reduce the raw ones to (min, max) here
@@ -264,16 +278,21 @@ def _batch_minmax(arrays: list[tuple[str, np.ndarray]]):
 
 
 class _Plan:
-    """What one calibration run needs: the sessions, what to fetch and how to read it.
+    """What one calibration run needs: the segments (sessions), what to fetch and how to read it.
 
     A graph of more than CHUNK_NODES top-level nodes runs as a chain of sessions of about that many
     nodes (values crossing a cut go from one session to the next), so building them stays linear.
+    A model with at least SEGMENT_BYTES of weights handed over in memory is cut into segments of at
+    most max(SEGMENT_MIN_WEIGHTS, weights / SEGMENT_PARTS) weight bytes, run segment-outer
+    (``budget`` > 0: the stash bytes that saves) unless the values crossing the cuts, times the
+    samples, are known to outweigh the weights saved. Sessions are built by ``build(k)``.
     """
 
     def __init__(self, model: QModel, use_hist: bool, in_memory_weights: bool | None = None,
-                 only: set[str] | None = None):
+                 only: set[str] | None = None, samples: int | None = None):
+        weight_bytes = constant_bytes(model.graph)
         if in_memory_weights is None:  # hand big weights over as arrays: serialising them for a
-            in_memory_weights = constant_bytes(model.graph) >= IN_MEMORY_BYTES  # session peaked at 5x their size
+            in_memory_weights = weight_bytes >= IN_MEMORY_BYTES  # session peaked at 5x their size
         self.weights: dict | None = {} if in_memory_weights else None
         proto = model.to_proto(metadata=False, weights=self.weights)
         self.specs = model_inputs(proto)
@@ -285,58 +304,94 @@ class _Plan:
         self.inputs = [s.name for s in self.specs if s.name in tracked]
         self.derived = {} if use_hist else derived_ranges(proto, tracked)
         self.inner = [(n, e) for n, e in self.tensors if n not in self.inputs and n not in self.derived]
-        raw = {n for n, _ in self.inner if use_hist or 0 <= sizes.get(n, -1) <= SMALL_TENSOR}
-        self._keep: list = []
+        self.raw = {n for n, _ in self.inner if use_hist or 0 <= sizes.get(n, -1) <= SMALL_TENSOR}
+        self.minmax, self.model = not use_hist, model
+        self.budget = 0
+        big = self.weights is not None and weight_bytes >= SEGMENT_BYTES
+        chain = None
+        if len(proto.graph.node) > CHUNK_NODES or big:
+            limit = max(SEGMENT_MIN_WEIGHTS, weight_bytes // SEGMENT_PARTS) if big else None
+            chain = _Chain(model, proto, types, limit)
+            if len(chain.spans) > 1 and big:
+                saved = weight_bytes - max(chain.span_weights)
+                stash = chain.stash_bytes(sizes)
+                if samples and stash is not None and samples * stash > saved:
+                    chain.recut()   # the stash would cost more than the copy it saves
+                else:
+                    self.budget = saved
+        self._proto, self._chain = proto, chain
+        spans = [None] if chain is None or len(chain.spans) == 1 else chain.spans
+        where = {} if spans == [None] else {o: k for k, span in enumerate(spans) for i in span
+                                             for o in proto.graph.node[i].output}
+        measured: list[list] = [[] for _ in spans]     # (name, elem) each part measures, graph order
+        for t in self.inner:
+            measured[where.get(t[0], 0)].append(t)
+        self.parts = list(zip(spans, measured))
         self.segments: list[_Segment] = []
-        chain = _Chain(model, proto, types) if len(proto.graph.node) > CHUNK_NODES else None
-        if chain is None or len(chain.spans) == 1:
-            self._add(model, proto, None, [], [], set(self.inner), raw, not use_hist)
-            return
-        for span in chain.spans:
-            sub, inputs, live_out, done = chain.segment(span)
-            produced = {o for node in sub.graph.node for o in node.output}
-            self._add(model, sub, inputs, live_out, done, {t for t in self.inner if t[0] in produced},
-                      raw, not use_hist, chained=True)
+        self.owned: list[list[str]] = [[] for _ in spans]   # segment-outer: statistics each part updates
+        if self.budget:
+            owner = dict.fromkeys(self.inputs, 0)
+            owner.update((t[0], k) for k, part in enumerate(measured) for t in part)
+            for dst, (src, _) in self.derived.items():   # sources first: updated with their source
+                owner[dst] = owner.get(src, 0)
+            for name, _ in self.tensors:
+                self.owned[owner.get(name, 0)].append(name)
+        else:  # sample-outer: every session now, then only what they need is kept
+            self.segments = [s for s in map(self.build, range(len(self.parts))) if s is not None]
+            self.release()
 
-    def _add(self, model, proto, inputs, live_out, done, measured, raw, minmax, chained=False) -> None:
+    def build(self, k: int) -> "_Segment | None":
+        """The session of part ``k`` (None: it measures nothing and passes nothing on)."""
         import onnxruntime as ort
 
-        inner = [t for t in self.inner if t in measured]   # graph order
-        to_reduce = [t for t in inner if t[0] not in raw]
-        fetch_raw = augment(proto, [t for t in inner if t[0] in raw], reduce=False)
+        span, inner = self.parts[k]
+        if span is None:
+            proto, inputs, live_out, done = self._proto, None, [], []
+            self._proto = None   # augmented in place: built once
+        else:
+            proto, inputs, live_out, done = self._chain.segment(span)
+        to_reduce = [t for t in inner if t[0] not in self.raw]
+        fetch_raw = augment(proto, [t for t in inner if t[0] in self.raw], reduce=False)
         fetch_red = augment(proto, to_reduce, reduce=True)
         outputs = list(dict.fromkeys(live_out + fetch_raw + fetch_red))
         if not outputs:
-            return   # nothing measured here and nothing needed later
+            return None
         reduced = [(n, fetch_red[2 * i], fetch_red[2 * i + 1]) for i, (n, _) in enumerate(to_reduce)]
         opts, keep = session_options(proto, self.weights)
-        if chained:  # fusions stay; the layout pass (NCHWc reorders) cost 2x session time, 4x run time
+        if span is not None:  # fusions stay; the layout pass (NCHWc reorders) cost 2x session time, 4x run time
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
-        self._keep.extend(keep)
         data = proto.SerializeToString()
         del proto  # free the exported copy before onnxruntime makes its own
         try:
             session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
         except Exception as exc:
             raise ModelError(f"onnxruntime cannot run the model, so it cannot be calibrated: "
-                             f"{_unrunnable(model, exc)}") from None
-        self.segments.append(_Segment(session, inputs, outputs, live_out, done, fetch_raw, reduced, minmax))
+                             f"{_unrunnable(self.model, exc)}") from None
+        return _Segment(session, inputs, outputs, live_out, done, fetch_raw, reduced, self.minmax, keep)
 
-    def run(self, feed: dict):
-        """The measurements of one sample, segment by segment (see _Segment.run)."""
-        env = dict(feed)
-        for segment in self.segments:
-            yield from segment.run(env)
+    def prune(self, env: dict, k: int) -> int:
+        """Drop from ``env`` what no part after ``k`` reads; returns the bytes of what is left."""
+        stop, last = self.parts[k][0].stop, self._chain.last
+        for name in [n for n in env if last.get(n, -1) < stop]:
+            del env[name]
+        return sum(getattr(v, "nbytes", 0) for v in env.values())
+
+    def release(self) -> None:
+        """Forget what only building sessions needed."""
+        self._proto = self._chain = None
 
 
 class _Chain:
-    """Cuts a sorted top-level graph into spans of about CHUNK_NODES nodes, only where every value
-    crossing the cut is a tensor of known element type (it becomes a session input), and builds
-    the model of each span."""
+    """Cuts a sorted top-level graph into spans of about CHUNK_NODES nodes (and, with a
+    ``weight_limit``, at most about that many initializer bytes), only where every value crossing
+    the cut is a tensor of known element type (it becomes a session input), and builds the model
+    of each span."""
 
-    def __init__(self, model: QModel, proto: onnx.ModelProto, types: dict[str, int]):
+    def __init__(self, model: QModel, proto: onnx.ModelProto, types: dict[str, int],
+                 weight_limit: int | None = None):
         self.proto, self.types = proto, types
         self.spans = [range(len(proto.graph.node))]
+        self.span_weights: list[int] = []   # initializer bytes each span reads
         nodes = model.graph.nodes
         if model.input_initializers or len(nodes) != len(proto.graph.node):
             return   # user-feedable initializers: keep one session
@@ -347,11 +402,17 @@ class _Chain:
                 self.last[name] = i
         self.produced = {o for node in proto.graph.node for o in node.output if o}
         self.initializers = {t.name: t for t in proto.graph.initializer}
+        self.nbytes = {t.name: _tensor_bytes(t.data_type, math.prod(t.dims)) or 0 for t in proto.graph.initializer}
+        self.spans = self._cut(CHUNK_NODES, weight_limit)
+
+    def recut(self) -> None:
+        """Cut again by node and IO counts only."""
         self.spans = self._cut(CHUNK_NODES)
 
-    def _cut(self, chunk: int) -> list[range]:
+    def _cut(self, chunk: int, weight_limit: int | None = None) -> list[range]:
         """Spans of ``chunk`` nodes, or fewer when their inputs plus outputs reach MAX_IO (session
-        creation and onnxruntime's per-run input check grow with the square of those)."""
+        creation and onnxruntime's per-run input check grow with the square of those) or when the
+        next node's initializers would take the span past ``weight_limit`` bytes."""
         ending: dict[int, list[str]] = {}
         for name, i in self.last.items():
             ending.setdefault(i, []).append(name)
@@ -359,10 +420,13 @@ class _Chain:
         live: set[str] = set()
         here: set[str] = set()       # produced in the current span
         outside: set[str] = set()    # read in the current span, computed before it
-        unknown, start, spans = 0, 0, []
+        weights: set[str] = set()    # initializers read in the current span
+        unknown, start, spans, weight, self.span_weights = 0, 0, [], 0, []
         count = len(self.proto.graph.node)
         for i, node in enumerate(self.proto.graph.node):
             outside.update(n for n in self.reads[i] if n not in here and n in sources)
+            if weight_limit:
+                weight += self._new_weights(i, weights)
             for o in node.output:
                 if o:
                     here.add(o)
@@ -374,12 +438,52 @@ class _Chain:
                     live.discard(name)
                     unknown -= name not in self.types
             full = i + 1 - start >= chunk or len(outside) + len(here) >= MAX_IO
+            if weight_limit and weight and i + 1 < count:
+                full = full or weight + self._new_weights(i + 1, weights, add=False) > weight_limit
             if full and unknown == 0 and i + 1 < count:
                 spans.append(range(start, i + 1))
-                start = i + 1
-                here, outside = set(), set()
+                self.span_weights.append(weight)
+                start, weight = i + 1, 0
+                here, outside, weights = set(), set(), set()
         spans.append(range(start, count))
+        self.span_weights.append(weight)
         return spans
+
+    def _new_weights(self, i: int, seen: set[str], add: bool = True) -> int:
+        """Bytes of the initializers node ``i`` reads that are not in ``seen`` (added to it)."""
+        new = [n for n in dict.fromkeys(self.reads[i]) if n in self.nbytes and n not in seen]
+        if add:
+            seen.update(new)
+        return sum(self.nbytes[n] for n in new)
+
+    def stash_bytes(self, sizes: dict[str, int]) -> int | None:
+        """Bytes per sample of the values crossing the worst cut (graph inputs still to be read
+        included), from static shapes; None when one of them has no static size."""
+        nodes = self.proto.graph.node
+        delta = [0] * (len(nodes) + 2)     # live bytes change at each node index
+        unknown = [0] * (len(nodes) + 2)
+        values = [(vi.name, -1) for vi in self.proto.graph.input if vi.name not in self.initializers]
+        values += [(o, i) for i, node in enumerate(nodes) for o in node.output if o]
+        for name, at in values:
+            end = self.last.get(name, -1)
+            if end <= at:
+                continue
+            size = _tensor_bytes(self.types.get(name, 0), sizes.get(name))
+            if size is None:
+                unknown[at + 1] += 1
+                unknown[end + 1] -= 1
+            else:
+                delta[at + 1] += size
+                delta[end + 1] -= size
+        live, missing, worst = 0, 0, 0
+        starts = {span.start for span in self.spans[1:]}
+        for b in range(len(nodes) + 1):
+            live, missing = live + delta[b], missing + unknown[b]
+            if b in starts:
+                if missing:
+                    return None
+                worst = max(worst, live)
+        return worst
 
     def segment(self, span: range) -> tuple[onnx.ModelProto, list[str], list[str], list[str]]:
         """(model of the span, its inputs, values it passes on, values read for the last time)."""
@@ -411,6 +515,16 @@ class _Chain:
         return sub, inputs, live_out, done
 
 
+def _tensor_bytes(elem_type: int, count: int | None) -> int | None:
+    """Bytes of ``count`` elements of an ONNX element type (None when either is unknown)."""
+    if count is None:
+        return None
+    try:
+        return count * np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).itemsize
+    except Exception:
+        return None
+
+
 def _is_bfloat16(dtype) -> bool:
     if isinstance(dtype, int):  # gs keeps the ONNX enum for types numpy lacks
         return dtype == TensorProto.BFLOAT16
@@ -440,49 +554,109 @@ def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int 
                   averaging_constant: float | None = None, max_samples: int = 0,
                   progress_stream=None, in_memory_weights: bool | None = None,
                   only: set[str] | None = None) -> tuple[dict[str, TensorStats], int]:
-    """Run ``model`` on every sample of ``data`` (validated one by one) and return
+    """Run ``model`` on every sample of ``data`` (validated one by one, read once) and return
     ({tensor name: TensorStats} in graph order, number of samples). ``only`` limits the tensors
     measured (fewer model outputs also leave onnxruntime's fusions, e.g. Conv+Relu, intact)."""
     data = open_data(data)
     use_hist = method in HISTOGRAM_METHODS
-    plan = _Plan(model, use_hist, in_memory_weights, only)
+    total = data.count if not max_samples else min(max_samples, data.count or max_samples)
+    plan = _Plan(model, use_hist, in_memory_weights, only, samples=total)
     bins = histogram_bins(num_bins) if use_hist else 0
     stats = {name: TensorStats(bins, averaging_constant) for name, _ in plan.tensors}
-    total = data.count if not max_samples else min(max_samples, data.count or max_samples)
-    bar = Progress("calibrate", total, progress_stream)
-    count = 0
-    for index, feed in enumerate(data.validated(plan.specs, max_samples)):
-        if use_hist:
-            for name in plan.inputs:
-                stats[name].update(feed[name])
-        current = {}
-        try:
-            for name, value in plan.run(feed):   # one segment's values at a time
-                if use_hist:
-                    stats[name].update(value)
-                else:
-                    current[name] = value
-        except _RunError as exc:
-            raise CalibrationDataError(f"{data.source}: sample {index}: onnxruntime cannot run the model "
-                                       f"on it ({exc})") from None
-        if not use_hist:
-            _update_ranges(stats, feed, plan, current)
-        count += 1
-        bar.update(count)
-    bar.close()
+    feeds = enumerate(data.validated(plan.specs, max_samples))
+    run = _segment_outer if plan.budget else _sample_outer
+    try:
+        count = run(plan, feeds, stats, lambda label, n: Progress(label, n, progress_stream), total)
+    except _RunError as exc:
+        raise CalibrationDataError(f"{data.source}: sample {exc.index}: onnxruntime cannot run the model "
+                                   f"on it ({exc})") from None
     if count == 0:
         raise CalibrationDataError(f"{data.source}: no samples")
     return stats, count
 
 
-def _update_ranges(stats, feed, plan: _Plan, current: dict) -> None:
-    """Min/max mode: one (min, max) per tensor for this sample, measured (``current``) or derived."""
-    current.update((name, (feed[name].min(), feed[name].max())) for name in plan.inputs if feed[name].size)
+def _sample_outer(plan: _Plan, feeds, stats: dict, progress, total, count: int = 0) -> int:
+    """Every sample through every segment (all sessions alive); returns the number of samples."""
+    bar = progress("calibrate", total)
+    for index, feed in feeds:
+        _measure(plan, plan.segments, index, dict(feed), feed, stats)
+        count += 1
+        bar.update(count)
+    bar.close()
+    return count
+
+
+def _segment_outer(plan: _Plan, feeds, stats: dict, progress, total) -> int:
+    """One session at a time over every sample: the first part reads the samples (once) and
+    stashes what later parts read; each session is dropped before the next is built. When the
+    stash passes ``plan.budget``, the samples read so far finish segment by segment and the rest
+    run sample-outer (no worse than that path's memory). Returns the number of samples."""
+    parts = len(plan.parts)
+    pending, stash, overflow = [], 0, False
+    bar = progress(f"calibrate 1/{parts}", total)
+    segment = plan.build(0)
+    for index, feed in feeds:
+        env = dict(feed)
+        _measure(plan, [segment] if segment else [], index, env, feed, stats, plan.owned[0])
+        stash += plan.prune(env, 0)
+        pending.append((index, env))
+        bar.update(len(pending))
+        if stash > plan.budget:
+            overflow = True
+            break
+    bar.close()
+    segment = None   # the session and its copy of the weights go before the next is built
+    for k in range(1, parts if pending else 1):
+        segment = plan.build(k)
+        bar = progress(f"calibrate {k + 1}/{parts}", len(pending))
+        for done, (index, env) in enumerate(pending, 1):
+            _measure(plan, [segment] if segment else [], index, env, None, stats, plan.owned[k])
+            plan.prune(env, k)
+            bar.update(done)
+        bar.close()
+        segment = None
+    count = len(pending)
+    pending.clear()
+    if overflow:
+        plan.segments = [s for s in map(plan.build, range(parts)) if s is not None]
+        count = _sample_outer(plan, feeds, stats, progress, total, count)
+    plan.release()
+    return count
+
+
+def _measure(plan: _Plan, segments, index: int, env: dict, feed: dict | None, stats: dict,
+             names: list[str] | None = None) -> None:
+    """Run one sample (``env``, updated in place) through ``segments`` and update the statistics
+    of ``names`` (default: all); ``feed``: the sample's feed when its graph inputs are measured here."""
+    use_hist = not plan.minmax
+    if use_hist and feed is not None:
+        for name in plan.inputs:
+            stats[name].update(feed[name])
+    current = {}
+    try:
+        for segment in segments:
+            for name, value in segment.run(env):   # one segment's values at a time
+                if use_hist:
+                    stats[name].update(value)
+                else:
+                    current[name] = value
+    except _RunError as exc:
+        exc.index = index
+        raise
+    if not use_hist:
+        _update_ranges(stats, feed, plan, current, names)
+
+
+def _update_ranges(stats, feed: dict | None, plan: _Plan, current: dict, names: list[str] | None = None) -> None:
+    """Min/max mode: one (min, max) per tensor of ``names`` (default: all) for this sample, measured
+    (``current``, plus the graph inputs from ``feed``) or derived."""
+    if feed is not None:
+        current.update((name, (feed[name].min(), feed[name].max())) for name in plan.inputs if feed[name].size)
     for name, (src, kind) in plan.derived.items():   # graph order: sources come first
         if src in current:
             lo, hi = current[src]
             current[name] = (max(lo, 0), max(hi, 0)) if kind == "Relu" else (lo, hi)
-    for name, st in stats.items():
+    for name, st in (stats.items() if names is None else ((n, stats[n]) for n in names)):
         if name in current:
             st.update_range(*current[name])
         else:

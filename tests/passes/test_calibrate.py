@@ -212,7 +212,9 @@ def test_in_memory_weights_path_gives_the_same_ranges():
     feeds = [random_feed(proto, seed=s) for s in range(3)]
     a = collect_stats(from_proto(proto), feeds, in_memory_weights=True)[0]
     b = collect_stats(from_proto(proto), feeds, in_memory_weights=False)[0]
-    assert {k: v.observed for k, v in a.items()} == {k: v.observed for k, v in b.items()}
+    assert list(a) == list(b)
+    for name in a:   # without prepacked weights, onnxruntime's MatMul sums in another order
+        np.testing.assert_allclose(a[name].observed, b[name].observed, rtol=1e-5, err_msg=name)
     assert a["y"].observed[1] > 0
 
 
