@@ -9,7 +9,8 @@ A child process then runs ``qpasses.load`` (external data read in) -> ``qpasses.
 config, 8 samples) -> ``qpasses.save`` (written with external data: the quantized weights are
 still past qpasses' threshold only for very large models, so ``external_data=True`` is asked
 explicitly), and reports its time per step and its peak RSS (VmHWM) against the size of the
-weights. The parent then loads the output in onnxruntime from its path, runs it on held-out
+weights, overall and per pass (the high-water mark is reset before each pass through
+/proc/self/clear_refs, and the overall peak is the largest of the parts). The parent then loads the output in onnxruntime from its path, runs it on held-out
 samples and compares with the float model (SNR), and deletes the files.
 """
 from __future__ import annotations
@@ -75,12 +76,38 @@ def _vm(key: str) -> float:
     return 0.0
 
 
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (False where the kernel does not allow it)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def child(src: str, dst: str, width: int) -> dict:
     import qpasses
     from qpasses.instruments import TimePasses
 
+    class PeakPerPass(TimePasses):
+        """Pass times, plus each pass's own peak RSS (VmHWM reset before it)."""
+
+        def __init__(self):
+            super().__init__()
+            self.peaks: list[float] = []
+            self.before_peak = 0.0    # the largest peak of what ran before the passes, or between them
+
+        def before(self, index, p, model):
+            self.before_peak = max(self.before_peak, _vm("VmHWM"))
+            _reset_peak()
+
+        def after(self, index, p, model, record):
+            super().after(index, p, model, record)
+            self.peaks.append(_vm("VmHWM"))
+
     row = {"rss_base_mb": _vm("VmHWM")}
-    timer = TimePasses()
+    timer = PeakPerPass()
     start = time.perf_counter()
     cpu = time.process_time()
     model = qpasses.load(src)
@@ -92,8 +119,8 @@ def child(src: str, dst: str, width: int) -> dict:
     qpasses.save(model, dst, external_data=True)
     row["save_s"] = time.perf_counter() - t
     row["total_s"], row["cpu_s"] = time.perf_counter() - start, time.process_time() - cpu
-    row["passes"] = [[text, round(sec, 2)] for text, sec, _, _ in timer.rows]
-    row["peak_rss_mb"] = _vm("VmHWM")
+    row["passes"] = [[text, round(sec, 2), round(peak)] for (text, sec, _, _), peak in zip(timer.rows, timer.peaks)]
+    row["peak_rss_mb"] = max([_vm("VmHWM"), timer.before_peak] + timer.peaks)
     return row
 
 
@@ -151,7 +178,8 @@ def main(argv=None) -> int:
         mb = nbytes / 2**20
         print(f"qpasses load {row['load_s']:.1f} s, quantize {row['quantize_s']:.1f} s, save {row['save_s']:.1f} s: "
               f"total {row['total_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU (load avg {load:.1f} -> {os.getloadavg()[0]:.1f})")
-        print("  passes: " + ", ".join(f"{name.split('{')[0]} {sec}" for name, sec in row["passes"]))
+        print("  passes (s, peak RSS / weights): " + ", ".join(
+            f"{name.split('{')[0]} {sec} {peak / (nbytes / 2**20):.2f}x" for name, sec, peak in row["passes"]))
         print(f"peak RSS {row['peak_rss_mb']:.0f} MB = {row['peak_rss_mb'] / mb:.2f} x the weights ({mb:.0f} MB); "
               f"after load {row['rss_after_load_mb']:.0f} MB, after quantize {row['rss_after_quantize_mb']:.0f} MB, "
               f"interpreter + libraries {row['rss_base_mb']:.0f} MB")
