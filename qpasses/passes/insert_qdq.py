@@ -208,6 +208,7 @@ def apply_plan(model: QModel, plan: Plan) -> Counter:
     by_name = {i.tensor: i for i in plan.inserts}
     made: dict[str, tuple[gs.Constant, gs.Constant]] = {}
     counts: Counter = Counter()
+    outputs = {o.name for o in model.graph.outputs}
 
     def params(name: str):
         if name not in made:
@@ -224,6 +225,8 @@ def apply_plan(model: QModel, plan: Plan) -> Counter:
             dq = make_dq(namer, name, stored, qdq_params, qp, t.values.dtype, shape=t.shape)
             place.before_first_reader(t, [dq])
             redirect(t, dq.outputs[0])
+            if not t.outputs and name not in outputs:   # unreachable now: free the float values before
+                t.values = np.zeros(0, dtype=t.values.dtype)  # the next weight is quantized (big models)
             counts["biases_quantized" if ins.role == "bias" else "weights_quantized"] += 1
             counts["dq_nodes"] += 1
             continue
