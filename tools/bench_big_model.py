@@ -30,6 +30,9 @@ from onnx import TensorProto, helper
 
 SAMPLES = 8
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procstats import status_mb  # noqa: E402  (tools/procstats.py)
+
 
 def build(folder: Path, layers: int, width: int, seed: int = 0) -> tuple[Path, int]:
     """Write ``model.onnx`` + ``model.onnx.data`` into ``folder``; returns (path, weight bytes)."""
@@ -68,14 +71,6 @@ def samples(width: int, count: int, seed: int) -> list[dict]:
 
 
 # -- child: the measured process ---------------------------------------------------------------------
-def _vm(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024.0
-    return 0.0
-
-
 def _reset_peak() -> bool:
     """Reset VmHWM to the current RSS (False where the kernel does not allow it)."""
     try:
@@ -99,28 +94,28 @@ def child(src: str, dst: str, width: int) -> dict:
             self.before_peak = 0.0    # the largest peak of what ran before the passes, or between them
 
         def before(self, index, p, model):
-            self.before_peak = max(self.before_peak, _vm("VmHWM"))
+            self.before_peak = max(self.before_peak, status_mb("VmHWM"))
             _reset_peak()
 
         def after(self, index, p, model, record):
             super().after(index, p, model, record)
-            self.peaks.append(_vm("VmHWM"))
+            self.peaks.append(status_mb("VmHWM"))
 
-    row = {"rss_base_mb": _vm("VmHWM")}
+    row = {"rss_base_mb": status_mb("VmHWM")}
     timer = PeakPerPass()
     start = time.perf_counter()
     cpu = time.process_time()
     model = qpasses.load(src)
-    row["load_s"], row["rss_after_load_mb"] = time.perf_counter() - start, _vm("VmRSS")
+    row["load_s"], row["rss_after_load_mb"] = time.perf_counter() - start, status_mb("VmRSS")
     t = time.perf_counter()
     qpasses.run_pipeline(model, None, calibration_data=samples(width, SAMPLES, 0), time_passes=timer)
-    row["quantize_s"], row["rss_after_quantize_mb"] = time.perf_counter() - t, _vm("VmRSS")
+    row["quantize_s"], row["rss_after_quantize_mb"] = time.perf_counter() - t, status_mb("VmRSS")
     t = time.perf_counter()
     qpasses.save(model, dst, external_data=True)
     row["save_s"] = time.perf_counter() - t
     row["total_s"], row["cpu_s"] = time.perf_counter() - start, time.process_time() - cpu
     row["passes"] = [[text, round(sec, 2), round(peak)] for (text, sec, _, _), peak in zip(timer.rows, timer.peaks)]
-    row["peak_rss_mb"] = max([_vm("VmHWM"), timer.before_peak] + timer.peaks)
+    row["peak_rss_mb"] = max([status_mb("VmHWM"), timer.before_peak] + timer.peaks)
     return row
 
 

@@ -30,6 +30,9 @@ from onnx import TensorProto, helper, numpy_helper
 ORT_METHOD = {"minmax": "MinMax", "pow2": "MinMax", "percentile": "Percentile", "entropy": "Entropy",
               "mse": "Distribution"}
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from procstats import peak_rss_mb  # noqa: E402  (tools/procstats.py)
+
 
 def resnet_like(width: int = 64, seed: int = 0) -> onnx.ModelProto:
     """ResNet-18 layout: 7x7/2 stem, max pool, 4 stages of 2 basic blocks (width, 2w, 4w, 8w), GAP, FC."""
@@ -107,19 +110,6 @@ class Reader:
         self.i = 0
 
 
-def _rss_mb() -> float:
-    """Peak RSS of this process so far. VmHWM, not getrusage's ru_maxrss: on Linux ru_maxrss
-    carries the parent's RSS over fork+exec, which would floor every child at the parent's size."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -136,7 +126,7 @@ def child(tool: str, method: str, samples: int, model_path: str) -> dict:
         from qpasses.ir import load
         from qpasses.passes.calibrate import Calibrate
 
-        base, cpu0 = _rss_mb(), _cpu_seconds()
+        base, cpu0 = peak_rss_mb(), _cpu_seconds()
         start = time.perf_counter()
         model = load(model_path)
         model.calibration_data = Reader(samples)
@@ -146,7 +136,7 @@ def child(tool: str, method: str, samples: int, model_path: str) -> dict:
     elif tool == "ort":
         from onnxruntime.quantization.calibrate import CalibrationMethod, create_calibrator
 
-        base, cpu0 = _rss_mb(), _cpu_seconds()
+        base, cpu0 = peak_rss_mb(), _cpu_seconds()
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             extra = {"num_bins": 2048} if method in ("entropy", "percentile", "mse") else {}
@@ -157,7 +147,7 @@ def child(tool: str, method: str, samples: int, model_path: str) -> dict:
             tensors = len(cal.compute_data().data)
         seconds = time.perf_counter() - start
     elif tool in ("qpasses-quantize", "ort-quantize"):
-        base, cpu0 = _rss_mb(), _cpu_seconds()
+        base, cpu0 = peak_rss_mb(), _cpu_seconds()
         start = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             if tool == "qpasses-quantize":
@@ -173,7 +163,7 @@ def child(tool: str, method: str, samples: int, model_path: str) -> dict:
         seconds, tensors = time.perf_counter() - start, 0
     else:
         raise SystemExit(f"unknown tool {tool}")
-    return {"base_mb": base, "peak_mb": _rss_mb(), "seconds": seconds, "cpu": _cpu_seconds() - cpu0,
+    return {"base_mb": base, "peak_mb": peak_rss_mb(), "seconds": seconds, "cpu": _cpu_seconds() - cpu0,
             "tensors": tensors}
 
 

@@ -38,6 +38,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_scale  # noqa: E402  (tools/bench_scale.py: the synthetic graphs)
+from procstats import peak_rss_mb  # noqa: E402  (tools/procstats.py)
 
 CHAIN_SIZES = (800, 1_600, 3_200)
 SYNTHETIC_SIZES = (25_000, 50_000, 100_000, 200_000)
@@ -76,15 +77,6 @@ def write_samples(path: Path, shape, seed: int = 0) -> None:
 
 
 # -- child processes ---------------------------------------------------------------------------------
-def _peak_rss_mb() -> float:
-    """VmHWM of this process (starts afresh at exec, unlike ru_maxrss of a spawned child)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    return 0.0
-
-
 class Clock:
     """Wall and CPU seconds of a block, added to ``out[key]`` / ``out[key + '_cpu']``."""
 
@@ -117,7 +109,7 @@ def child_ort(model: str, data: str, out: str) -> dict:
         def rewind(self):
             self.i = 0
 
-    row: dict = {"rss_base_mb": _peak_rss_mb()}
+    row: dict = {"rss_base_mb": peak_rss_mb()}
     with Clock(row, "total"):
         quantize_static(model, out, Reader(), quant_format=QuantFormat.QDQ, per_channel=False,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
@@ -129,7 +121,7 @@ def child_qp(model: str, data, out: str, config, profile: bool = False) -> dict:
     import qpasses
     from qpasses.instruments import TimePasses
 
-    row: dict = {"rss_base_mb": _peak_rss_mb()}
+    row: dict = {"rss_base_mb": peak_rss_mb()}
     timer = TimePasses()
     profiler = None
     if profile:
@@ -163,7 +155,7 @@ def _child_main(argv: list[str]) -> int:
     else:
         config = json.loads(argv[4]) if len(argv) > 4 and argv[4] != "null" else None
         row = child_qp(model, data, out, config, profile="--profile" in argv)
-    row["rss_mb"] = _peak_rss_mb()
+    row["rss_mb"] = peak_rss_mb()
     print(json.dumps(row))
     return 0
 

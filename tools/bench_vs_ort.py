@@ -23,7 +23,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import resource
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models as bench_models  # noqa: E402  (tools/models.py)
+from procstats import peak_rss_mb  # noqa: E402  (tools/procstats.py)
 
 # -- configs -----------------------------------------------------------------------------------------
 # Each config is run identically on both sides. Calibration details that onnxruntime does not let
@@ -95,19 +95,6 @@ class _Reader:
         return len(self.samples)
 
 
-def _peak_rss_mb() -> float:
-    """Peak RSS of this process in MB: VmHWM, which starts afresh at exec. (ru_maxrss of a spawned
-    child would include the parent's RSS at fork time, which Linux carries across exec.)"""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
-
-
 def _child(side: str, model_path: str, calib_dir: str, samples: int, cfg, out_path: str, log_path: str, conn):
     """Quantize in this (spawned) process; send back seconds, peak RSS and errors."""
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -129,14 +116,14 @@ def _child(side: str, model_path: str, calib_dir: str, samples: int, cfg, out_pa
                         weight_type=getattr(QuantType, cfg["weight_type"]),
                         calibrate_method=getattr(CalibrationMethod, cfg["calibrate_method"]),
                         extra_options=extra)
-            result["rss_base_mb"] = _peak_rss_mb()
+            result["rss_base_mb"] = peak_rss_mb()
             start = time.perf_counter()
             quantize_static(model_path, out_path, _Reader(data), **args)
             result["seconds"] = time.perf_counter() - start
         else:
             import qpasses
 
-            result["rss_base_mb"] = _peak_rss_mb()
+            result["rss_base_mb"] = peak_rss_mb()
             start = time.perf_counter()
             model, records = qpasses.run_pipeline(model_path, None, config=cfg, calibration_data=data)
             qpasses.save(model, out_path)
@@ -147,7 +134,7 @@ def _child(side: str, model_path: str, calib_dir: str, samples: int, cfg, out_pa
         result["ok"] = False
         result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
         traceback.print_exc()
-    result["rss_mb"] = _peak_rss_mb()
+    result["rss_mb"] = peak_rss_mb()
     conn.send(result)
     conn.close()
 
