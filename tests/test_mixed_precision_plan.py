@@ -16,6 +16,7 @@ from onnxruntime.quantization.execution_providers.qnn.mixed_precision_overrides_
 )
 from onnxruntime.quantization.tensor_quant_overrides import TensorQuantOverridesHelper
 
+from example_graphs import ORT_PR_20028
 from qpasses.dataflow import dataflow
 from qpasses.errors import ConfigError
 from qpasses.mixed_precision import (
@@ -25,18 +26,7 @@ from qpasses.passes.propagate_mixed_precision import float_tensors
 from qpasses.qtypes import qtype
 from qpasses.testing import model_from_text, parse
 
-# The example of onnxruntime PR 20028 (op names as in the PR, lower case).
-EXAMPLE = """
-g (float[1,2] input_0, float[1,2] input_1) => (float[1,2] output_0, float[1,2] output_1, float[1,2] output_2) {
-  [op1] op1_out = Sigmoid (input_0)
-  [op2] op2_out = Cos (input_1)
-  [op3] op3_out = Sin (op1_out)
-  [op4] op4_out = Tanh (op2_out)
-  [op5] op5_out = Mul (op3_out, op4_out)
-  [op6] output_0 = Relu (op5_out)
-  [op7] output_1 = Cos (op2_out)
-  [op8] output_2 = Sigmoid (op2_out)
-}"""
+EXAMPLE = ORT_PR_20028
 
 # A diamond with a shape-only chain, a weight, a graph output read inside the graph, an int tensor.
 SHAPES = """

@@ -20,6 +20,15 @@ from ..registry import register
 CLIPPING_METHODS = ("percentile", "entropy", "mse")
 NAME = "compute-qparams"
 
+# A Conv (weight, bias) + Relu: the docs example of the passes that compute and insert qparams.
+CONV_RELU_EXAMPLE = """
+g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] w = {0.5, -0.25, 0.125, 1.0}, float[2] b = {0.1, -0.2}>
+{
+  c = Conv(x, w, b)
+  y = Relu(c)
+}
+"""
+
 
 def config_of(model: QModel) -> QuantConfig:
     return model.config if model.config is not None else QuantConfig()
@@ -337,13 +346,7 @@ class ComputeQParams(Pass):
     requires: ClassVar[frozenset] = frozenset({"calibrated", "types-annotated"})
     establishes: ClassVar[frozenset] = frozenset({"qparams-computed"})
     invalidates: ClassVar[frozenset] = frozenset({"bias-scales-fixed"})
-    example: ClassVar[str] = """
-g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] w = {0.5, -0.25, 0.125, 1.0}, float[2] b = {0.1, -0.2}>
-{
-  c = Conv(x, w, b)
-  y = Relu(c)
-}
-"""
+    example: ClassVar[str] = CONV_RELU_EXAMPLE
     example_prelude: ClassVar[str] = "calibrate,annotate-types"
 
     def run(self, model: QModel) -> PassResult:

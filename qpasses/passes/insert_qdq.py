@@ -16,6 +16,7 @@ from ..qdq import (Namer, Placement, QParams, float_types, is_quantized, make_dq
                    min_opset, paused_gc, producer, qparam_constants, quantized_values, redirect,
                    require_opset, scale_dtype)
 from ..registry import register
+from .compute_qparams import CONV_RELU_EXAMPLE
 
 NAME = "insert-qdq"
 CLAMPS = ("Relu", "Clip")
@@ -272,13 +273,7 @@ class InsertQDQ(Pass):
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"qparams-computed"})
     establishes: ClassVar[frozenset] = frozenset({"qdq-inserted"})
-    example: ClassVar[str] = """
-g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] w = {0.5, -0.25, 0.125, 1.0}, float[2] b = {0.1, -0.2}>
-{
-  c = Conv(x, w, b)
-  y = Relu(c)
-}
-"""
+    example: ClassVar[str] = CONV_RELU_EXAMPLE
     example_prelude: ClassVar[str] = "calibrate,annotate-types,compute-qparams"
 
     def run(self, model: QModel) -> PassResult:

@@ -8,6 +8,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from example_graphs import ORT_PR_20028
 from qpasses.annotations import Convert, TensorQuant
 from qpasses.config import QuantConfig, load_config
 from qpasses.errors import ConfigError, PreconditionError
@@ -18,17 +19,7 @@ from qpasses.registry import all_passes
 from qpasses.testing import model_from_text, parse, random_feed, run
 from qpasses.verify import check_onnx
 
-EXAMPLE = """
-g (float[1,2] input_0, float[1,2] input_1) => (float[1,2] output_0, float[1,2] output_1, float[1,2] output_2) {
-  [op1] op1_out = Sigmoid (input_0)
-  [op2] op2_out = Cos (input_1)
-  [op3] op3_out = Sin (op1_out)
-  [op4] op4_out = Tanh (op2_out)
-  [op5] op5_out = Mul (op3_out, op4_out)
-  [op6] output_0 = Relu (op5_out)
-  [op7] output_1 = Cos (op2_out)
-  [op8] output_2 = Sigmoid (op2_out)
-}"""
+EXAMPLE = ORT_PR_20028
 
 WEIGHTED = """
 g (float[2,4] x) => (float[2,4] y, float[4,2] t) <float[4,4] w = {1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16}> {
