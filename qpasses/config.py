@@ -34,6 +34,12 @@ class CalibrationConfig:
             raise ConfigError(f"calibration.num_bins: {self.num_bins} is too small (at least 16)")
 
 
+def method_given(calibration: CalibrationConfig) -> bool:
+    """Whether the user chose the calibration method (written in a config, or not the default)."""
+    written = getattr(calibration, "_given", None)
+    return "method" in written if written is not None else calibration.method != CalibrationConfig.method
+
+
 _CALIB_ALIASES = {"max": "minmax", "min_max": "minmax", "kl": "entropy", "distribution": "mse",
                   "nonoverflow": "pow2", "power_of_two": "pow2", "calibrationmethod.minmax": "minmax",
                   "calibrationmethod.entropy": "entropy", "calibrationmethod.percentile": "percentile"}
@@ -76,7 +82,9 @@ class QuantConfig:
         if self.scale_type not in ("float32", "float16"):
             raise ConfigError(f"scale_type: '{self.scale_type}' is not float32 or float16")
         if isinstance(self.calibration, dict):
+            written = frozenset(self.calibration)
             self.calibration = _build(CalibrationConfig, self.calibration, "calibration.")
+            self.calibration._given = written
         if not isinstance(self.tensor_overrides, dict):
             raise ConfigError("tensor_overrides: expected a mapping of tensor name -> list of overrides")
 

@@ -80,28 +80,39 @@ def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
     return 10.0 * math.log10(signal / err)
 
 
+class Reference:
+    """The reference model's outputs on some feeds, kept to score test models against them."""
+
+    def __init__(self, reference_model, feeds, max_samples: int | None = None):
+        self.session = session(reference_model)
+        self.names = [o.name for o in self.session.get_outputs()]
+        specs = _input_specs(self.session)
+        self.feeds, outs = [], []
+        for index, feed in enumerate(feeds):
+            if max_samples is not None and index >= max_samples:
+                break
+            feed = validate(feed, specs, index, getattr(feeds, "source", ""))  # cast/reshape like calibration
+            self.feeds.append(feed)
+            outs.append([np.ravel(r).astype(np.float64) for r in self.session.run(self.names, feed)])
+        self.outputs = {n: np.concatenate([o[i] for o in outs]) if outs else np.zeros(0)
+                        for i, n in enumerate(self.names)}
+
+    def score(self, test_model) -> dict:
+        """Run ``test_model`` on the kept feeds: per output SNR and max abs error, and the worst SNR."""
+        test_sess = session(test_model)
+        _check_same_signature(self.session, test_sess)
+        runs = [test_sess.run(self.names, feed) for feed in self.feeds]
+        out = {}
+        for i, n in enumerate(self.names):
+            if not runs:
+                continue
+            r = self.outputs[n]
+            t = np.concatenate([np.ravel(run[i]).astype(np.float64) for run in runs])
+            out[n] = {"snr_db": snr_db(r, t), "max_abs_error": float(np.max(np.abs(r - t))) if r.size else 0.0}
+        return {"samples": len(self.feeds), "outputs": out,
+                "snr_db": min((v["snr_db"] for v in out.values()), default=math.inf)}
+
+
 def compare(reference_model, test_model, feeds, max_samples: int | None = None) -> dict:
     """Run both models on every feed; per output: SNR over all samples and max abs error."""
-    ref_sess, test_sess = session(reference_model), session(test_model)
-    names = [o.name for o in ref_sess.get_outputs()]
-    _check_same_signature(ref_sess, test_sess)
-    refs: dict[str, list] = {n: [] for n in names}
-    tests: dict[str, list] = {n: [] for n in names}
-    count = 0
-    specs = _input_specs(ref_sess)
-    for index, feed in enumerate(feeds):
-        if max_samples is not None and count >= max_samples:
-            break
-        feed = validate(feed, specs, index, getattr(feeds, "source", ""))  # cast/reshape like calibration
-        for n, r, t in zip(names, ref_sess.run(names, feed), test_sess.run(names, feed)):
-            refs[n].append(np.ravel(r).astype(np.float64))
-            tests[n].append(np.ravel(t).astype(np.float64))
-        count += 1
-    out = {}
-    for n in names:
-        if not refs[n]:
-            continue
-        r, t = np.concatenate(refs[n]), np.concatenate(tests[n])
-        out[n] = {"snr_db": snr_db(r, t), "max_abs_error": float(np.max(np.abs(r - t))) if r.size else 0.0}
-    return {"samples": count, "outputs": out,
-            "snr_db": min((v["snr_db"] for v in out.values()), default=math.inf)}
+    return Reference(reference_model, feeds, max_samples).score(test_model)

@@ -302,7 +302,8 @@ class TypePlanner:
             tq.because("symmetric: per-channel weights are symmetric (as onnxruntime)")
         elif axis is None and "weight_symmetric" not in cfg.given and not tq.symmetric:
             tq.because("asymmetric: a per-tensor weight grid spans [min, max] (weight_symmetric not set; "
-                       "per-tensor int8 symmetric lost 2-11 dB on the trained benchmark models)")
+                       "per-tensor int8 symmetric lost 2-11 dB on the trained benchmark models; select-by-snr "
+                       "may still choose symmetric)")
         self._new(t.name, "weight", tq)
 
     def add_shared(self, name: str, source: str, node: gs.Node) -> None:

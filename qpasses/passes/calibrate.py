@@ -9,7 +9,7 @@ import onnx_graphsurgeon as gs
 from ..calibration.data import open_data
 from ..calibration.runner import calibrate_ranges
 from ..calibration.softmax import row_max_probes
-from ..config import CALIBRATION_METHODS, CalibrationConfig, QuantConfig
+from ..config import CALIBRATION_METHODS, CalibrationConfig, QuantConfig, method_given
 from ..errors import CalibrationDataError
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
@@ -32,7 +32,8 @@ class Calibrate(Pass):
 
     Reads: the calibration data (``data`` option, else the data attached to the model), options not
     given come from ``config.calibration``; the activation bit width from ``config.activation_type``.
-    Writes: ``model.ranges[t] = (rmin, rmax)`` chosen by the method and ``model.observed[t] =
+    Writes: ``model.report["calibrate"]`` (method, samples, whether the user chose the method),
+    ``model.ranges[t] = (rmin, rmax)`` chosen by the method and ``model.observed[t] =
     (min, max)`` seen, for every float graph input and non-constant float node output, and for a
     tensor read only by Softmax also ``<t>::softmax_row_max``: the range of its row maxima
     (qpasses.calibration.softmax: compute-qparams clips below the smallest one); after
@@ -89,4 +90,6 @@ class Calibrate(Pass):
                 only=None if only is None else only | set(probes))
         modified = ranges != model.ranges or observed != model.observed
         model.ranges, model.observed = ranges, observed
+        model.report[self.name] = {"method": cal.method, "samples": samples,
+                                   "method_given": bool(self.method) or method_given(config.calibration)}
         return PassResult(model, modified, {"tensors": len(ranges), "samples": samples, "method": cal.method})

@@ -68,7 +68,7 @@ def activation_range(model: QModel, name: str, tq: TensorQuant, qt: str, config:
     (unless ``calibration.clip_graph_outputs``).
     """
     calibration = (config or config_of(model)).calibration
-    method = calibration.method
+    method = model.report.get("calibrate", {}).get("method", calibration.method)  # select-by-snr may change it
     base, source = model.ranges.get(name), f"calibration ({method})"
     if method in CLIPPING_METHODS and name in model.observed:
         if qtype(qt).bits > 8:

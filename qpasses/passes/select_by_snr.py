@@ -1,0 +1,196 @@
+"""select-by-snr: quantize a few variants end to end and keep the one whose outputs are closest to float."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+from ..calibration.data import open_data
+from ..calibration.softmax import ROW_MAX_SUFFIX
+from ..errors import CalibrationDataError
+from ..evaluate import Reference
+from ..ir import QModel, constant_bytes
+from ..pipeline import Pass, PassManager, PassResult
+from ..registry import register
+from .compute_qparams import config_of
+
+NAME = "select-by-snr"
+
+
+@dataclass
+class Variant:
+    """One choice on one axis: a name, what it does to a model, and its handicap in dB."""
+
+    axis: str
+    name: str
+    apply: Callable[[QModel], None]
+    changes: bool = True                 # False: the model as it is
+    penalty_db: float = 0.0
+    why: tuple[list[str], str] = ([], "")  # table entries it changes and the reason it gives them
+
+
+def range_variants(model: QModel) -> list[Variant]:
+    """The calibrated ranges, or the observed min/max (only when the user did not pick the method)."""
+    info = model.report.get("calibrate", {})
+    method = info.get("method", config_of(model).calibration.method)
+    if info.get("method_given", True) or method == "minmax":
+        return []
+    observed = {k: v for k, v in model.observed.items() if not k.endswith(ROW_MAX_SUFFIX)}
+    if all(model.ranges.get(k) == v for k, v in observed.items()):
+        return []
+
+    def use_minmax(m: QModel) -> None:
+        m.ranges = {k: observed.get(k, v) for k, v in m.ranges.items()}
+        m.report.setdefault("calibrate", {})["method"] = "minmax"
+
+    return [Variant("ranges", method, lambda m: None, changes=False), Variant("ranges", "minmax", use_minmax)]
+
+
+GEMM_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
+
+
+def _gemm_weight(tensor) -> bool:
+    """Read only as the weight (second input) of Conv/ConvTranspose/MatMul/Gemm."""
+    readers = tensor.outputs if tensor is not None else []
+    return bool(readers) and all(n.op in GEMM_OPS and len(n.inputs) > 1 and n.inputs[1] is tensor
+                                 for n in readers)
+
+
+def asymmetric_weights(model: QModel) -> list[str]:
+    """Per-tensor Conv/MatMul/Gemm weights that are asymmetric by default (neither the config nor
+    an override asks for it)."""
+    config = config_of(model)
+    if "weight_symmetric" in config.given:
+        return []
+    overridden = {name for name, rows in config.tensor_overrides.items()
+                  if any("symmetric" in row for row in rows)}
+    tensors = model.tensors()
+    return [name for name, tq in model.quant.items()
+            if tq.role == "weight" and tq.axis is None and not tq.symmetric and not tq.fixed
+            and tq.convert is None and name not in overridden and _gemm_weight(tensors.get(name))]
+
+
+def weight_variants(model: QModel, penalty_db: float) -> list[Variant]:
+    """Per-tensor weights symmetric (onnxruntime's fastest int8 kernels) or asymmetric."""
+    names = asymmetric_weights(model)
+    if not names:
+        return []
+
+    def symmetric(m: QModel) -> None:
+        for name in names:
+            m.quant[name].symmetric = True
+
+    why = (names, f"symmetric: {NAME} scored symmetric per-tensor weights best (report['{NAME}'])")
+    return [Variant("weights", "symmetric", symmetric, why=why),
+            Variant("weights", "asymmetric", lambda m: None, changes=False, penalty_db=penalty_db)]
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _label(combo) -> str:
+    return ", ".join(f"{v.axis} {v.name}" for v in combo)
+
+
+@register
+class SelectBySnr(Pass):
+    """Quantize each open variant on a copy, score its output SNR vs float, keep the best.
+
+    Reads: the table, ranges and observed min/max (after calibrate and annotate-types), the first
+    ``samples`` calibration feeds. Open axes: ``ranges`` (the calibrated ranges or the observed
+    min/max; only when ``calibration.method`` was not chosen by the user) and ``weights``
+    (per-tensor weights symmetric or asymmetric; only when ``weight_symmetric`` was not given).
+    Each combination runs ``then`` on a copy of the model and is scored by the lowest output SNR
+    over the feeds; a variant with a penalty (asymmetric weights cost onnxruntime's int8 kernels
+    ~10 % latency) must win by that many dB. Writes: the chosen variant into ``model.ranges`` /
+    the table (with a ``why`` line), ``model.report["select-by-snr"]`` (every score).
+    Invariants: the graph is not changed; nothing is done (and it says why) without re-readable
+    calibration data or when the weights exceed ``max_weight_mb``.
+    """
+
+    name: ClassVar[str] = NAME
+    requires: ClassVar[frozenset] = frozenset({"calibrated", "types-annotated"})
+    establishes: ClassVar[frozenset] = frozenset({"variant-selected"})
+    example: ClassVar[str] = """
+        <ir_version: 10, opset_import: ["" : 17]>
+        g (float[1, 8] x) => (float[1, 4] y) <float[8, 4] w = {0.9, 0.1, 0.2, 0.3, 0.1, 0.2, 0.3, 0.4,
+        0.2, 0.3, 0.4, 0.5, 0.3, 0.4, 0.5, 0.6, 0.4, 0.5, 0.6, 0.7, 0.5, 0.6, 0.7, 0.8, 0.6, 0.7, 0.8,
+        0.9, 0.7, 0.8, 0.9, -0.1}>
+        {
+            y = MatMul(x, w)
+        }
+    """
+    example_prelude: ClassVar[str] = "annotate-types,calibrate"
+
+    samples: int = field(default=8, metadata={"help": "calibration feeds each variant is scored on"})
+    asymmetric_penalty_db: float = field(default=1.0, metadata={
+        "help": "dB asymmetric per-tensor weights must gain to be chosen (they run slower)"})
+    max_weight_mb: float = field(default=512.0, metadata={
+        "help": "do nothing for models with more weight data than this (each variant is a copy)"})
+    then: str = field(default="compute-qparams,fix-bias-scales,insert-qdq,insert-converts", metadata={
+        "help": "the passes that turn a variant into the QDQ model that is scored"})
+
+    def run(self, model: QModel) -> PassResult:
+        axes = [a for a in (range_variants(model), weight_variants(model, self.asymmetric_penalty_db)) if a]
+        if not axes:
+            return PassResult(model, False, {"variants": 0})
+        skip = self._skip_reason(model)
+        if skip:
+            model.report[NAME] = {"skipped": skip}
+            return PassResult(model, False, {"variants": 0})
+        reference = self._reference(model)
+        if reference is None:
+            model.report[NAME] = {"skipped": "the calibration data cannot be read again"}
+            return PassResult(model, False, {"variants": 0})
+        scored, failed = [], []
+        for combo in itertools.product(*axes):
+            snr = self._score(model, combo, reference, failed)
+            if snr is not None:
+                scored.append((snr - sum(v.penalty_db for v in combo), snr, combo))
+        report = {"samples": len(reference.feeds)}
+        if failed:
+            report["failed"] = failed
+        if not scored:   # the passes after this one will meet the same problem and say so
+            model.report[NAME] = report | {"skipped": "no variant could be quantized and run"}
+            return PassResult(model, False, {"variants": 0})
+        best = max(scored, key=lambda s: s[0])   # first wins ties: the order above is the preference
+        for variant in best[2]:
+            variant.apply(model)
+            names, reason = variant.why
+            for name in names:
+                model.quant[name].because(reason)
+        model.report[NAME] = report | {
+            "chosen": _label(best[2]),
+            "variants": [{"variant": _label(c), "snr_db": round(snr, 2), "penalty_db": round(snr - s, 2)}
+                         for s, snr, c in scored]}
+        return PassResult(model, any(v.changes for v in best[2]), {"variants": len(scored)})
+
+    def _score(self, model: QModel, combo, reference: Reference, failed: list) -> float | None:
+        """Output SNR of ``combo`` quantized on a copy of ``model`` (None: it failed; noted in ``failed``)."""
+        try:
+            trial = model.copy()
+            for variant in combo:
+                variant.apply(trial)
+            PassManager(self.then).run(trial)
+            return reference.score(trial.to_proto(metadata=False))["snr_db"]
+        except Exception as exc:   # a variant that cannot be built or run is not chosen
+            failed.append({"variant": _label(combo), "error": f"{type(exc).__name__}: {_first_line(exc)}"})
+            return None
+
+    def _skip_reason(self, model: QModel) -> str | None:
+        weight_mb = constant_bytes(model.graph) / 2**20
+        if weight_mb > self.max_weight_mb:
+            return f"{weight_mb:.0f} MB of weights is over max_weight_mb={self.max_weight_mb:g}"
+        if model.calibration_data is None:
+            return "no calibration data on the model"
+        return None
+
+    def _reference(self, model: QModel) -> Reference | None:
+        try:
+            feeds = open_data(model.calibration_data)
+            reference = Reference(model.to_proto(metadata=False), feeds, self.samples)
+        except CalibrationDataError:
+            return None
+        return reference if reference.feeds else None

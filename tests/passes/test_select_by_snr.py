@@ -1,0 +1,160 @@
+"""select-by-snr: which axes are open, what is chosen and why, and when it stands aside."""
+import numpy as np
+import pytest
+
+from qpasses.api import run_pipeline
+from qpasses.config import load_config
+from qpasses.passes.select_by_snr import NAME
+from qpasses.testing import model_from_text
+from qpasses.verify import check_onnx
+
+BEFORE = "fold-constants,cleanup,annotate-types,calibrate"
+AFTER = "compute-qparams,fix-bias-scales,insert-qdq,insert-converts"
+SIZE = 4096
+
+# x is a graph input (calibrated range); y = 2x is a graph output (full range either way)
+SCALE = """
+g (float[1, 4096] x) => (float[1, 4096] y) <float two = {2.0}> {
+    y = Mul(x, two)
+}
+"""
+
+# a saturating op: outliers of x barely change y, so clipping x's range only buys resolution
+SIGMOID = """
+g (float[1, 4096] x) => (float[1, 4096] y) {
+    y = Sigmoid(x)
+}
+"""
+
+MATMUL = """
+g (float[1, 64] x) => (float[1, 32] y) <float[64, 32] w = {{{w}}}> {{
+    y = MatMul(x, w)
+}}
+"""
+
+
+def outlier_feeds(n=16):
+    """N(0, 1) values; sample 0 has one value of 100 that carries a quarter of the signal.
+    Percentile 99.99 clips it to ~4; the min/max grid keeps it."""
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((1, SIZE)).astype(np.float32)} for _ in range(n)]
+    feeds[0]["x"][0, 0] = 100.0
+    return feeds
+
+
+def matmul_model(weights):
+    return model_from_text(MATMUL.format(w=", ".join(f"{v:.6f}" for v in weights.ravel())))
+
+
+def normal_feeds(n=16, size=64):
+    rng = np.random.default_rng(1)
+    return [{"x": rng.standard_normal((1, size)).astype(np.float32)} for _ in range(n)]
+
+
+def select(model, data, config=None, options=""):
+    """Calibrate, then run select-by-snr; its PassRecord (model.calibrated_ranges: the ranges before)."""
+    run_pipeline(model, BEFORE, config=config or {}, calibration_data=data)
+    model.calibrated_ranges = dict(model.ranges)
+    records = run_pipeline(model, f"{NAME}{{{options}}}" if options else NAME, config=config or {},
+                           calibration_data=data)[1]
+    return records[0]
+
+
+def quantized_snr(model, data):
+    from qpasses.evaluate import compare
+
+    reference = model.to_proto(metadata=False)
+    run_pipeline(model, AFTER)
+    check_onnx(model.to_proto())
+    return compare(reference, model.to_proto(metadata=False), data)["snr_db"]
+
+
+def test_default_method_min_max_wins_when_percentile_clips_the_signal():
+    model, data = model_from_text(SCALE), outlier_feeds()
+    record = select(model, data)
+    report = model.report[NAME]
+    scores = {v["variant"]: v["snr_db"] for v in report["variants"]}
+    assert set(scores) == {"ranges percentile", "ranges minmax"}
+    assert scores["ranges minmax"] > scores["ranges percentile"] + 6
+    assert report["chosen"] == "ranges minmax" and record.modified
+    assert model.ranges["x"] == model.observed["x"]
+    assert model.report["calibrate"]["method"] == "minmax"
+    assert quantized_snr(model, data) > 18
+
+
+def test_percentile_kept_when_it_scores_best():
+    model, data = model_from_text(SIGMOID), outlier_feeds()
+    record = select(model, data)
+    assert model.report[NAME]["chosen"] == "ranges percentile" and not record.modified
+    assert model.ranges["x"] != model.observed["x"]
+
+
+@pytest.mark.parametrize("config", [{"calibration": {"method": "percentile"}},
+                                    {"calibration": {"method": "minmax"}}])
+def test_a_method_the_user_chose_is_kept(config):
+    model, data = model_from_text(SCALE), outlier_feeds()
+    record = select(model, data, config)
+    assert NAME not in model.report and not record.modified and record.stats == {"variants": 0}
+    assert model.ranges == model.calibrated_ranges
+
+
+def test_method_given_is_recorded_from_the_config_text():
+    assert load_config({"calibration": {"method": "percentile"}}).calibration._given == {"method"}
+    assert "method" not in load_config({"calibration": {"percentile": 99.9}}).calibration._given
+
+
+PER_TENSOR = {"per_channel": False, "calibration": {"method": "minmax"}}
+
+
+def test_symmetric_per_tensor_weights_preferred_unless_asymmetric_gains_the_penalty():
+    w = np.random.default_rng(2).standard_normal((64, 32)).astype(np.float32)  # centred: grids tie
+    model, data = matmul_model(w), normal_feeds()
+    record = select(model, data, PER_TENSOR)
+    report = model.report[NAME]
+    assert [v["variant"] for v in report["variants"]] == ["weights symmetric", "weights asymmetric"]
+    assert report["variants"][1]["penalty_db"] == 1.0
+    assert report["chosen"] == "weights symmetric" and record.modified
+    assert model.quant["w"].symmetric
+    assert any(NAME in line for line in model.quant["w"].why)
+    assert quantized_snr(model, data) > 30
+
+
+def test_asymmetric_weights_kept_when_they_gain_more_than_the_penalty():
+    rng = np.random.default_rng(2)
+    w = (rng.random((64, 32)) + 0.5).astype(np.float32)   # all positive: a symmetric grid wastes half
+    model, data = matmul_model(w), normal_feeds()
+    config = {**PER_TENSOR, "activation_type": "uint16"}   # the weight grid dominates the error
+    record = select(model, data, config, "asymmetric_penalty_db=0.5")
+    scores = {v["variant"]: v["snr_db"] for v in model.report[NAME]["variants"]}
+    assert scores["weights asymmetric"] > scores["weights symmetric"] + 0.5
+    assert model.report[NAME]["chosen"] == "weights asymmetric" and not record.modified
+    assert not model.quant["w"].symmetric
+
+
+@pytest.mark.parametrize("extra", [{"weight_symmetric": False}, {"weight_symmetric": True},
+                                   {"tensor_overrides": {"w": [{"symmetric": False}]}},
+                                   {"per_channel": True}])
+def test_weight_axis_closed_when_the_user_decided(extra):
+    w = np.random.default_rng(2).standard_normal((64, 32)).astype(np.float32)
+    model = matmul_model(w)
+    select(model, normal_feeds(), {**PER_TENSOR, **extra})
+    assert NAME not in model.report
+
+
+def test_stands_aside_without_rereadable_data_or_for_big_models():
+    model = model_from_text(SCALE)
+    feeds = outlier_feeds()
+    run_pipeline(model, f"{BEFORE},{NAME}", calibration_data=iter(feeds))   # one-shot: spent by calibrate
+    assert model.report[NAME] == {"skipped": "the calibration data cannot be read again"}
+    record = run_pipeline(model, f"{NAME}{{max_weight_mb=0}}", calibration_data=feeds)[1][0]
+    assert "max_weight_mb=0" in model.report[NAME]["skipped"] and not record.modified
+
+
+def test_a_variant_that_fails_is_reported_not_fatal():
+    model, data = model_from_text(SCALE), outlier_feeds()
+    select(model, data, options="then=insert-qdq")   # insert-qdq needs qparams: every variant fails
+    report = model.report[NAME]
+    assert report["skipped"] == "no variant could be quantized and run"
+    assert [f["variant"] for f in report["failed"]] == ["ranges percentile", "ranges minmax"]
+    assert "qparams-computed" in report["failed"][0]["error"]
+    assert model.ranges == model.calibrated_ranges != model.observed
