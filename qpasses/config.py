@@ -16,7 +16,7 @@ CALIBRATION_METHODS = ("minmax", "percentile", "entropy", "mse", "pow2")
 @dataclass
 class CalibrationConfig:
     method: str = "percentile"   # measured best on the benchmark corpus (tools/README.md)
-    percentile: float = 99.99
+    percentile: float = 99.98      # asymmetric: 0.01 % cut on each side
     num_bins: int = 2048
     moving_average: bool = False
     averaging_constant: float = 0.01

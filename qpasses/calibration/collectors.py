@@ -247,15 +247,17 @@ def _quantile(edges: np.ndarray, counts: np.ndarray, fraction: float) -> float:
 
 
 def percentile_range(hist: Histogram, percentile: float, symmetric: bool = False) -> tuple[float, float]:
-    """Asymmetric: the (100-p)th and p-th percentiles of x. Symmetric: [-t, t], t = p-th percentile of |x|."""
+    """Asymmetric: p % of x kept, (100-p)/2 % cut on each side (onnxruntime's meaning of the same
+    number). Symmetric: [-t, t], t = p-th percentile of |x|."""
     if hist.total == 0:
         return (0.0, 0.0)
     if symmetric:
         t = _quantile(*hist.abs_counts(zero_atom=True), percentile / 100.0)
         return (-t, t)
     edges, counts = hist.occupied(zero_atom=True)
-    lo = _quantile(edges, counts, 1.0 - percentile / 100.0)
-    hi = _quantile(edges, counts, percentile / 100.0)
+    cut = (1.0 - percentile / 100.0) / 2
+    lo = _quantile(edges, counts, cut)
+    hi = _quantile(edges, counts, 1.0 - cut)
     return (min(lo, hi), max(lo, hi))
 
 
