@@ -17,13 +17,24 @@ from ..qtypes import qtype
 from ..registry import register
 
 
+MAX_POOLS = frozenset({"MaxPool", "GlobalMaxPool"})
+
+
+def max_pool_outputs(model: QModel) -> set[str]:
+    """MaxPool outputs of quantized tensors: they hold the top of their input's values, so a clipped
+    range of the input clips them far more (compute-qparams widens the input's range to theirs)."""
+    return {node.outputs[0].name for node in model.graph.nodes
+            if node.op in MAX_POOLS and node.inputs and node.outputs and node.inputs[0].name in model.quant}
+
+
 def tensors_needing_ranges(model: QModel) -> set[str] | None:
-    """Activations whose qparams are computed from a calibrated range (None: not annotated yet)."""
+    """Activations whose qparams are computed from a calibrated range, and MaxPool outputs of
+    quantized tensors (None: not annotated yet)."""
     if "types-annotated" not in model.facts:
         return None
     return {name for name, tq in model.quant.items()
             if tq.role == "activation" and tq.shares is None and not tq.fixed
-            and (tq.rmin is None or tq.rmax is None or tq.convert is not None)}
+            and (tq.rmin is None or tq.rmax is None or tq.convert is not None)} | max_pool_outputs(model)
 
 
 @register
@@ -38,7 +49,7 @@ class Calibrate(Pass):
     tensor read only by Softmax also ``<t>::softmax_row_max``: the range of its row maxima
     (qpasses.calibration.softmax: compute-qparams clips below the smallest one); after
     annotate-types, only for the activations whose qparams come from a range (not those that share
-    another tensor's qparams, are fixed or have a user range), which keeps onnxruntime's fusions
+    another tensor's qparams (MaxPool outputs are measured), are fixed or have a user range), which keeps onnxruntime's fusions
     (Conv+Relu, ...) in the calibration run and makes it faster.
     Invariants: the graph is not changed; memory does not grow with the number of samples.
     """

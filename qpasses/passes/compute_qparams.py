@@ -16,6 +16,7 @@ from ..pipeline import Pass, PassResult
 from ..qparams import bias_qparams, compute_qparams, is_finite_range, value_range
 from ..qtypes import qtype
 from ..registry import register
+from .calibrate import MAX_POOLS
 
 CLIPPING_METHODS = ("percentile", "entropy", "mse")
 NAME = "compute-qparams"
@@ -81,6 +82,11 @@ def activation_range(model: QModel, name: str, tq: TensorQuant, qt: str, config:
         return float(tq.rmin), float(tq.rmax), "the entry's rmin/rmax"
     if base is None:
         return None
+    for pooled in _max_pool_outputs(model).get(name, ()):   # it holds the top values: clip them less
+        lo, hi = model.ranges[pooled]
+        if lo < base[0] or hi > base[1]:
+            base = (min(base[0], lo), max(base[1], hi))
+            source += f", widened to the range of its max-pooled '{pooled}'"
     rmin = float(base[0]) if tq.rmin is None else float(tq.rmin)
     rmax = float(base[1]) if tq.rmax is None else float(tq.rmax)
     if tq.rmin is not None or tq.rmax is not None:
@@ -91,6 +97,24 @@ def activation_range(model: QModel, name: str, tq: TensorQuant, qt: str, config:
         source += (f", lower end raised to {_fmt(rmin)}: read only by Softmax, whose smallest row maximum "
                    f"was {_fmt(softmax[1])} (values {NEGLIGIBLE:g} below a row's maximum vanish)")
     return rmin, rmax, source
+
+
+def _max_pool_outputs(model: QModel) -> dict[str, list[str]]:
+    """Tensor -> the calibrated MaxPool outputs computed from it (through tensors sharing its qparams)."""
+    def root(m: QModel, name: str) -> str:
+        seen = {name}
+        while name in m.quant and m.quant[name].shares is not None and m.quant[name].shares not in seen:
+            name = m.quant[name].shares
+            seen.add(name)
+        return name
+
+    def build(m: QModel) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for node in m.graph.nodes:
+            if node.op in MAX_POOLS and node.inputs and node.outputs and node.outputs[0].name in m.ranges:
+                out.setdefault(root(m, node.inputs[0].name), []).append(node.outputs[0].name)
+        return out
+    return model.cached("max_pool_outputs", build)
 
 
 def _graph_outputs(model: QModel) -> set[str]:

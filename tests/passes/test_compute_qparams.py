@@ -262,3 +262,27 @@ def test_clipping_methods_keep_the_full_range_of_graph_outputs():
     assert full.quant["y"].scale == expected(-4.0, 4.0, "uint8")[0] and "a graph output" in full.quant["y"].why[-1]
     assert clipped.quant["y"].scale == expected(-1.0, 1.0, "uint8")[0]
     assert full.quant["x"].scale == clipped.quant["x"].scale == expected(-1.0, 1.0, "uint8")[0]
+
+
+MAXPOOL = """
+g (float[1,1,4,4] x) => (float[1,1,2,2] y) {
+  t = Sigmoid(x)
+  p = MaxPool <kernel_shape = [2, 2], strides = [2, 2]> (t)
+  y = Relu(p)
+}
+"""
+
+
+def test_range_of_a_max_pooled_tensor_covers_the_pooled_values():
+    """MaxPool keeps the top of its input: a percentile range of the input (ppocr_v2_cls: 8.5 of an
+    observed 11.6) clips its output far more, so the input's range widens to the output's."""
+    from qpasses.passes.calibrate import tensors_needing_ranges
+
+    m = model_from_text(MAXPOOL)
+    PassManager("annotate-types").run(m)
+    assert m.quant["p"].shares == "t" and "p" in tensors_needing_ranges(m)
+    m.facts.add("calibrated")
+    m.ranges = {"x": (-1.0, 1.0), "t": (0.0, 0.6), "p": (0.1, 0.9), "y": (0.1, 0.9)}
+    run(m)
+    assert m.quant["t"].scale == m.quant["p"].scale == expected(0.0, 0.9, "uint8")[0]
+    assert "max-pooled 'p'" in m.quant["t"].why[-1]
