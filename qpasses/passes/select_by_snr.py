@@ -124,7 +124,7 @@ class SelectBySnr(Pass):
     """
     example_prelude: ClassVar[str] = "annotate-types,calibrate"
 
-    samples: int = field(default=8, metadata={"help": "calibration feeds each variant is scored on"})
+    samples: int = field(default=16, metadata={"help": "calibration feeds each variant is scored on"})
     asymmetric_penalty_db: float = field(default=1.0, metadata={
         "help": "dB asymmetric per-tensor weights must gain to be chosen (they run slower)"})
     max_weight_mb: float = field(default=512.0, metadata={
