@@ -130,6 +130,11 @@ def cmd_run(args) -> int:
               "passes": [{"pass": r.text, "modified": r.modified, "seconds": round(r.seconds, 4),
                           "stats": r.stats} for r in records],
               "facts": sorted(model.facts), "findings": model.report}
+    selected = model.report.get("select-by-snr", {})
+    if selected.get("variants"):
+        scores = ", ".join(f"{v['variant']} {_fmt_db(v['snr_db'])}" for v in selected["variants"])
+        say(f"qpasses: select-by-snr chose {selected['chosen']} ({scores}; "
+            f"{selected['samples']} calibration samples)")
     if "qdq-inserted" in model.facts:
         data = eval_data or model.calibration_data
         report["accuracy"] = compare(src, out, data, max_samples=_EVAL_SAMPLES)

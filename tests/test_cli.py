@@ -98,3 +98,16 @@ def test_console_script_exit_code(tmp_path):
                            str(tmp_path / "y.onnx")], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"qpasses: error: {tmp_path / 'x.onnx'}: no such file"
+
+
+def test_run_quantizes_and_reports_the_selection_and_the_snr(example, tmp_path, capsys):
+    model, calib, evals = example
+    out, report = tmp_path / "q.onnx", tmp_path / "report.json"
+    code, _, err = _run(capsys, "run", model, "-o", out, "--calib", calib, "--eval", evals, "--report", report)
+    assert code == 0, err
+    onnx.checker.check_model(onnx.load(out))
+    data = json.loads(report.read_text())
+    chosen = data["findings"]["select-by-snr"]
+    assert "select-by-snr" in data["pipeline"] and chosen["samples"] == 16
+    assert f"select-by-snr chose {chosen['chosen']}" in err
+    assert data["accuracy"]["snr_db"] > 30 and "output SNR vs float" in err
