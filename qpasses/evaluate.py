@@ -35,15 +35,12 @@ def session(model):
         return session(load(proto))
 
 
-def _check_same_signature(ref_sess, test_sess) -> None:
+def _check_same_signature(ref_inputs: list[str], ref_outputs: list[str], test_sess) -> None:
     """Both models need the same required inputs and the test model every reference output."""
-    def names(args):
-        return sorted(a.name for a in args)
-
-    ref_in, test_in = names(ref_sess.get_inputs()), names(test_sess.get_inputs())
-    missing_out = sorted(set(names(ref_sess.get_outputs())) - set(names(test_sess.get_outputs())))
-    if ref_in != test_in:
-        raise ModelError(f"the models have different inputs (reference: {', '.join(ref_in)}; "
+    test_in = sorted(a.name for a in test_sess.get_inputs())
+    missing_out = sorted(set(ref_outputs) - {a.name for a in test_sess.get_outputs()})
+    if ref_inputs != test_in:
+        raise ModelError(f"the models have different inputs (reference: {', '.join(ref_inputs)}; "
                          f"compared: {', '.join(test_in)})")
     if missing_out:
         raise ModelError(f"the compared model lacks the reference output(s) {', '.join(missing_out)}")
@@ -84,23 +81,24 @@ class Reference:
     """The reference model's outputs on some feeds, kept to score test models against them."""
 
     def __init__(self, reference_model, feeds, max_samples: int | None = None):
-        self.session = session(reference_model)
-        self.names = [o.name for o in self.session.get_outputs()]
-        specs = _input_specs(self.session)
+        ref_sess = session(reference_model)
+        self.names = [o.name for o in ref_sess.get_outputs()]
+        self.inputs = sorted(i.name for i in ref_sess.get_inputs())
+        specs = _input_specs(ref_sess)
         self.feeds, outs = [], []
         for index, feed in enumerate(feeds):
             if max_samples is not None and index >= max_samples:
                 break
             feed = validate(feed, specs, index, getattr(feeds, "source", ""))  # cast/reshape like calibration
             self.feeds.append(feed)
-            outs.append([np.ravel(r).astype(np.float64) for r in self.session.run(self.names, feed)])
+            outs.append([np.ravel(r).astype(np.float64) for r in ref_sess.run(self.names, feed)])
         self.outputs = {n: np.concatenate([o[i] for o in outs]) if outs else np.zeros(0)
                         for i, n in enumerate(self.names)}
 
     def score(self, test_model) -> dict:
         """Run ``test_model`` on the kept feeds: per output SNR and max abs error, and the worst SNR."""
         test_sess = session(test_model)
-        _check_same_signature(self.session, test_sess)
+        _check_same_signature(self.inputs, self.names, test_sess)
         runs = [test_sess.run(self.names, feed) for feed in self.feeds]
         out = {}
         for i, n in enumerate(self.names):

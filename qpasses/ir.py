@@ -142,9 +142,21 @@ class QModel:
             proto.metadata_props.add(key=key, value=meta[key])
         return proto
 
-    def copy(self) -> "QModel":
-        """A deep copy (through a ModelProto: gs.Graph.copy shares arrays and is slow)."""
-        new = from_proto(self.to_proto(), base_dir=self.base_dir)
+    def copy(self, *, share_weights: bool = False) -> "QModel":
+        """A deep copy (through a ModelProto: gs.Graph.copy shares arrays and is slow).
+        ``share_weights``: constants of 1 KiB and more keep the same (read-only) arrays, for a
+        scratch copy that passes rewrite without holding the weights twice."""
+        weights = {} if share_weights else None
+        if share_weights:   # arrays to share: load proto-backed weights once, here
+            for t in tensor_map(self.graph).values():
+                lazy = t._values if isinstance(t, gs.Constant) else None
+                if isinstance(lazy, LazyValues) and lazy.tensor.data_type in _NUMPY_TYPES and lazy.nbytes >= 1024:
+                    t._values = lazy.load()
+        new = from_proto(self.to_proto(weights=weights), base_dir=self.base_dir)
+        if weights:
+            for t in tensor_map(new.graph).values():
+                if isinstance(t, gs.Constant) and t.name in weights:
+                    t._values = weights[t.name]
         new.config, new.calibration_data = self.config, self.calibration_data
         new.report = json.loads(json.dumps(self.report, default=str))
         return new

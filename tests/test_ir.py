@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -159,6 +160,16 @@ def test_copy_is_deep():
     clone.graph.nodes[0].name = "changed"
     clone.quant["y"].qtype = "int8"
     assert model.graph.nodes[0].name == "mm" and model.quant["y"].qtype == "uint8"
+
+
+def test_copy_can_share_weight_arrays():
+    model = load(_big_weight_model(32))
+    clone = model.copy(share_weights=True)
+    big = [t for t in model.tensors().values() if isinstance(t, gs.Constant) and t.values.nbytes >= 1024]
+    assert big and all(clone.tensors()[t.name].values is t.values for t in big)
+    clone.graph.nodes[0].name = "changed"
+    clone.tensors()[big[0].name].values = np.zeros(0, np.float32)   # passes replace arrays, never edit them
+    assert model.graph.nodes[0].name == "mm" and big[0].values.size > 0
 
 
 def test_public_api_exports():

@@ -106,8 +106,9 @@ class SelectBySnr(Pass):
     over the feeds; a variant with a penalty (asymmetric weights cost onnxruntime's int8 kernels
     ~10 % latency) must win by that many dB. Writes: the chosen variant into ``model.ranges`` /
     the table (with a ``why`` line), ``model.report["select-by-snr"]`` (every score).
-    Invariants: the graph is not changed; nothing is done (and it says why) without re-readable
-    calibration data or when the weights exceed ``max_weight_mb``.
+    Invariants: the graph is not changed (copies share its weight arrays, read-only); nothing is
+    done (and it says why) without re-readable calibration data or above ``max_weight_mb`` /
+    ``max_nodes``.
     """
 
     name: ClassVar[str] = NAME
@@ -128,7 +129,9 @@ class SelectBySnr(Pass):
     asymmetric_penalty_db: float = field(default=1.0, metadata={
         "help": "dB asymmetric per-tensor weights must gain to be chosen (they run slower)"})
     max_weight_mb: float = field(default=512.0, metadata={
-        "help": "do nothing for models with more weight data than this (each variant is a copy)"})
+        "help": "do nothing for models with more weight data than this (each variant quantizes a copy)"})
+    max_nodes: int = field(default=20000, metadata={
+        "help": "do nothing for graphs with more nodes than this (each variant costs a quantization)"})
     then: str = field(default="compute-qparams,fix-bias-scales,insert-qdq,insert-converts", metadata={
         "help": "the passes that turn a variant into the QDQ model that is scored"})
 
@@ -170,7 +173,7 @@ class SelectBySnr(Pass):
     def _score(self, model: QModel, combo, reference: Reference, failed: list) -> float | None:
         """Output SNR of ``combo`` quantized on a copy of ``model`` (None: it failed; noted in ``failed``)."""
         try:
-            trial = model.copy()
+            trial = model.copy(share_weights=True)
             for variant in combo:
                 variant.apply(trial)
             PassManager(self.then).run(trial)
@@ -180,6 +183,8 @@ class SelectBySnr(Pass):
             return None
 
     def _skip_reason(self, model: QModel) -> str | None:
+        if len(model.graph.nodes) > self.max_nodes:
+            return f"{len(model.graph.nodes)} nodes is over max_nodes={self.max_nodes}"
         weight_mb = constant_bytes(model.graph) / 2**20
         if weight_mb > self.max_weight_mb:
             return f"{weight_mb:.0f} MB of weights is over max_weight_mb={self.max_weight_mb:g}"

@@ -148,6 +148,8 @@ def test_stands_aside_without_rereadable_data_or_for_big_models():
     assert model.report[NAME] == {"skipped": "the calibration data cannot be read again"}
     record = run_pipeline(model, f"{NAME}{{max_weight_mb=0}}", calibration_data=feeds)[1][0]
     assert "max_weight_mb=0" in model.report[NAME]["skipped"] and not record.modified
+    run_pipeline(model, f"{NAME}{{max_nodes=0}}", calibration_data=feeds)
+    assert model.report[NAME] == {"skipped": "1 nodes is over max_nodes=0"}
 
 
 def test_a_variant_that_fails_is_reported_not_fatal():
