@@ -206,6 +206,18 @@ def qdq_counts(path: Path) -> tuple[int, int]:
     return ops.count("QuantizeLinear"), ops.count("DequantizeLinear")
 
 
+def float_pass_seconds(bm, samples: int) -> float:
+    """Seconds to run the float model once over the calibration samples (2 threads, session made
+    beforehand): the floor of any calibration that runs every sample, as both sides do."""
+    sess = _session(bm.path, single_thread=False)
+    feeds = list(bm.samples("calib", samples))
+    sess.run(None, feeds[0])
+    start = time.perf_counter()
+    for feed in feeds:
+        sess.run(None, feed)
+    return time.perf_counter() - start
+
+
 def float_outputs(bm) -> tuple[list[str], list[list[np.ndarray]]]:
     sess = _session(bm.path, single_thread=False)
     names = [o.name for o in sess.get_outputs()]
@@ -328,6 +340,7 @@ class Row:
     ort: dict = field(default_factory=dict)
     qp: dict = field(default_factory=dict)
     mixed: dict = field(default_factory=dict)
+    float_s: float | None = None   # one float inference pass over the calibration samples
 
 
 def _measure(result: dict, bm, refs) -> None:
@@ -379,8 +392,9 @@ def bench_model(bm, configs: list[Config], args, log) -> list[Row]:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows, ort_by_args = [], {}
     first_eval = bm.samples("eval")[0]
+    floor = float_pass_seconds(bm, args.samples)
     for cfg in configs:
-        row = Row(bm.name, cfg.name, n_calib)
+        row = Row(bm.name, cfg.name, n_calib, float_s=floor)
         key = json.dumps(cfg.ort, sort_keys=True)
         if key in ort_by_args:
             previous = ort_by_args[key]  # same onnxruntime run; latency is measured again beside qpasses
@@ -539,6 +553,12 @@ def summary(rows: list[Row], samples: int) -> str:
                        f"max {max(ratios):.2f} over {len(ratios)} cells{tgt}")
         else:
             out.append(f"- {label} ratio qp/ort: — (no qpasses cells yet)")
+    floors = [(r.model, r.float_s / r.ort["seconds"]) for r in rows
+              if r.config == "u8s8_minmax" and r.float_s and r.ort.get("ok") and r.ort.get("seconds")]
+    if floors:
+        out.append("- floor: one float inference pass over the calibration samples, as a share of ORT's "
+                   "U8S8 minmax time (no calibrator that runs every sample can go below it): "
+                   + ", ".join(f"{m} {x:.2f}" for m, x in floors))
     for r in rows:
         if r.mixed and not r.mixed.get("error"):
             m = r.mixed

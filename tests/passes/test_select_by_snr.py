@@ -106,29 +106,36 @@ def test_method_given_is_recorded_from_the_config_text():
 PER_TENSOR = {"per_channel": False, "calibration": {"method": "minmax"}}
 
 
-def test_symmetric_per_tensor_weights_preferred_unless_asymmetric_gains_the_penalty():
+def test_symmetric_per_tensor_weights_chosen_with_a_latency_penalty_on_asymmetric():
     w = np.random.default_rng(2).standard_normal((64, 32)).astype(np.float32)  # centred: grids tie
     model, data = matmul_model(w), normal_feeds()
-    record = select(model, data, PER_TENSOR)
+    record = select(model, data, PER_TENSOR, "asymmetric_penalty_db=1")
     report = model.report[NAME]
-    assert [v["variant"] for v in report["variants"]] == ["weights symmetric", "weights asymmetric"]
-    assert report["variants"][1]["penalty_db"] == 1.0
+    assert [v["variant"] for v in report["variants"]] == ["weights asymmetric", "weights symmetric"]
+    assert report["variants"][0]["penalty_db"] == 1.0
+    assert abs(report["variants"][0]["snr_db"] - report["variants"][1]["snr_db"]) < 1.0
     assert report["chosen"] == "weights symmetric" and record.modified
     assert model.quant["w"].symmetric
     assert any(NAME in line for line in model.quant["w"].why)
     assert quantized_snr(model, data) > 30
 
 
-def test_asymmetric_weights_kept_when_they_gain_more_than_the_penalty():
+def test_the_more_accurate_weight_grid_wins_by_default():
     rng = np.random.default_rng(2)
-    w = (rng.random((64, 32)) + 0.5).astype(np.float32)   # all positive: a symmetric grid wastes half
-    model, data = matmul_model(w), normal_feeds()
     config = {**PER_TENSOR, "activation_type": "uint16"}   # the weight grid dominates the error
-    record = select(model, data, config, "asymmetric_penalty_db=0.5")
+    positive = (rng.random((64, 32)) + 0.5).astype(np.float32)   # a symmetric grid wastes half
+    model, data = matmul_model(positive), normal_feeds()
+    record = select(model, data, config)
     scores = {v["variant"]: v["snr_db"] for v in model.report[NAME]["variants"]}
-    assert scores["weights asymmetric"] > scores["weights symmetric"] + 0.5
+    assert scores["weights asymmetric"] > scores["weights symmetric"] + 3
     assert model.report[NAME]["chosen"] == "weights asymmetric" and not record.modified
     assert not model.quant["w"].symmetric
+    signs = np.where(np.arange(64 * 32).reshape(64, 32) % 7 == 0, -1.0, 1.0).astype(np.float32)
+    model = matmul_model(signs)   # +-1: on the symmetric grid exactly, not on the asymmetric one
+    record = select(model, data, config)
+    scores = {v["variant"]: v["snr_db"] for v in model.report[NAME]["variants"]}
+    assert scores["weights symmetric"] > scores["weights asymmetric"] + 20
+    assert model.report[NAME]["chosen"] == "weights symmetric" and record.modified and model.quant["w"].symmetric
 
 
 @pytest.mark.parametrize("extra", [{"weight_symmetric": False}, {"weight_symmetric": True},
