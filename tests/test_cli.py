@@ -108,6 +108,6 @@ def test_run_quantizes_and_reports_the_selection_and_the_snr(example, tmp_path, 
     onnx.checker.check_model(onnx.load(out))
     data = json.loads(report.read_text())
     chosen = data["findings"]["select-by-snr"]
-    assert "select-by-snr" in data["pipeline"] and chosen["samples"] == 16
+    assert "select-by-snr" in data["pipeline"] and chosen["samples"] == 32
     assert f"select-by-snr chose {chosen['chosen']}" in err
     assert data["accuracy"]["snr_db"] > 30 and "output SNR vs float" in err

@@ -103,8 +103,9 @@ class SelectBySnr(Pass):
     min/max; only when ``calibration.method`` was not chosen by the user) and ``weights``
     (per-tensor weights symmetric or asymmetric; only when ``weight_symmetric`` was not given).
     Each combination runs ``then`` on a copy of the model and is scored by the lowest output SNR
-    over the feeds; ties go to the first (calibrated ranges, asymmetric weights: the measured
-    defaults); ``asymmetric_penalty_db`` trades accuracy for onnxruntime's faster symmetric kernels. Writes: the chosen variant into ``model.ranges`` /
+    over the feeds, minus a penalty: ``asymmetric_penalty_db`` trades accuracy for onnxruntime's
+    faster symmetric kernels (by default it only settles ties); then the first wins (calibrated
+    ranges, asymmetric weights: the measured defaults). Writes: the chosen variant into ``model.ranges`` /
     the table (with a ``why`` line), ``model.report["select-by-snr"]`` (every score).
     Invariants: the graph is not changed (copies share its weight arrays, read-only); nothing is
     done (and it says why) without re-readable calibration data or above ``max_weight_mb`` /
@@ -125,10 +126,11 @@ class SelectBySnr(Pass):
     """
     example_prelude: ClassVar[str] = "annotate-types,calibrate"
 
-    samples: int = field(default=16, metadata={"help": "calibration feeds each variant is scored on"})
-    asymmetric_penalty_db: float = field(default=0.0, metadata={
+    samples: int = field(default=32, metadata={"help": "calibration feeds each variant is scored on "
+                                                          "(16 could not tell ppocr_v2_cls' weight grids apart)"})
+    asymmetric_penalty_db: float = field(default=0.05, metadata={
         "help": "dB asymmetric per-tensor weights must gain to be chosen: onnxruntime's int8 kernels "
-                "run them up to ~14 % slower (0: the most accurate wins)"})
+                "run them up to ~14 % slower (the default only settles ties)"})
     max_weight_mb: float = field(default=512.0, metadata={
         "help": "do nothing for models with more weight data than this (each variant quantizes a copy)"})
     max_nodes: int = field(default=20000, metadata={
