@@ -12,8 +12,9 @@ from .errors import ModelError
 from .ir import QModel, load, load_external_data, max_ort_ir_version
 
 
-def session(model):
-    """An onnxruntime CPU session for a QModel, ModelProto, bytes or path."""
+def session(model, *, optimize: bool = True):
+    """An onnxruntime CPU session for a QModel, ModelProto, bytes or path (``optimize=False``: no
+    graph optimizations, so Q/DQ pairs run as written instead of as fused integer kernels)."""
     import onnxruntime as ort
 
     if isinstance(model, QModel):
@@ -22,6 +23,8 @@ def session(model):
         model = model.SerializeToString()
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    if not optimize:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
         return ort.InferenceSession(model if isinstance(model, bytes) else str(model), opts,
                                     providers=["CPUExecutionProvider"])
@@ -32,7 +35,7 @@ def session(model):
         if proto.ir_version <= max_ort_ir_version():
             raise
         load_external_data(proto, Path(model).parent)
-        return session(load(proto))
+        return session(load(proto), optimize=optimize)
 
 
 def _check_same_signature(ref_inputs: list[str], ref_outputs: list[str], test_sess) -> None:
@@ -95,9 +98,9 @@ class Reference:
         self.outputs = {n: np.concatenate([o[i] for o in outs]) if outs else np.zeros(0)
                         for i, n in enumerate(self.names)}
 
-    def score(self, test_model) -> dict:
+    def score(self, test_model, *, optimize: bool = True) -> dict:
         """Run ``test_model`` on the kept feeds: per output SNR and max abs error, and the worst SNR."""
-        test_sess = session(test_model)
+        test_sess = session(test_model, optimize=optimize)
         _check_same_signature(self.inputs, self.names, test_sess)
         runs = [test_sess.run(self.names, feed) for feed in self.feeds]
         out = {}

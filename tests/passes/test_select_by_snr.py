@@ -167,3 +167,15 @@ def test_a_variant_that_fails_is_reported_not_fatal():
     assert [f["variant"] for f in report["failed"]] == ["ranges percentile", "ranges minmax"]
     assert "qparams-computed" in report["failed"][0]["error"]
     assert model.ranges == model.calibrated_ranges != model.observed
+
+
+def test_big_graphs_are_scored_with_q_dq_as_written():
+    """Above fused_nodes the trial runs without onnxruntime's fusions: same choice, near scores."""
+    reports = []
+    for options in ("", "fused_nodes=0"):
+        model = model_from_text(SCALE)
+        select(model, outlier_feeds(), options=options)
+        reports.append(model.report[NAME])
+    assert reports[0]["chosen"] == reports[1]["chosen"] == "ranges minmax"
+    for fused, plain in zip(reports[0]["variants"], reports[1]["variants"]):
+        assert abs(fused["snr_db"] - plain["snr_db"]) < 1.0
