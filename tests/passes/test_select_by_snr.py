@@ -125,14 +125,15 @@ def test_the_more_accurate_weight_grid_wins_by_default():
     config = {**PER_TENSOR, "activation_type": "uint16"}   # the weight grid dominates the error
     positive = (rng.random((64, 32)) + 0.5).astype(np.float32)   # a symmetric grid wastes half
     model, data = matmul_model(positive), normal_feeds()
-    record = select(model, data, config)
+    # Q/DQ as written: onnxruntime 1.32's fused uint16 x int8 MatMul loses most of the difference
+    record = select(model, data, config, "fused_nodes=0")
     scores = {v["variant"]: v["snr_db"] for v in model.report[NAME]["variants"]}
     assert scores["weights asymmetric"] > scores["weights symmetric"] + 3
     assert model.report[NAME]["chosen"] == "weights asymmetric" and not record.modified
     assert not model.quant["w"].symmetric
     signs = np.where(np.arange(64 * 32).reshape(64, 32) % 7 == 0, -1.0, 1.0).astype(np.float32)
     model = matmul_model(signs)   # +-1: on the symmetric grid exactly, not on the asymmetric one
-    record = select(model, data, config)
+    record = select(model, data, config, "fused_nodes=0")
     scores = {v["variant"]: v["snr_db"] for v in model.report[NAME]["variants"]}
     assert scores["weights symmetric"] > scores["weights asymmetric"] + 20
     assert model.report[NAME]["chosen"] == "weights symmetric" and record.modified and model.quant["w"].symmetric
