@@ -98,6 +98,16 @@ class Reference:
         self.outputs = {n: np.concatenate([o[i] for o in outs]) if outs else np.zeros(0)
                         for i, n in enumerate(self.names)}
 
+    @classmethod
+    def from_runs(cls, names: list[str], feeds: list[dict], outputs: list[list]) -> "Reference":
+        """A reference from outputs already computed (``outputs[i]``: the values of ``names`` on ``feeds[i]``)."""
+        ref = cls.__new__(cls)
+        ref.names, ref.feeds = list(names), list(feeds)
+        ref.inputs = sorted(feeds[0]) if feeds else []
+        ref.outputs = {n: np.concatenate([np.ravel(o[i]).astype(np.float64) for o in outputs])
+                       if outputs else np.zeros(0) for i, n in enumerate(ref.names)}
+        return ref
+
     def score(self, test_model, *, optimize: bool = True) -> dict:
         """Run ``test_model`` on the kept feeds: per output SNR and max abs error, and the worst SNR."""
         test_sess = session(test_model, optimize=optimize)

@@ -73,6 +73,7 @@ class QModel:
         self.generation = 0
         self.config = None         # QuantConfig, attached by the caller of the pipeline
         self.calibration_data = None  # an iterable of feeds, attached by the caller
+        self.kept_samples = None   # calibrate: first feeds + float outputs (runner.KeptSamples)
         self.report: dict = {}     # passes add findings worth showing the user (bias fixes, plans)
         self._cache: dict = {}
 

@@ -4,6 +4,7 @@ import io
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -175,3 +176,23 @@ def test_default_pipeline_segment_outer_gives_the_ranges_of_sample_outer(segment
     assert calls and model.ranges
     _sample_outer_instead(monkeypatch)
     assert qpasses.quantize(from_proto(proto), feeds).ranges == model.ranges
+
+
+def test_one_session_keeps_the_first_feeds_and_float_outputs(monkeypatch):
+    proto = _layered()
+    feeds = [random_feed(proto, seed=s) for s in range(5)]
+    kept = runner.KeptSamples(3)
+    runner.collect_stats(from_proto(proto), feeds, kept=kept)
+    plain = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in plain.get_outputs()]
+    assert kept.names == names and len(kept.feeds) == len(kept.outputs) == 3
+    for feed, got in zip(kept.feeds, kept.outputs):
+        for want, have in zip(plain.run(names, feed), got):
+            np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+    small = runner.KeptSamples(3, max_bytes=1)   # over the byte budget: nothing kept
+    runner.collect_stats(from_proto(proto), feeds, kept=small)
+    assert small.feeds == []
+    monkeypatch.setattr(runner, "CHUNK_NODES", 2)   # several sessions: the outputs are not at hand
+    chunked = runner.KeptSamples(3)
+    runner.collect_stats(from_proto(proto), feeds, kept=chunked)
+    assert chunked.feeds == [] and chunked.names == []

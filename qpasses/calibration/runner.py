@@ -234,9 +234,10 @@ class _Segment:
     """One onnxruntime session over consecutive top-level nodes: the values it reads (None: the
     whole feed), what it returns, which values later segments need and which are no longer needed."""
 
-    def __init__(self, session, inputs, outputs, live_out, done, raw, reduced, minmax, keep=()):
+    def __init__(self, session, inputs, outputs, live_out, done, raw, reduced, minmax, keep=(), capture=()):
         self.session, self.inputs, self.outputs = session, inputs, outputs
         self.keep = keep                         # OrtValues of in-memory weights: live with the session
+        self.capture, self.captured = list(capture), []   # graph outputs, and their last values
         self.live_out, self.done = live_out, done
         self.raw, self.reduced = raw, reduced    # measured tensors: fetched whole / (name, min, max)
         self.minmax = minmax                     # reduce the raw ones to (min, max) here
@@ -249,6 +250,7 @@ class _Segment:
             values = dict(zip(self.outputs, self.session.run(self.outputs, feed)))
         except Exception as exc:
             raise _RunError(_first_line(exc)) from None
+        self.captured = [values[name] for name in self.capture]
         for name in self.live_out:
             env[name] = values[name]
         for name in self.done:
@@ -289,7 +291,7 @@ class _Plan:
     """
 
     def __init__(self, model: QModel, use_hist: bool, in_memory_weights: bool | None = None,
-                 only: set[str] | None = None, samples: int | None = None):
+                 only: set[str] | None = None, samples: int | None = None, capture: bool = False):
         weight_bytes = constant_bytes(model.graph)
         if in_memory_weights is None:  # hand big weights over as arrays: serialising them for a
             in_memory_weights = weight_bytes >= IN_MEMORY_BYTES  # session peaked at 5x their size
@@ -321,6 +323,8 @@ class _Plan:
                     self.budget = saved
         self._proto, self._chain = proto, chain
         spans = [None] if chain is None or len(chain.spans) == 1 else chain.spans
+        # one session over the whole model: it can also return the graph outputs (kept for a few samples)
+        self.capture = [o.name for o in proto.graph.output] if capture and spans == [None] else []
         where = {} if spans == [None] else {o: k for k, span in enumerate(spans) for i in span
                                              for o in proto.graph.node[i].output}
         measured: list[list] = [[] for _ in spans]     # (name, elem) each part measures, graph order
@@ -356,6 +360,8 @@ class _Plan:
         outputs = list(dict.fromkeys(live_out + fetch_raw + fetch_red))
         if not outputs:
             return None
+        capture = self.capture if span is None else []   # only with a session built anyway
+        outputs = list(dict.fromkeys(outputs + capture))
         reduced = [(n, fetch_red[2 * i], fetch_red[2 * i + 1]) for i, (n, _) in enumerate(to_reduce)]
         opts, keep = session_options(proto, self.weights)
         if span is not None:  # fusions stay; the layout pass (NCHWc reorders) cost 2x session time, 4x run time
@@ -367,7 +373,7 @@ class _Plan:
         except Exception as exc:
             raise ModelError(f"onnxruntime cannot run the model, so it cannot be calibrated: "
                              f"{_unrunnable(self.model, exc)}") from None
-        return _Segment(session, inputs, outputs, live_out, done, fetch_raw, reduced, self.minmax, keep)
+        return _Segment(session, inputs, outputs, live_out, done, fetch_raw, reduced, self.minmax, keep, capture)
 
     def prune(self, env: dict, k: int) -> int:
         """Drop from ``env`` what no part after ``k`` reads; returns the bytes of what is left."""
@@ -553,20 +559,27 @@ def _unrunnable(model: QModel, exc: Exception) -> str:
 def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int = 2048,
                   averaging_constant: float | None = None, max_samples: int = 0,
                   progress_stream=None, in_memory_weights: bool | None = None,
-                  only: set[str] | None = None) -> tuple[dict[str, TensorStats], int]:
+                  only: set[str] | None = None, kept: "KeptSamples | None" = None) -> tuple[dict[str, TensorStats], int]:
     """Run ``model`` on every sample of ``data`` (validated one by one, read once) and return
     ({tensor name: TensorStats} in graph order, number of samples). ``only`` limits the tensors
-    measured (fewer model outputs also leave onnxruntime's fusions, e.g. Conv+Relu, intact)."""
+    measured (fewer model outputs also leave onnxruntime's fusions, e.g. Conv+Relu, intact).
+    ``kept``: filled with the first feeds and the model's outputs on them, when one session runs
+    the whole model (else left empty)."""
     data = open_data(data)
     use_hist = method in HISTOGRAM_METHODS
     total = data.count if not max_samples else min(max_samples, data.count or max_samples)
-    plan = _Plan(model, use_hist, in_memory_weights, only, samples=total)
+    plan = _Plan(model, use_hist, in_memory_weights, only, samples=total, capture=kept is not None)
+    if kept is not None and plan.capture and not plan.budget:
+        kept.names = list(plan.capture)
+    else:
+        kept = None
     bins = histogram_bins(num_bins) if use_hist else 0
     stats = {name: TensorStats(bins, averaging_constant) for name, _ in plan.tensors}
     feeds = enumerate(data.validated(plan.specs, max_samples))
-    run = _segment_outer if plan.budget else _sample_outer
+    progress = lambda label, n: Progress(label, n, progress_stream)  # noqa: E731
     try:
-        count = run(plan, feeds, stats, lambda label, n: Progress(label, n, progress_stream), total)
+        count = (_segment_outer(plan, feeds, stats, progress, total) if plan.budget
+                 else _sample_outer(plan, feeds, stats, progress, total, kept=kept))
     except _RunError as exc:
         raise CalibrationDataError(f"{data.source}: sample {exc.index}: onnxruntime cannot run the model "
                                    f"on it ({exc})") from None
@@ -575,11 +588,32 @@ def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int 
     return stats, count
 
 
-def _sample_outer(plan: _Plan, feeds, stats: dict, progress, total, count: int = 0) -> int:
+class KeptSamples:
+    """The first ``limit`` validated feeds and the float model's outputs (``names``) on them, at
+    most ``max_bytes`` in all: what select-by-snr scores variants against, without a second run."""
+
+    def __init__(self, limit: int, max_bytes: int = 256 * 2**20):
+        self.limit, self.max_bytes, self.bytes = limit, max_bytes, 0
+        self.names: list[str] = []
+        self.feeds: list[dict] = []
+        self.outputs: list[list[np.ndarray]] = []
+
+    def add(self, feed: dict, outputs: list) -> None:
+        size = sum(v.nbytes for v in feed.values()) + sum(getattr(v, "nbytes", 0) for v in outputs)
+        if len(self.feeds) < self.limit and self.bytes + size <= self.max_bytes:
+            self.feeds.append(feed)
+            self.outputs.append(outputs)
+            self.bytes += size
+
+
+def _sample_outer(plan: _Plan, feeds, stats: dict, progress, total, count: int = 0,
+                  kept: KeptSamples | None = None) -> int:
     """Every sample through every segment (all sessions alive); returns the number of samples."""
     bar = progress("calibrate", total)
     for index, feed in feeds:
         _measure(plan, plan.segments, index, dict(feed), feed, stats)
+        if kept is not None and plan.segments:
+            kept.add(feed, plan.segments[0].captured)
         count += 1
         bar.update(count)
     bar.close()
@@ -666,12 +700,14 @@ def _update_ranges(stats, feed: dict | None, plan: _Plan, current: dict, names: 
 def calibrate_ranges(model: QModel, data, *, method: str = "minmax", percentile: float = 99.999,
                      num_bins: int = 2048, bits: int = 8, symmetric: bool = False,
                      moving_average: bool = False, averaging_constant: float = 0.01,
-                     max_samples: int = 0, progress_stream=None, only: set[str] | None = None):
+                     max_samples: int = 0, progress_stream=None, only: set[str] | None = None,
+                     kept: KeptSamples | None = None):
     """Collect statistics and finalise them: returns (ranges, observed, samples), both dicts of
-    tensor name -> (float, float) in graph order."""
+    tensor name -> (float, float) in graph order (``kept``: see collect_stats)."""
     stats, samples = collect_stats(model, data, method=method, num_bins=num_bins,
                                    averaging_constant=averaging_constant if moving_average else None,
-                                   max_samples=max_samples, progress_stream=progress_stream, only=only)
+                                   max_samples=max_samples, progress_stream=progress_stream, only=only,
+                                   kept=kept)
     ranges, observed = {}, {}
     for name, st in stats.items():
         lo, hi = finalise(method, st, percentile=percentile, num_bins=num_bins, bits=bits,

@@ -7,7 +7,7 @@ from typing import ClassVar
 import onnx_graphsurgeon as gs
 
 from ..calibration.data import open_data
-from ..calibration.runner import calibrate_ranges
+from ..calibration.runner import KeptSamples, calibrate_ranges
 from ..calibration.softmax import row_max_probes
 from ..config import CALIBRATION_METHODS, CalibrationConfig, QuantConfig, method_given
 from ..errors import CalibrationDataError
@@ -17,6 +17,7 @@ from ..qtypes import qtype
 from ..registry import register
 
 
+KEEP_SAMPLES = 32   # feeds kept with the float outputs for select-by-snr (at most 256 MB)
 MAX_POOLS = frozenset({"MaxPool", "GlobalMaxPool"})
 
 
@@ -51,6 +52,8 @@ class Calibrate(Pass):
     annotate-types, only for the activations whose qparams come from a range (not those that share
     another tensor's qparams (MaxPool outputs are measured), are fixed or have a user range), which keeps onnxruntime's fusions
     (Conv+Relu, ...) in the calibration run and makes it faster.
+    Also ``model.kept_samples``: the first 32 feeds and the float outputs on them (at most 256 MB;
+    only when one session runs the whole model), so select-by-snr needs no second float run.
     Invariants: the graph is not changed; memory does not grow with the number of samples.
     """
 
@@ -92,13 +95,15 @@ class Calibrate(Pass):
         only = tensors_needing_ranges(model)
         candidates = only if only is not None else [
             name for name, t in model.tensors().items() if isinstance(t, gs.Variable)]
+        kept = KeptSamples(KEEP_SAMPLES)
         with row_max_probes(model, candidates) as probes:
             ranges, observed, samples = calibrate_ranges(
                 model, open_data(source), method=cal.method, percentile=float(cal.percentile),
                 num_bins=int(cal.num_bins), bits=qtype(config.activation_type).bits,
                 symmetric=bool(cal.symmetric), moving_average=bool(cal.moving_average),
                 averaging_constant=float(cal.averaging_constant), max_samples=int(self.max_samples),
-                only=None if only is None else only | set(probes))
+                only=None if only is None else only | set(probes), kept=kept)
+        model.kept_samples = kept if kept.feeds else None
         modified = ranges != model.ranges or observed != model.observed
         model.ranges, model.observed = ranges, observed
         model.report[self.name] = {"method": cal.method, "samples": samples,

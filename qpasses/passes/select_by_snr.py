@@ -201,6 +201,10 @@ class SelectBySnr(Pass):
         return None
 
     def _reference(self, model: QModel) -> Reference | None:
+        kept = model.kept_samples
+        if kept is not None and kept.feeds:   # calibrate kept the float outputs: no second float run
+            n = self.samples
+            return Reference.from_runs(kept.names, kept.feeds[:n], kept.outputs[:n])
         try:
             feeds = open_data(model.calibration_data)
             reference = Reference(model.to_proto(metadata=False), feeds, self.samples)

@@ -152,7 +152,12 @@ def test_weight_axis_closed_when_the_user_decided(extra):
 def test_stands_aside_without_rereadable_data_or_for_big_models():
     model = model_from_text(SCALE)
     feeds = outlier_feeds()
-    run_pipeline(model, f"{BEFORE},{NAME}", calibration_data=iter(feeds))   # one-shot: spent by calibrate
+    run_pipeline(model, f"{BEFORE},{NAME}", calibration_data=iter(feeds))   # one-shot: spent by calibrate,
+    assert model.report[NAME]["chosen"] == "ranges minmax"               # but calibrate kept 16 feeds
+    model = model_from_text(SCALE)
+    run_pipeline(model, BEFORE, calibration_data=feeds)
+    model.kept_samples = None                                  # as when calibrate could not keep them
+    run_pipeline(model, NAME, calibration_data=iter([]))
     assert model.report[NAME] == {"skipped": "the calibration data cannot be read again"}
     record = run_pipeline(model, f"{NAME}{{max_weight_mb=0}}", calibration_data=feeds)[1][0]
     assert "max_weight_mb=0" in model.report[NAME]["skipped"] and not record.modified
@@ -180,3 +185,18 @@ def test_big_graphs_are_scored_with_q_dq_as_written():
     assert reports[0]["chosen"] == reports[1]["chosen"] == "ranges minmax"
     for fused, plain in zip(reports[0]["variants"], reports[1]["variants"]):
         assert abs(fused["snr_db"] - plain["snr_db"]) < 1.0
+
+
+def test_float_outputs_kept_by_calibrate_score_like_a_second_float_run():
+    model, data = model_from_text(SIGMOID), outlier_feeds(40)
+    run_pipeline(model, BEFORE, calibration_data=data)
+    kept = model.kept_samples
+    assert len(kept.feeds) == 32 and kept.names == ["y"] and kept.outputs[0][0].shape == (1, SIZE)
+    scores = []
+    for keep in (True, False):
+        trial = model.copy()
+        trial.kept_samples = kept if keep else None
+        run_pipeline(trial, NAME, calibration_data=data)
+        scores.append(trial.report[NAME]["variants"])
+    for a, b in zip(*scores):
+        assert a["variant"] == b["variant"] and abs(a["snr_db"] - b["snr_db"]) < 0.01
