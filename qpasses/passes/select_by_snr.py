@@ -151,6 +151,7 @@ class SelectBySnr(Pass):
             model.report[NAME] = {"skipped": skip}
             return PassResult(model, False, {"variants": 0})
         reference = self._reference(model)
+        model.kept_samples = None   # scored from here on: free them before the rest of the pipeline
         if reference is None:
             model.report[NAME] = {"skipped": "the calibration data cannot be read again"}
             return PassResult(model, False, {"variants": 0})
