@@ -191,7 +191,7 @@ def test_one_session_keeps_the_first_feeds_and_float_outputs(monkeypatch):
             np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
     small = runner.KeptSamples(3, max_bytes=1)   # over the byte budget: nothing kept
     runner.collect_stats(from_proto(proto), feeds, kept=small)
-    assert small.feeds == []
+    assert small.feeds == [] and small.full
     monkeypatch.setattr(runner, "CHUNK_NODES", 2)   # several sessions: the outputs are not at hand
     chunked = runner.KeptSamples(3)
     runner.collect_stats(from_proto(proto), feeds, kept=chunked)

@@ -17,7 +17,7 @@ from ..qtypes import qtype
 from ..registry import register
 
 
-KEEP_SAMPLES = 32   # feeds kept with the float outputs for select-by-snr (at most 256 MB)
+KEEP_SAMPLES = 32   # feeds kept with the float outputs for select-by-snr (at most 64 MB)
 MAX_POOLS = frozenset({"MaxPool", "GlobalMaxPool"})
 
 
@@ -52,7 +52,7 @@ class Calibrate(Pass):
     annotate-types, only for the activations whose qparams come from a range (not those that share
     another tensor's qparams (MaxPool outputs are measured), are fixed or have a user range), which keeps onnxruntime's fusions
     (Conv+Relu, ...) in the calibration run and makes it faster.
-    Also ``model.kept_samples``: the first 32 feeds and the float outputs on them (at most 256 MB;
+    Also ``model.kept_samples``: the first 32 feeds and the float outputs on them (at most 64 MB;
     only when one session runs the whole model), so select-by-snr needs no second float run.
     Invariants: the graph is not changed; memory does not grow with the number of samples.
     """

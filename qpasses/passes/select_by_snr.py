@@ -203,7 +203,8 @@ class SelectBySnr(Pass):
 
     def _reference(self, model: QModel) -> Reference | None:
         kept = model.kept_samples
-        if kept is not None and kept.feeds:   # calibrate kept the float outputs: no second float run
+        if kept is not None and kept.feeds and (len(kept.feeds) >= self.samples or not kept.full):
+            # calibrate kept the float outputs of enough feeds (or of all): no second float run
             n = self.samples
             return Reference.from_runs(kept.names, kept.feeds[:n], kept.outputs[:n])
         try:

@@ -200,3 +200,7 @@ def test_float_outputs_kept_by_calibrate_score_like_a_second_float_run():
         scores.append(trial.report[NAME]["variants"])
     for a, b in zip(*scores):
         assert a["variant"] == b["variant"] and abs(a["snr_db"] - b["snr_db"]) < 0.01
+    kept.feeds, kept.outputs, kept.full = kept.feeds[:2], kept.outputs[:2], True   # out of room at 2
+    model.kept_samples = kept
+    run_pipeline(model, NAME, calibration_data=data)
+    assert model.report[NAME]["samples"] == 32    # too few kept: the float model runs again
