@@ -250,7 +250,7 @@ class _Segment:
             values = dict(zip(self.outputs, self.session.run(self.outputs, feed)))
         except Exception as exc:
             raise _RunError(_first_line(exc)) from None
-        self.captured = [values[name] for name in self.capture]
+        self.captured = [np.array(values[name]) for name in self.capture]   # own copies: a view would pin the arena
         for name in self.live_out:
             env[name] = values[name]
         for name in self.done:
