@@ -83,7 +83,8 @@ def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
 class Reference:
     """The reference model's outputs on some feeds, kept to score test models against them."""
 
-    def __init__(self, reference_model, feeds, max_samples: int | None = None):
+    def __init__(self, reference_model, feeds, max_samples: int | None = None, enough_values: int = 0,
+                 min_samples: int = 1):
         ref_sess = session(reference_model)
         self.names = [o.name for o in ref_sess.get_outputs()]
         self.inputs = sorted(i.name for i in ref_sess.get_inputs())
@@ -95,6 +96,8 @@ class Reference:
             feed = validate(feed, specs, index, getattr(feeds, "source", ""))  # cast/reshape like calibration
             self.feeds.append(feed)
             outs.append([np.ravel(r).astype(np.float64) for r in ref_sess.run(self.names, feed)])
+            if enough_values and len(outs) >= min_samples and len(outs) * sum(map(len, outs[0])) >= enough_values:
+                break
         self.outputs = {n: np.concatenate([o[i] for o in outs]) if outs else np.zeros(0)
                         for i, n in enumerate(self.names)}
 

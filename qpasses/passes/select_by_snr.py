@@ -5,6 +5,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
+import numpy as np
+
 from ..calibration.data import open_data
 from ..calibration.softmax import ROW_MAX_SUFFIX
 from ..errors import CalibrationDataError
@@ -15,6 +17,7 @@ from ..registry import register
 from .compute_qparams import config_of
 
 NAME = "select-by-snr"
+MIN_SAMPLES = 8
 
 
 @dataclass
@@ -128,6 +131,9 @@ class SelectBySnr(Pass):
 
     samples: int = field(default=32, metadata={"help": "calibration feeds each variant is scored on "
                                                           "(16 could not tell ppocr_v2_cls' weight grids apart)"})
+    output_values: int = field(default=2**20, metadata={
+        "help": "fewer feeds (at least 8) once the outputs compared hold this many values (big outputs "
+                "average out noise: a detection map needs fewer images than class scores)"})
     asymmetric_penalty_db: float = field(default=0.05, metadata={
         "help": "dB asymmetric per-tensor weights must gain to be chosen: onnxruntime's int8 kernels "
                 "run them up to ~14 % slower (the default only settles ties)"})
@@ -203,13 +209,15 @@ class SelectBySnr(Pass):
 
     def _reference(self, model: QModel) -> Reference | None:
         kept = model.kept_samples
-        if kept is not None and kept.feeds and (len(kept.feeds) >= self.samples or not kept.full):
-            # calibrate kept the float outputs of enough feeds (or of all): no second float run
-            n = self.samples
-            return Reference.from_runs(kept.names, kept.feeds[:n], kept.outputs[:n])
+        if kept is not None and kept.feeds:
+            per_feed = sum(np.size(v) for v in kept.outputs[0])
+            n = min(self.samples, max(MIN_SAMPLES, -(-self.output_values // max(per_feed, 1))))
+            if len(kept.feeds) >= n or not kept.full:   # calibrate kept enough: no second float run
+                return Reference.from_runs(kept.names, kept.feeds[:n], kept.outputs[:n])
         try:
             feeds = open_data(model.calibration_data)
-            reference = Reference(model.to_proto(metadata=False), feeds, self.samples)
+            reference = Reference(model.to_proto(metadata=False), feeds, self.samples,
+                                  enough_values=self.output_values, min_samples=MIN_SAMPLES)
         except CalibrationDataError:
             return None
         return reference if reference.feeds else None

@@ -204,3 +204,9 @@ def test_float_outputs_kept_by_calibrate_score_like_a_second_float_run():
     model.kept_samples = kept
     run_pipeline(model, NAME, calibration_data=data)
     assert model.report[NAME]["samples"] == 32    # too few kept: the float model runs again
+    for kept_outputs in (True, False):             # big outputs: 8 feeds are enough, both ways
+        model = model_from_text(SIGMOID)
+        run_pipeline(model, BEFORE, calibration_data=data)
+        model.kept_samples = model.kept_samples if kept_outputs else None
+        run_pipeline(model, f"{NAME}{{output_values=10000}}", calibration_data=data)
+        assert model.report[NAME]["samples"] == 8
