@@ -102,7 +102,8 @@ class SelectBySnr(Pass):
     """Quantize each open variant on a copy, score its output SNR vs float, keep the best.
 
     Reads: the table, ranges and observed min/max (after calibrate and annotate-types), the first
-    ``samples`` calibration feeds. Open axes: ``ranges`` (the calibrated ranges or the observed
+    ``samples`` calibration feeds (fewer, at least 8, for big outputs or inputs) with the float
+    outputs calibrate kept for them (else the float model runs on them again). Open axes: ``ranges`` (the calibrated ranges or the observed
     min/max; only when ``calibration.method`` was not chosen by the user) and ``weights``
     (per-tensor weights symmetric or asymmetric; only when ``weight_symmetric`` was not given).
     Each combination runs ``then`` on a copy of the model and is scored by the lowest output SNR
@@ -211,8 +212,8 @@ class SelectBySnr(Pass):
         kept = model.kept_samples
         if kept is not None and kept.feeds:
             per_feed = sum(np.size(v) for v in kept.outputs[0])
-            n = min(self.samples, max(MIN_SAMPLES, -(-self.output_values // max(per_feed, 1))))
-            if len(kept.feeds) >= n or not kept.full:   # calibrate kept enough: no second float run
+            n = min(self.samples, max(MIN_SAMPLES, -(-self.output_values // max(per_feed, 1))), len(kept.feeds))
+            if n >= MIN_SAMPLES or not kept.full:   # calibrate kept enough: no second float run
                 return Reference.from_runs(kept.names, kept.feeds[:n], kept.outputs[:n])
         try:
             feeds = open_data(model.calibration_data)
