@@ -27,3 +27,9 @@ class PreconditionError(QpassesError):
 
 class PassFailure(Exception):
     """An internal error inside a pass (CLI exit code 1); names the pass and the ones before it."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

@@ -21,7 +21,7 @@ from onnx import external_data_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from .annotations import QuantTable
-from .errors import ModelError
+from .errors import ModelError, first_line
 from .graphutil import toposort
 from .validate import validate_proto
 
@@ -176,7 +176,7 @@ def load(src, *, base_dir: str | Path | None = None) -> QModel:
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except (DecodeError, RuntimeWarning, ValueError, OSError) as exc:
-        raise ModelError(f"{path}: not a readable ONNX model ({_first_line(exc)})") from None
+        raise ModelError(f"{path}: not a readable ONNX model ({first_line(exc)})") from None
     except Exception as exc:  # protobuf raises assorted types on garbage input
         raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__})") from None
     try:
@@ -284,7 +284,7 @@ def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None) -> QMode
     try:
         graph = gs.import_onnx(proto)
     except Exception as exc:
-        raise ModelError(f"cannot import graph: {_first_line(exc)}") from None
+        raise ModelError(f"cannot import graph: {first_line(exc)}") from None
     _name_nodes(graph)
     toposort(graph)  # an unsorted (acyclic) model is sorted; a cycle is a ModelError naming a node
     meta = {p.key: p.value for p in proto.metadata_props}
@@ -342,11 +342,6 @@ def _restore_input_initializers(proto, input_order, input_inits) -> None:
     merged = sorted(list(proto.graph.input) + extra, key=lambda vi: rank.get(vi.name, len(rank)))
     del proto.graph.input[:]
     proto.graph.input.extend(merged)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 # -- IR version ------------------------------------------------------------------------------

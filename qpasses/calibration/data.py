@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from ..errors import CalibrationDataError
+from ..errors import CalibrationDataError, first_line
 
 Feed = dict
 
@@ -133,7 +133,7 @@ def _npz_count(path: Path) -> int:
                                                f"refused); save plain numeric arrays")
                 shapes[key] = shape
     except (zipfile.BadZipFile, ValueError, OSError) as exc:
-        raise CalibrationDataError(f"{path}: not a readable .npz file ({_first_line(exc)})") from None
+        raise CalibrationDataError(f"{path}: not a readable .npz file ({first_line(exc)})") from None
     return _sample_count(shapes, str(path))
 
 
@@ -155,9 +155,9 @@ def _npz_arrays(path: Path) -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as npz:
             return {key: npz[key] for key in npz.files}
     except ValueError as exc:  # object arrays that slipped past the header check
-        raise CalibrationDataError(f"{path}: cannot load without pickle ({_first_line(exc)}); refused") from None
+        raise CalibrationDataError(f"{path}: cannot load without pickle ({first_line(exc)}); refused") from None
     except (zipfile.BadZipFile, OSError) as exc:
-        raise CalibrationDataError(f"{path}: not a readable .npz file ({_first_line(exc)})") from None
+        raise CalibrationDataError(f"{path}: not a readable .npz file ({first_line(exc)})") from None
 
 
 def _split(arrays: dict[str, np.ndarray], n: int) -> Iterator[Feed]:
@@ -201,7 +201,7 @@ def _iter_test_sets(sets: list[Path]) -> Iterator[Feed]:
                 tensor.ParseFromString(f.read_bytes())
                 array = numpy_helper.to_array(tensor)
             except Exception as exc:  # protobuf raises assorted types on garbage
-                raise CalibrationDataError(f"{f}: not a TensorProto file ({_first_line(exc)})") from None
+                raise CalibrationDataError(f"{f}: not a TensorProto file ({first_line(exc)})") from None
             number = _number(f)[0]
             feed[tensor.name or (number if number >= 0 else position)] = array
         yield feed
@@ -320,7 +320,7 @@ def _check_array(value, spec: InputSpec, where: str) -> np.ndarray:
     try:
         arr = np.asarray(value)
     except Exception as exc:
-        raise CalibrationDataError(f"{what}: not an array ({_first_line(exc)})") from None
+        raise CalibrationDataError(f"{what}: not an array ({first_line(exc)})") from None
     if arr.dtype.hasobject or arr.dtype.kind not in "biuf":
         raise CalibrationDataError(f"{what}: not a numeric array (dtype {arr.dtype})")
     if arr.dtype.kind == "f":
@@ -365,8 +365,3 @@ def _check_shape(arr: np.ndarray, dims: tuple, what: str) -> np.ndarray:
         return arr[np.newaxis]
     want = "(" + ", ".join("?" if d is None else str(d) for d in dims) + ("," if len(dims) == 1 else "") + ")"
     raise CalibrationDataError(f"{what} has shape {tuple(arr.shape)} but the model expects {want}")
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__

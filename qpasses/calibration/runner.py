@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..errors import CalibrationDataError, ModelError
+from ..errors import CalibrationDataError, ModelError, first_line
 from ..graphutil import node_reads
 from ..ir import IN_MEMORY, QModel, constant_bytes
 from .collectors import HISTOGRAM_METHODS, TensorStats, finalise, histogram_bins
@@ -249,7 +249,7 @@ class _Segment:
         try:
             values = dict(zip(self.outputs, self.session.run(self.outputs, feed)))
         except Exception as exc:
-            raise _RunError(_first_line(exc)) from None
+            raise _RunError(first_line(exc)) from None
         self.captured = [np.array(values[name]) for name in self.capture]   # own copies: a view would pin the arena
         for name in self.live_out:
             env[name] = values[name]
@@ -550,7 +550,7 @@ def _unrunnable(model: QModel, exc: Exception) -> str:
         if (node.domain or "") not in known:
             return (f"node '{node.name}' is op '{node.op}' of domain '{node.domain}', which onnxruntime "
                     f"does not implement (without --calib the model is left float)")
-    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", _first_line(exc))
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", first_line(exc))
     if any(_is_bfloat16(t.dtype) for t in model.tensors().values()):
         text += " (onnxruntime's CPU provider runs few bfloat16 ops: convert the model to float32 or float16)"
     return text
@@ -725,8 +725,3 @@ def calibrate_ranges(model: QModel, data, *, method: str = "minmax", percentile:
 def _finite(value) -> float:
     value = float(value)
     return value if math.isfinite(value) else 0.0
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__

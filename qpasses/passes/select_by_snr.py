@@ -9,7 +9,7 @@ import numpy as np
 
 from ..calibration.data import open_data
 from ..calibration.softmax import ROW_MAX_SUFFIX
-from ..errors import CalibrationDataError
+from ..errors import CalibrationDataError, first_line
 from ..evaluate import Reference
 from ..ir import QModel, constant_bytes
 from ..pipeline import Pass, PassManager, PassResult
@@ -86,11 +86,6 @@ def weight_variants(model: QModel, penalty_db: float) -> list[Variant]:
     why = (names, f"symmetric: {NAME} scored symmetric per-tensor weights best (report['{NAME}'])")
     return [Variant("weights", "asymmetric", lambda m: None, changes=False, penalty_db=penalty_db),
             Variant("weights", "symmetric", symmetric, why=why)]
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else ""
 
 
 def _label(combo) -> str:
@@ -195,7 +190,7 @@ class SelectBySnr(Pass):
             fused = len(model.graph.nodes) <= self.fused_nodes
             return reference.score(trial.to_proto(metadata=False), optimize=fused)["snr_db"]
         except Exception as exc:   # a variant that cannot be built or run is not chosen
-            failed.append({"variant": _label(combo), "error": f"{type(exc).__name__}: {_first_line(exc)}"})
+            failed.append({"variant": _label(combo), "error": f"{type(exc).__name__}: {first_line(exc)}"})
             return None
 
     def _skip_reason(self, model: QModel) -> str | None:
