@@ -69,8 +69,9 @@ def activation_range(model: QModel, name: str, tq: TensorQuant, qt: str, config:
     (unless ``calibration.clip_graph_outputs``).
     """
     calibration = (config or config_of(model)).calibration
-    method = model.report.get("calibrate", {}).get("method", calibration.method)  # select-by-snr may change it
-    base, source = model.ranges.get(name), f"calibration ({method})"
+    calibrated = model.report.get("calibrate", {})
+    method = calibrated.get("method", calibration.method)  # select-by-snr may change it
+    base, source = model.ranges.get(name), f"calibration ({method}{calibrated.get('chosen', '')})"
     if method in CLIPPING_METHODS and name in model.observed:
         if qtype(qt).bits > 8:
             base = model.observed[name]

@@ -44,7 +44,7 @@ def range_variants(model: QModel) -> list[Variant]:
 
     def use_minmax(m: QModel) -> None:
         m.ranges = {k: observed.get(k, v) for k, v in m.ranges.items()}
-        m.report.setdefault("calibrate", {})["method"] = "minmax"
+        m.report.setdefault("calibrate", {}).update(method="minmax", chosen=f", chosen by {NAME} over {method}")
 
     return [Variant("ranges", method, lambda m: None, changes=False), Variant("ranges", "minmax", use_minmax)]
 

@@ -80,6 +80,7 @@ def test_default_method_min_max_wins_when_percentile_clips_the_signal():
     assert model.ranges["x"] == model.observed["x"]
     assert model.report["calibrate"]["method"] == "minmax"
     assert quantized_snr(model, data) > 18
+    assert "calibration (minmax, chosen by select-by-snr over percentile)" in model.quant["x"].why[-1]
 
 
 def test_percentile_kept_when_it_scores_best():
