@@ -122,7 +122,9 @@ def _child(side: str, model_path: str, calib_dir: str, samples: int, cfg, out_pa
             result["seconds"] = time.perf_counter() - start
         else:
             import qpasses
+            from qpasses.registry import all_passes
 
+            all_passes()   # the pass modules load on first use: an import, excluded like onnxruntime's
             result["rss_base_mb"] = peak_rss_mb()
             start = time.perf_counter()
             model, records = qpasses.run_pipeline(model_path, None, config=cfg, calibration_data=data)
