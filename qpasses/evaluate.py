@@ -83,33 +83,30 @@ def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
 class Reference:
     """The reference model's outputs on some feeds, kept to score test models against them."""
 
-    def __init__(self, reference_model, feeds, max_samples: int | None = None, enough_values: int = 0,
-                 min_samples: int = 1):
+    def __init__(self, names: list[str], inputs: list[str], feeds: list[dict], outputs: list[list]):
+        """``outputs[i]``: the values of the outputs ``names`` on ``feeds[i]``; ``inputs``: the required inputs."""
+        self.names, self.inputs, self.feeds = list(names), sorted(inputs), list(feeds)
+        self.outputs = {n: np.concatenate([np.ravel(o[i]).astype(np.float64) for o in outputs])
+                        if outputs else np.zeros(0) for i, n in enumerate(self.names)}
+
+    @classmethod
+    def run(cls, reference_model, feeds, max_samples: int | None = None, enough_values: int = 0,
+            min_samples: int = 1) -> "Reference":
+        """Run the reference model on ``feeds`` (at most ``max_samples``; stop after ``min_samples``
+        once the outputs hold ``enough_values`` values)."""
         ref_sess = session(reference_model)
-        self.names = [o.name for o in ref_sess.get_outputs()]
-        self.inputs = sorted(i.name for i in ref_sess.get_inputs())
+        names = [o.name for o in ref_sess.get_outputs()]
         specs = _input_specs(ref_sess)
-        self.feeds, outs = [], []
+        kept, outs = [], []
         for index, feed in enumerate(feeds):
             if max_samples is not None and index >= max_samples:
                 break
             feed = validate(feed, specs, index, getattr(feeds, "source", ""))  # cast/reshape like calibration
-            self.feeds.append(feed)
-            outs.append([np.ravel(r).astype(np.float64) for r in ref_sess.run(self.names, feed)])
-            if enough_values and len(outs) >= min_samples and len(outs) * sum(map(len, outs[0])) >= enough_values:
+            kept.append(feed)
+            outs.append(ref_sess.run(names, feed))
+            if enough_values and len(outs) >= min_samples and len(outs) * sum(map(np.size, outs[0])) >= enough_values:
                 break
-        self.outputs = {n: np.concatenate([o[i] for o in outs]) if outs else np.zeros(0)
-                        for i, n in enumerate(self.names)}
-
-    @classmethod
-    def from_runs(cls, names: list[str], feeds: list[dict], outputs: list[list]) -> "Reference":
-        """A reference from outputs already computed (``outputs[i]``: the values of ``names`` on ``feeds[i]``)."""
-        ref = cls.__new__(cls)
-        ref.names, ref.feeds = list(names), list(feeds)
-        ref.inputs = sorted(feeds[0]) if feeds else []
-        ref.outputs = {n: np.concatenate([np.ravel(o[i]).astype(np.float64) for o in outputs])
-                       if outputs else np.zeros(0) for i, n in enumerate(ref.names)}
-        return ref
+        return cls(names, [i.name for i in ref_sess.get_inputs()], kept, outs)
 
     def score(self, test_model, *, optimize: bool = True) -> dict:
         """Run ``test_model`` on the kept feeds: per output SNR and max abs error, and the worst SNR."""
@@ -129,4 +126,4 @@ class Reference:
 
 def compare(reference_model, test_model, feeds, max_samples: int | None = None) -> dict:
     """Run both models on every feed; per output: SNR over all samples and max abs error."""
-    return Reference(reference_model, feeds, max_samples).score(test_model)
+    return Reference.run(reference_model, feeds, max_samples).score(test_model)

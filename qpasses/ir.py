@@ -148,14 +148,9 @@ class QModel:
         ``share_weights``: constants of 1 KiB and more keep the same (read-only) arrays, for a
         scratch copy that passes rewrite without holding the weights twice."""
         weights = {} if share_weights else None
-        if share_weights:   # arrays to share: load proto-backed weights once, here
-            for t in tensor_map(self.graph).values():
-                lazy = t._values if isinstance(t, gs.Constant) else None
-                if isinstance(lazy, LazyValues) and lazy.tensor.data_type in _NUMPY_TYPES and lazy.nbytes >= 1024:
-                    t._values = lazy.load()
         new = from_proto(self.to_proto(weights=weights), base_dir=self.base_dir)
-        if weights:
-            for t in tensor_map(new.graph).values():
+        for graph in (self.graph, new.graph) if weights else ():   # both hold the exported arrays
+            for t in tensor_map(graph).values():
                 if isinstance(t, gs.Constant) and t.name in weights:
                     t._values = weights[t.name]
         new.config, new.calibration_data = self.config, self.calibration_data

@@ -21,11 +21,16 @@ KEEP_SAMPLES = 32   # feeds kept with the float outputs for select-by-snr (at mo
 MAX_POOLS = frozenset({"MaxPool", "GlobalMaxPool"})
 
 
-def max_pool_outputs(model: QModel) -> set[str]:
-    """MaxPool outputs of quantized tensors: they hold the top of their input's values, so a clipped
-    range of the input clips them far more (compute-qparams widens the input's range to theirs)."""
-    return {node.outputs[0].name for node in model.graph.nodes
-            if node.op in MAX_POOLS and node.inputs and node.outputs and node.inputs[0].name in model.quant}
+def max_pooled(model: QModel) -> dict[str, list[str]]:
+    """Tensor -> the MaxPool outputs computed from it: they hold the top of its values, so a clipped
+    range of the tensor clips them far more (compute-qparams widens the tensor's range to theirs)."""
+    def build(m: QModel) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for node in m.graph.nodes:
+            if node.op in MAX_POOLS and node.inputs and node.outputs:
+                out.setdefault(node.inputs[0].name, []).append(node.outputs[0].name)
+        return out
+    return model.cached("max_pooled", build)
 
 
 def tensors_needing_ranges(model: QModel) -> set[str] | None:
@@ -35,7 +40,8 @@ def tensors_needing_ranges(model: QModel) -> set[str] | None:
         return None
     return {name for name, tq in model.quant.items()
             if tq.role == "activation" and tq.shares is None and not tq.fixed
-            and (tq.rmin is None or tq.rmax is None or tq.convert is not None)} | max_pool_outputs(model)
+            and (tq.rmin is None or tq.rmax is None or tq.convert is not None)} | {
+        pooled for name, outputs in max_pooled(model).items() if name in model.quant for pooled in outputs}
 
 
 @register

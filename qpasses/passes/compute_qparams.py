@@ -16,7 +16,7 @@ from ..pipeline import Pass, PassResult
 from ..qparams import bias_qparams, compute_qparams, is_finite_range, value_range
 from ..qtypes import qtype
 from ..registry import register
-from .calibrate import MAX_POOLS
+from .calibrate import max_pooled
 
 CLIPPING_METHODS = ("percentile", "entropy", "mse")
 NAME = "compute-qparams"
@@ -111,9 +111,8 @@ def _max_pool_outputs(model: QModel) -> dict[str, list[str]]:
 
     def build(m: QModel) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
-        for node in m.graph.nodes:
-            if node.op in MAX_POOLS and node.inputs and node.outputs and node.outputs[0].name in m.ranges:
-                out.setdefault(root(m, node.inputs[0].name), []).append(node.outputs[0].name)
+        for name, outputs in max_pooled(m).items():
+            out.setdefault(root(m, name), []).extend(o for o in outputs if o in m.ranges)
         return out
     return model.cached("max_pool_outputs", build)
 

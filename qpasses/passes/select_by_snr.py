@@ -209,11 +209,11 @@ class SelectBySnr(Pass):
             per_feed = sum(np.size(v) for v in kept.outputs[0])
             n = min(self.samples, max(MIN_SAMPLES, -(-self.output_values // max(per_feed, 1))), len(kept.feeds))
             if n >= MIN_SAMPLES or not kept.full:   # calibrate kept enough: no second float run
-                return Reference.from_runs(kept.names, kept.feeds[:n], kept.outputs[:n])
+                return Reference(kept.names, list(kept.feeds[0]), kept.feeds[:n], kept.outputs[:n])
         try:
             feeds = open_data(model.calibration_data)
-            reference = Reference(model.to_proto(metadata=False), feeds, self.samples,
-                                  enough_values=self.output_values, min_samples=MIN_SAMPLES)
+            reference = Reference.run(model.to_proto(metadata=False), feeds, self.samples,
+                                      enough_values=self.output_values, min_samples=MIN_SAMPLES)
         except CalibrationDataError:
             return None
         return reference if reference.feeds else None
