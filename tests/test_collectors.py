@@ -155,6 +155,23 @@ def test_entropy_keeps_gaussian_mostly_unclipped_and_ignores_the_relu_spike():
         assert 3.0 < hi <= stats.max
 
 
+def test_kl_of_a_candidate_with_nothing_inside_is_infinite():
+    p = np.concatenate([np.zeros(10), np.full(10, 5.0)])
+    cand, kl = kl_thresholds(p, 4)
+    assert np.all(np.isinf(kl[cand <= 10])) and np.all(np.isfinite(kl[cand > 10]))
+
+
+@pytest.mark.parametrize("values", [
+    np.random.default_rng(0).uniform(0.13, 0.77, 100000),     # one side, away from 0 (HardSigmoid)
+    -np.random.default_rng(1).uniform(0.65, 1.6, 100000),     # ... below 0
+    np.random.default_rng(1).standard_t(2.5, 500),            # too few values for 2048 bins
+], ids=["positive", "negative", "sparse"])
+def test_entropy_keeps_the_observed_range_where_kl_cannot_judge(values):
+    stats = TensorStats(8192)
+    stats.update(values.astype(np.float32))
+    assert entropy_range(stats.hist, 2048, 8) == (stats.hist.lo, stats.hist.hi)
+
+
 def _quant_mse(x, lo, hi, bits=8):
     lo, hi = min(lo, 0.0), max(hi, 0.0)
     scale = (hi - lo) / (2**bits - 1)

@@ -300,7 +300,10 @@ def kl_thresholds(p: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
     p_log_p = PL[cand - 1] + _xlogx(last + outliers) - _xlogx(np.asarray(total))
     q_norm = (inside + outliers) * np.log(np.maximum(inside, eps))
     kl = (p_log_p - (cross - q_norm)) / total
-    return cand, kl
+    return cand, np.where(inside > 0, kl, np.inf)   # nothing inside: Q is empty, not a perfect match
+
+
+ENTROPY_MIN_VALUES = 4   # histogram values per bin below which KL is noise
 
 
 def entropy_range(hist: Histogram, num_bins: int = 2048, bits: int = 8,
@@ -309,10 +312,14 @@ def entropy_range(hist: Histogram, num_bins: int = 2048, bits: int = 8,
 
     Candidate thresholds are the upper edges of bins ``levels..num_bins``; ``levels`` is ``2**bits``
     for one-sided tensors (e.g. after ReLU) and ``2**(bits-1)`` for two-sided ones. The range is
-    [-t, t] intersected with the observed range ([-t, t] when ``symmetric``). When ``levels`` is
-    not below ``num_bins`` (16-bit activations) no clipping is worth it: the observed range.
+    [-t, t] intersected with the observed range ([-t, t] when ``symmetric``). The observed range
+    when KL cannot judge: ``levels`` not below ``num_bins`` (16-bit activations: no clipping is worth
+    it), fewer than ``ENTROPY_MIN_VALUES`` values per bin (a squeeze-excitation tensor of 8 values
+    per sample: KL of a sparse histogram clipped it to 7 % of its range), or every value on one side
+    away from 0 (a HardSigmoid output in [0.13, 0.77]: the candidates below the smallest value look
+    like perfect matches, and the range collapsed to a point).
     """
-    if hist.total == 0 or hist.hi <= hist.lo:
+    if hist.total < ENTROPY_MIN_VALUES * num_bins or hist.hi <= hist.lo or hist.lo > 0 or hist.hi < 0:
         return _degenerate(hist, symmetric)
     lo, hi = hist.lo, hist.hi
     one_sided = lo >= 0 or hi <= 0
