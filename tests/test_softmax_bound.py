@@ -1,4 +1,4 @@
-"""Softmax inputs: calibrate measures the row maxima, compute-qparams clips below the smallest one."""
+"""Softmax inputs: calibrate measures the row maxima; compute-qparams clips below the smallest one and keeps them all."""
 import numpy as np
 import onnx
 import pytest
@@ -92,3 +92,44 @@ def test_old_softmax_axes_and_reduce_axes_input(opset):
     lo, _ = model.ranges["masked" + ROW_MAX_SUFFIX]
     feeds = model.calibration_data
     assert lo == pytest.approx(min((f["scores"] + f["mask"]).max(axis=-1).min() for f in feeds), abs=1e-3)
+
+
+WIDE = """
+g (float[1, 4, 2000] logits) => (float[1, 4, 2000] y) {
+    y = Softmax <axis = -1> (logits)
+}
+"""
+
+
+def _logits(n, seed=0):
+    """Rows of 2000 small logits with one clear winner each: a percentile of the tensor cuts the winners."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        x = rng.standard_normal((1, 4, 2000)).astype(np.float32)
+        x[0, np.arange(4), rng.integers(0, 2000, 4)] = rng.uniform(8, 12, 4)
+        out.append({"logits": x})
+    return out
+
+
+def test_upper_end_raised_to_the_row_maxima():
+    model = model_from_text(WIDE)
+    model.calibration_data = _logits(16)
+    model.config = None
+    PassManager("annotate-types,calibrate{method=percentile,percentile=99.9},compute-qparams").run(model)
+    top = model.ranges["logits" + ROW_MAX_SUFFIX][1]
+    assert model.ranges["logits"][1] < 6 < 8 < top      # the percentile cut every winner
+    tq = model.quant["logits"]
+    rmax = (255 - tq.zero_point[0]) * tq.scale[0]
+    assert rmax == pytest.approx(top, rel=0.01)
+    assert any("row maxima reach it" in why for why in tq.why)
+
+
+def test_upper_end_keeps_the_winners_in_the_output():
+    feeds, evals = _logits(16), _logits(8, seed=1)
+    config = {"calibration": {"method": "percentile", "percentile": 99.9}}
+    q = quantize(model_from_text(WIDE), feeds, config=config).to_proto()
+    check_onnx(q)
+    ref = np.concatenate([run(parse(WIDE), f)[0].ravel() for f in evals])
+    got = np.concatenate([run(q, f)[0].ravel() for f in evals])
+    assert snr_db(ref, got) > 25

@@ -54,7 +54,7 @@ class Calibrate(Pass):
     ``model.ranges[t] = (rmin, rmax)`` chosen by the method and ``model.observed[t] =
     (min, max)`` seen, for every float graph input and non-constant float node output, and for a
     tensor read only by Softmax also ``<t>::softmax_row_max``: the range of its row maxima
-    (qpasses.calibration.softmax: compute-qparams clips below the smallest one); after
+    (qpasses.calibration.softmax: compute-qparams keeps them and clips 20 below the smallest); after
     annotate-types, only for the activations whose qparams come from a range (not those that share
     another tensor's qparams (MaxPool outputs are measured), are fixed or have a user range), which keeps onnxruntime's fusions
     (Conv+Relu, ...) in the calibration run and makes it faster.

@@ -8,7 +8,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..annotations import TensorQuant
-from ..calibration.softmax import NEGLIGIBLE, lower_bound
+from ..calibration.softmax import NEGLIGIBLE, lower_bound, upper_bound
 from ..config import QuantConfig
 from ..errors import ModelError
 from ..ir import QModel
@@ -92,6 +92,11 @@ def activation_range(model: QModel, name: str, tq: TensorQuant, qt: str, config:
     rmax = float(base[1]) if tq.rmax is None else float(tq.rmax)
     if tq.rmin is not None or tq.rmax is not None:
         source += " with a bound from the entry"
+    top = upper_bound(model, name) if tq.rmax is None else None
+    if top is not None and top > rmax:
+        rmax = top
+        source += (f", upper end raised to {_fmt(top)}: read only by Softmax, whose row maxima reach it "
+                   f"(each decides its row's probabilities)")
     softmax = lower_bound(model, name) if tq.rmin is None else None
     if softmax is not None and softmax[0] > rmin:
         rmin = min(softmax[0], rmax)
@@ -358,7 +363,9 @@ class ComputeQParams(Pass):
     """Compute scale and zero point of every quantized tensor from its range.
 
     Reads: the table, model.ranges / model.observed (activations), constant values (weights),
-    model.config (minimum_real_range, scale_type, calibration.method).
+    model.config (minimum_real_range, scale_type, calibration.method). An activation's range is
+    widened to its MaxPool outputs' ranges and, when only Softmax reads it, to its rows' maxima at
+    the top and clipped 20 below the smallest row maximum at the bottom (calibration.softmax).
     Writes: scale/zero_point of every entry not `fixed` (and of its `convert`); biases get
     input_scale * weight_scale; `shares` entries copy their target. Tensors without a finite range
     (and the entries depending on them) leave the table and are listed in report["unquantized"].
