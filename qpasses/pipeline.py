@@ -153,7 +153,7 @@ def print_pipeline(passes) -> str:
 
 BASE_PIPELINE = "fold-constants,fold-batchnorm,cleanup"
 QUANTIZE_PIPELINE = (BASE_PIPELINE + ",annotate-types,propagate-mixed-precision,calibrate,"
-                     "select-by-snr,compute-qparams,fix-bias-scales,insert-qdq,insert-converts,cleanup")
+                     "select-by-snr,compute-qparams,correct-bias,fix-bias-scales,insert-qdq,insert-converts,cleanup")
 
 
 def default_pipeline(quantize: bool) -> str:

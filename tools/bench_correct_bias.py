@@ -1,0 +1,72 @@
+"""Output SNR with and without the correct-bias pass, per benchmark model and activation type.
+
+    /tmp/venv/bin/python tools/bench_correct_bias.py [--models a,b] [--activations uint16,uint8]
+
+Each model is quantized twice with the qpasses default pipeline and config (only ``activation_type``
+set), once without ``correct-bias``, once with ``correct-bias{activation_bits=8}`` (so that it also
+runs on 8-bit layers, which the default leaves alone), on the 64 calibration samples of
+tools/models.py; SNR is on the eval samples, min over outputs, as in bench_vs_ort.py.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import models as bench_models  # noqa: E402
+
+import qpasses  # noqa: E402
+from qpasses.api import run_pipeline  # noqa: E402
+from qpasses.evaluate import session, snr_db  # noqa: E402
+from qpasses.instruments import TimePasses  # noqa: E402
+from qpasses.pipeline import QUANTIZE_PIPELINE  # noqa: E402
+
+WITHOUT = QUANTIZE_PIPELINE.replace("correct-bias,", "")
+WITH = QUANTIZE_PIPELINE.replace("correct-bias,", os.environ.get("QP_WITH", "correct-bias{activation_bits=8},"))
+
+
+def output_snr(float_path: Path, quantized, evals: list[dict]) -> float:
+    ref, test = session(str(float_path)), session(quantized)
+    names = [o.name for o in ref.get_outputs()]
+    pairs = [(ref.run(names, e), test.run(names, e)) for e in evals]
+    return min(snr_db(np.concatenate([np.ravel(r[k]) for r, _ in pairs]).astype(np.float64),
+                      np.concatenate([np.ravel(t[k]) for _, t in pairs]).astype(np.float64))
+               for k in range(len(names)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", type=lambda s: [x for x in s.split(",") if x], default=None)
+    ap.add_argument("--activations", default="uint16,uint8")
+    ap.add_argument("--samples", type=int, default=64)
+    args = ap.parse_args()
+    names = args.models or [m for m in bench_models.DEFAULT_MODELS if m != "light_squeezenet"]
+    print("| model | activations | SNR without dB | SNR with dB | gain dB | layers corrected | correct-bias s |")
+    print("|---|---|---|---|---|---|---|")
+    for name in names:
+        try:
+            bm = bench_models.prepare(name)
+        except FileNotFoundError as exc:   # the corpus is not downloaded
+            print(f"| {name} | skipped: {exc} |||||")
+            continue
+        evals = list(bm.samples("eval"))
+        for act in args.activations.split(","):
+            config = {"activation_type": act}
+            snrs = []
+            for passes in (WITHOUT, WITH):
+                timer = TimePasses()
+                q, _ = run_pipeline(qpasses.load(str(bm.path)), passes, config=config,
+                                    calibration_data=bm.samples("calib", args.samples), time_passes=timer)
+                snrs.append(output_snr(bm.path, q.to_proto(), evals))
+            seconds = sum(row[1] for row in timer.rows if row[0].startswith("correct-bias"))
+            layers = q.report.get("correct-bias", {}).get("layers", 0)
+            print(f"| {name} | {act} | {snrs[0]:.2f} | {snrs[1]:.2f} | {snrs[1] - snrs[0]:+.2f} | "
+                  f"{layers} | {seconds:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
