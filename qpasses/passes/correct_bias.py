@@ -154,7 +154,7 @@ class CorrectBias(Pass):
     error: output SNR +0.5 to +4 dB at U8/S8 and +3 to +17 dB at U16/S8 on the benchmark CNNs
     (tools/bench_correct_bias.py).
     Invariants: the graph and the weights are unchanged; only bias values move; nothing is done (it
-    says why) without re-readable calibration data or above ``max_weight_mb``.
+    says why) without re-readable calibration data or above ``max_nodes`` / ``max_weight_mb``.
     """
 
     name: ClassVar[str] = NAME
@@ -175,16 +175,21 @@ class CorrectBias(Pass):
     samples: int = field(default=32, metadata={"help": "calibration feeds the shifts are averaged over"})
     activation_bits: int = field(default=8, metadata={
         "help": "correct only layers whose input is quantized to at least this many bits"})
+    max_nodes: int = field(default=2000, metadata={
+        "help": "do nothing for graphs with more nodes than this (one onnxruntime session over the "
+                "whole float graph; calibrate cuts bigger ones into parts)"})
     max_weight_mb: float = field(default=512.0, metadata={
         "help": "do nothing for models with more weight data than this (the weight errors are added to a copy)"})
 
     def run(self, model: QModel) -> PassResult:
-        targets = find_targets(model, self.activation_bits)
-        if not targets:
+        if not any(model.quant[name].role == "bias" for name in model.quant):
             return PassResult(model, False, {"layers": 0})
         skip = self._skip_reason(model)
         if skip:
             model.report[NAME] = {"skipped": skip}
+            return PassResult(model, False, {"layers": 0})
+        targets = find_targets(model, self.activation_bits)
+        if not targets:
             return PassResult(model, False, {"layers": 0})
         proto = probe_model(model, targets)
         try:
@@ -199,6 +204,7 @@ class CorrectBias(Pass):
             model.report[NAME] = {"skipped": f"the calibration data cannot be read again ({exc})"}
             return PassResult(model, False, {"layers": 0})
         if not count:
+            model.report[NAME] = {"skipped": "the calibration data cannot be read again (no samples)"}
             return PassResult(model, False, {"layers": 0})
         tensors, largest = model.tensors(), 0.0
         for t, total in zip(targets, sums):
@@ -216,6 +222,8 @@ class CorrectBias(Pass):
         return PassResult(model, True, {"layers": len(targets), "samples": count})
 
     def _skip_reason(self, model: QModel) -> str | None:
+        if len(model.graph.nodes) > self.max_nodes:
+            return f"{len(model.graph.nodes)} nodes is over max_nodes={self.max_nodes}"
         weight_mb = constant_bytes(model.graph) / 2**20
         if weight_mb > self.max_weight_mb:
             return f"{weight_mb:.0f} MB of weights is over max_weight_mb={self.max_weight_mb:g}"

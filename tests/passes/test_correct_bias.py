@@ -131,6 +131,14 @@ def test_one_shot_data_is_skipped_with_a_reason():
     before = np.asarray(model.tensors()["b"].values).copy()
     PassManager("correct-bias").run(model)
     np.testing.assert_array_equal(np.asarray(model.tensors()["b"].values), before)
+    assert "cannot be read again" in model.report["correct-bias"]["skipped"]
+
+
+def test_stands_aside_above_max_nodes():
+    feeds = _feeds((1, 2, 8, 8), 4)
+    passes = QUANTIZE_PIPELINE.replace("correct-bias", "correct-bias{max_nodes=0}")
+    _, q = _snr(DEPTHWISE, A16W8, passes, feeds, feeds)
+    assert q.report["correct-bias"]["skipped"] == "1 nodes is over max_nodes=0"
 
 
 def _conv(w: np.ndarray, attrs: dict):
