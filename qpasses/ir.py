@@ -153,6 +153,7 @@ class QModel:
             for t in tensor_map(graph).values():
                 if isinstance(t, gs.Constant) and t.name in weights:
                     t._values = weights[t.name]
+                    t.data_location = None   # the copy imported them as (in-memory) external data
         new.config, new.calibration_data = self.config, self.calibration_data
         new.report = json.loads(json.dumps(self.report, default=str))
         return new

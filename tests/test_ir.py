@@ -167,6 +167,9 @@ def test_copy_can_share_weight_arrays():
     clone = model.copy(share_weights=True)
     big = [t for t in model.tensors().values() if isinstance(t, gs.Constant) and t.values.nbytes >= 1024]
     assert big and all(clone.tensors()[t.name].values is t.values for t in big)
+    exported = clone.to_proto()   # a weight no pass replaced exports as ordinary data, not as a stub
+    onnx.checker.check_model(exported)
+    assert all(i.data_location == onnx.TensorProto.DEFAULT for i in exported.graph.initializer)
     clone.graph.nodes[0].name = "changed"
     clone.tensors()[big[0].name].values = np.zeros(0, np.float32)   # passes replace arrays, never edit them
     assert model.graph.nodes[0].name == "mm" and big[0].values.size > 0
