@@ -1,16 +1,15 @@
-"""Output SNR with and without the correct-bias pass, per benchmark model and activation type.
+"""Output SNR without and with the correct-bias pass, per benchmark model and activation type.
 
     /tmp/venv/bin/python tools/bench_correct_bias.py [--models a,b] [--activations uint16,uint8]
 
-Each model is quantized twice with the qpasses default pipeline and config (only ``activation_type``
-set), once without ``correct-bias``, once with ``correct-bias{activation_bits=8}`` (so that it also
-runs on 8-bit layers, which the default leaves alone), on the 64 calibration samples of
-tools/models.py; SNR is on the eval samples, min over outputs, as in bench_vs_ort.py.
+Each model is quantized three times with the qpasses default config (only ``activation_type`` set)
+on the 64 calibration samples of tools/models.py: without correct-bias, with it always applied,
+and with the default pipeline (select-by-snr scores both on the calibration feeds and keeps the
+better). SNR is on the eval samples, min over outputs, as in bench_vs_ort.py.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -25,8 +24,8 @@ from qpasses.evaluate import session, snr_db  # noqa: E402
 from qpasses.instruments import TimePasses  # noqa: E402
 from qpasses.pipeline import QUANTIZE_PIPELINE  # noqa: E402
 
-WITHOUT = QUANTIZE_PIPELINE.replace("correct-bias,", "")
-WITH = QUANTIZE_PIPELINE.replace("correct-bias,", os.environ.get("QP_WITH", "correct-bias{activation_bits=8},"))
+FORCED = QUANTIZE_PIPELINE.replace("select-by-snr", "select-by-snr{bias_correction=false}")
+WITHOUT = FORCED.replace("correct-bias,", "")
 
 
 def output_snr(float_path: Path, quantized, evals: list[dict]) -> float:
@@ -45,8 +44,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64)
     args = ap.parse_args()
     names = args.models or [m for m in bench_models.DEFAULT_MODELS if m != "light_squeezenet"]
-    print("| model | activations | SNR without dB | SNR with dB | gain dB | layers corrected | correct-bias s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | activations | without dB | always dB | gain dB | default dB | default's choice | correct-bias s |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in names:
         try:
             bm = bench_models.prepare(name)
@@ -57,15 +56,18 @@ def main() -> None:
         for act in args.activations.split(","):
             config = {"activation_type": act}
             snrs = []
-            for passes in (WITHOUT, WITH):
+            for passes in (WITHOUT, FORCED, QUANTIZE_PIPELINE):
                 timer = TimePasses()
                 q, _ = run_pipeline(qpasses.load(str(bm.path)), passes, config=config,
                                     calibration_data=bm.samples("calib", args.samples), time_passes=timer)
                 snrs.append(output_snr(bm.path, q.to_proto(), evals))
-            seconds = sum(row[1] for row in timer.rows if row[0].startswith("correct-bias"))
-            layers = q.report.get("correct-bias", {}).get("layers", 0)
-            print(f"| {name} | {act} | {snrs[0]:.2f} | {snrs[1]:.2f} | {snrs[1] - snrs[0]:+.2f} | "
-                  f"{layers} | {seconds:.2f} |", flush=True)
+                if passes == FORCED:
+                    seconds = sum(row[1] for row in timer.rows if row[0].startswith("correct-bias"))
+            decision = q.report.get("select-by-snr", {}).get("bias_correction", {})
+            choice = (f"{'kept' if decision['applied'] else 'refused'} ({decision['gain_db']:+.2f} dB on calib)"
+                      if decision else "not scored")
+            print(f"| {name} | {act} | {snrs[0]:.2f} | {snrs[1]:.2f} | {snrs[1] - snrs[0]:+.2f} | {snrs[2]:.2f} | "
+                  f"{choice} | {seconds:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from ..ir import QModel, constant_bytes
 from ..pipeline import Pass, PassManager, PassResult
 from ..registry import register
 from .compute_qparams import config_of
+from .correct_bias import NAME as CORRECT_BIAS, has_candidates
 
 NAME = "select-by-snr"
 MIN_SAMPLES = 8
@@ -104,8 +105,11 @@ class SelectBySnr(Pass):
     Each combination runs ``then`` on a copy of the model and is scored by the lowest output SNR
     over the feeds, minus a penalty: ``asymmetric_penalty_db`` trades accuracy for onnxruntime's
     faster symmetric kernels (by default it only settles ties); then the first wins (calibrated
-    ranges, asymmetric weights: the measured defaults). Writes: the chosen variant into ``model.ranges`` /
-    the table (with a ``why`` line), ``model.report["select-by-snr"]`` (every score).
+    ranges, asymmetric weights: the measured defaults). With ``bias_correction``, the chosen variant
+    is scored once more with correct-bias run after compute-qparams; its corrected biases are kept
+    only if the SNR is higher. Writes: the chosen variant into ``model.ranges`` / the table (with a
+    ``why`` line), the corrected bias values (or not) and ``model.report["correct-bias"]`` (so the
+    correct-bias pass does nothing more), ``model.report["select-by-snr"]`` (every score).
     Invariants: the graph is not changed (copies share its weight arrays, read-only); nothing is
     done (and it says why) without re-readable calibration data or above ``max_weight_mb`` /
     ``max_nodes``.
@@ -141,12 +145,16 @@ class SelectBySnr(Pass):
     fused_nodes: int = field(default=1000, metadata={
         "help": "score with onnxruntime's fused integer kernels up to this many nodes; above, the "
                 "Q/DQ nodes run as written (fusing a 3,200-Conv QDQ graph takes onnxruntime 8 s)"})
+    bias_correction: bool = field(default=True, metadata={
+        "help": "also score the chosen variant with correct-bias and keep the corrected biases only "
+                "if they score higher (else correct-bias does nothing)"})
     then: str = field(default="compute-qparams,fix-bias-scales,insert-qdq,insert-converts", metadata={
         "help": "the passes that turn a variant into the QDQ model that is scored"})
 
     def run(self, model: QModel) -> PassResult:
         axes = [a for a in (range_variants(model), weight_variants(model, self.asymmetric_penalty_db)) if a]
-        if not axes:
+        bias = self.bias_correction and "compute-qparams" in self.then.split(",") and has_candidates(model)
+        if not axes and not bias:
             return PassResult(model, False, {"variants": 0})
         skip = self._skip_reason(model)
         if skip:
@@ -174,11 +182,44 @@ class SelectBySnr(Pass):
             names, reason = variant.why
             for name in names:
                 model.quant[name].because(reason)
-        model.report[NAME] = report | {
-            "chosen": _label(best[2]),
-            "variants": [{"variant": _label(c), "snr_db": round(snr, 2), "penalty_db": round(snr - s, 2)}
-                         for s, snr, c in scored]}
-        return PassResult(model, any(v.changes for v in best[2]), {"variants": len(scored)})
+        report |= {"chosen": _label(best[2]) or "as configured",
+                   "variants": [{"variant": _label(c) or "as configured", "snr_db": round(snr, 2),
+                                 "penalty_db": round(snr - s, 2)} for s, snr, c in scored]}
+        corrected = self._bias_correction(model, best[1], reference, report) if bias else False
+        model.report[NAME] = report
+        return PassResult(model, any(v.changes for v in best[2]) or corrected, {"variants": len(scored)})
+
+    def _bias_correction(self, model: QModel, snr: float, reference: Reference, report: dict) -> bool:
+        """Score the chosen variant with correct-bias; keep its biases if that scores higher. Either
+        way ``model.report["correct-bias"]`` says what happened, and the pass itself does nothing more."""
+        then = self.then.split(",")
+        cut = then.index("compute-qparams") + 1
+        try:
+            trial = model.copy(share_weights=True)
+            PassManager(",".join(then[:cut] + [CORRECT_BIAS])).run(trial)
+            info = trial.report.get(CORRECT_BIAS, {})
+            tensors = trial.tensors()
+            biases = {name: (tensors[name].values, trial.quant[name].why[-1]) for name in trial.quant
+                      if trial.quant[name].why and trial.quant[name].why[-1].startswith(CORRECT_BIAS + ":")}
+            PassManager(",".join(then[cut:])).run(trial)
+            fused = len(model.graph.nodes) <= self.fused_nodes
+            corrected = reference.score(trial.to_proto(metadata=False), optimize=fused)["snr_db"]
+        except Exception as exc:   # scored like any variant: a failure is reported, not fatal
+            report.setdefault("failed", []).append({"variant": CORRECT_BIAS, "error": f"{type(exc).__name__}: {first_line(exc)}"})
+            model.report[CORRECT_BIAS] = {"skipped": f"{NAME}: it failed on a copy ({first_line(exc)})"}
+            return False
+        gain = corrected - snr
+        report["bias_correction"] = {"snr_db": round(corrected, 2), "gain_db": round(gain, 2), "applied": gain > 0}
+        if gain <= 0 or not biases:
+            model.report[CORRECT_BIAS] = {"skipped": f"{NAME} scored the model {gain:+.2f} dB with it" if biases
+                                          else info.get("skipped", "no layer to correct")}
+            return False
+        tensors = model.tensors()
+        for name, (values, why) in biases.items():
+            tensors[name].values = values
+            model.quant[name].because(why)
+        model.report[CORRECT_BIAS] = info | {"applied_by": NAME, "gain_db": round(gain, 2)}
+        return True
 
     def _score(self, model: QModel, combo, reference: Reference, failed: list) -> float | None:
         """Output SNR of ``combo`` quantized on a copy of ``model`` (None: it failed; noted in ``failed``)."""

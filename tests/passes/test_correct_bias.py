@@ -33,6 +33,8 @@ g (float[4, 16] x) => (float[4, 3] y)
 }
 """
 A16W8 = {"activation_type": "uint16", "weight_type": "int8", "per_channel": False}
+NO_SELECT = QUANTIZE_PIPELINE.replace("select-by-snr", "select-by-snr{bias_correction=false}")
+WITHOUT = NO_SELECT.replace("correct-bias,", "")
 
 
 def _feeds(shape, n, seed=0, offset=(20.0, -30.0)):
@@ -61,9 +63,8 @@ def _snr(text, config, passes, feeds, evals):
 
 def test_depthwise_a16w8_recovers_the_dc_error():
     feeds, evals = _feeds((1, 2, 8, 8), 8), _feeds((1, 2, 8, 8), 4, seed=1)
-    without = QUANTIZE_PIPELINE.replace("correct-bias,", "")
-    before, _ = _snr(DEPTHWISE, A16W8, without, feeds, evals)
-    after, q = _snr(DEPTHWISE, A16W8, QUANTIZE_PIPELINE, feeds, evals)
+    before, _ = _snr(DEPTHWISE, A16W8, WITHOUT, feeds, evals)
+    after, q = _snr(DEPTHWISE, A16W8, NO_SELECT, feeds, evals)
     assert after > before + 5, (before, after)   # measured: 37.0 -> 43.5 dB
     assert q.report["correct-bias"]["layers"] == 1
     assert any("correct-bias" in why for why in q.quant["b"].why)
@@ -97,9 +98,8 @@ def test_shift_is_the_mean_of_the_layer_on_the_weight_error():
 
 def test_gemm_with_transposed_weight():
     feeds, evals = _feeds((4, 16), 8), _feeds((4, 16), 4, seed=1)
-    without = QUANTIZE_PIPELINE.replace("correct-bias,", "")
-    before, _ = _snr(GEMM, A16W8, without, feeds, evals)
-    after, q = _snr(GEMM, A16W8, QUANTIZE_PIPELINE, feeds, evals)
+    before, _ = _snr(GEMM, A16W8, WITHOUT, feeds, evals)
+    after, q = _snr(GEMM, A16W8, NO_SELECT, feeds, evals)
     assert q.report["correct-bias"]["layers"] == 1
     assert after > before + 6, (before, after)
 
@@ -107,8 +107,8 @@ def test_gemm_with_transposed_weight():
 def test_depthwise_a8w8_improves_too():
     feeds, evals = _feeds((1, 2, 8, 8), 8), _feeds((1, 2, 8, 8), 4, seed=1)
     config = {"activation_type": "uint8", "weight_type": "int8", "per_channel": False}
-    before, _ = _snr(DEPTHWISE, config, QUANTIZE_PIPELINE.replace("correct-bias,", ""), feeds, evals)
-    after, q = _snr(DEPTHWISE, config, QUANTIZE_PIPELINE, feeds, evals)
+    before, _ = _snr(DEPTHWISE, config, WITHOUT, feeds, evals)
+    after, q = _snr(DEPTHWISE, config, NO_SELECT, feeds, evals)
     assert q.report["correct-bias"]["layers"] == 1
     assert after > before + 1, (before, after)
 
@@ -116,7 +116,7 @@ def test_depthwise_a8w8_improves_too():
 @pytest.mark.parametrize("bits, layers", [(8, 1), (16, 0)])
 def test_activation_bits_option(bits, layers):
     feeds = _feeds((1, 2, 8, 8), 4)
-    passes = QUANTIZE_PIPELINE.replace("correct-bias", f"correct-bias{{activation_bits={bits}}}")
+    passes = NO_SELECT.replace("correct-bias", f"correct-bias{{activation_bits={bits}}}")
     _, q = _snr(DEPTHWISE, {"activation_type": "uint8", "weight_type": "int8"}, passes, feeds, feeds)
     assert q.report.get("correct-bias", {}).get("layers", 0) == layers
 
@@ -131,12 +131,12 @@ def test_one_shot_data_is_skipped_with_a_reason():
     before = np.asarray(model.tensors()["b"].values).copy()
     PassManager("correct-bias").run(model)
     np.testing.assert_array_equal(np.asarray(model.tensors()["b"].values), before)
-    assert "cannot be read again" in model.report["correct-bias"]["skipped"]
+    assert "0 calibration sample(s) could be read again" in model.report["correct-bias"]["skipped"]
 
 
 def test_stands_aside_above_max_nodes():
     feeds = _feeds((1, 2, 8, 8), 4)
-    passes = QUANTIZE_PIPELINE.replace("correct-bias", "correct-bias{max_nodes=0}")
+    passes = NO_SELECT.replace("correct-bias", "correct-bias{max_nodes=0}")
     _, q = _snr(DEPTHWISE, A16W8, passes, feeds, feeds)
     assert q.report["correct-bias"]["skipped"] == "1 nodes is over max_nodes=0"
 
@@ -169,5 +169,27 @@ def test_shift_matches_the_layer_run_on_its_weight_error(attrs, c_out):
     error = (dequantize(quantize_values(w, tq.scale, tq.zero_point, tq.qtype), tq.scale, tq.zero_point)
              - w).astype(np.float32)
     expected = np.mean([run(_conv(error, attrs), f)[0].mean(axis=(0, 2, 3)) for f in feeds], axis=0)
-    PassManager("correct-bias").run(model)
+    PassManager("correct-bias{significance=0}").run(model)
     np.testing.assert_allclose(model.tensors()["b"].values, -expected, rtol=1e-3, atol=1e-6)
+
+
+def test_select_by_snr_keeps_it_only_when_it_scores_higher():
+    feeds, evals = _feeds((1, 2, 8, 8), 16), _feeds((1, 2, 8, 8), 4, seed=1)
+    snr, q = _snr(DEPTHWISE, A16W8, QUANTIZE_PIPELINE, feeds, evals)
+    decision = q.report["select-by-snr"]["bias_correction"]
+    assert decision["applied"] and decision["gain_db"] > 0
+    assert q.report["correct-bias"]["applied_by"] == "select-by-snr"
+    assert sum("correct-bias" in why for why in q.quant["b"].why) == 1   # applied once, not again
+    forced, _ = _snr(DEPTHWISE, A16W8, NO_SELECT, feeds, evals)
+    assert snr == pytest.approx(forced)
+
+
+def test_select_by_snr_refuses_it_when_it_scores_lower(monkeypatch):
+    import qpasses.passes.correct_bias as correct_bias
+    real = correct_bias.Target.shift
+    monkeypatch.setattr(correct_bias.Target, "shift", lambda self, mean: -50 * real(self, mean))  # a wrong shift
+    feeds = _feeds((1, 2, 8, 8), 16)
+    _, q = _snr(DEPTHWISE, A16W8, QUANTIZE_PIPELINE, feeds, feeds)
+    assert not q.report["select-by-snr"]["bias_correction"]["applied"]
+    assert "scored the model" in q.report["correct-bias"]["skipped"]
+    assert not any("correct-bias" in why for why in q.quant["b"].why)
