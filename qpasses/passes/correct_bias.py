@@ -165,9 +165,9 @@ class CorrectBias(Pass):
     error: output SNR +0.5 to +4 dB at U8/S8 and +3 to +17 dB at U16/S8 on the benchmark CNNs
     (tools/bench_correct_bias.py).
     Rounding does not always err one way, and the mean shift of a channel is only corrected where
-    it stands ``significance`` standard errors (over the feeds) from 0. In the default pipeline
-    select-by-snr scores the model with and without it and decides (ppocr_v4_det with min/max
-    ranges loses 1-2.4 dB to it, other models gain); then this pass does nothing more.
+    it stands ``significance`` standard errors (over the feeds) from 0 (default 0: all). It can
+    also hurt (ppocr_v4_det with min/max ranges: -1 to -2.4 dB): ``select-by-snr{bias_correction=true}``
+    scores the model with and without it and decides, and then this pass does nothing more.
     Invariants: the graph and the weights are unchanged; only bias values move; nothing is done (it
     says why) without re-readable calibration data or above ``max_nodes`` / ``max_weight_mb``, or
     when ``model.report["correct-bias"]`` exists (select-by-snr decided).

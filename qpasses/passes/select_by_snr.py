@@ -145,9 +145,10 @@ class SelectBySnr(Pass):
     fused_nodes: int = field(default=1000, metadata={
         "help": "score with onnxruntime's fused integer kernels up to this many nodes; above, the "
                 "Q/DQ nodes run as written (fusing a 3,200-Conv QDQ graph takes onnxruntime 8 s)"})
-    bias_correction: bool = field(default=True, metadata={
+    bias_correction: bool = field(default=False, metadata={
         "help": "also score the chosen variant with correct-bias and keep the corrected biases only "
-                "if they score higher (else correct-bias does nothing)"})
+                "if they score higher (else correct-bias does nothing); off by default: on the "
+                "benchmark it cost time and chose worse than always correcting (tools/README.md)"})
     then: str = field(default="compute-qparams,fix-bias-scales,insert-qdq,insert-converts", metadata={
         "help": "the passes that turn a variant into the QDQ model that is scored"})
 

@@ -33,7 +33,8 @@ g (float[4, 16] x) => (float[4, 3] y)
 }
 """
 A16W8 = {"activation_type": "uint16", "weight_type": "int8", "per_channel": False}
-NO_SELECT = QUANTIZE_PIPELINE.replace("select-by-snr", "select-by-snr{bias_correction=false}")
+NO_SELECT = QUANTIZE_PIPELINE
+SCORED = QUANTIZE_PIPELINE.replace("select-by-snr", "select-by-snr{bias_correction=true}")
 WITHOUT = NO_SELECT.replace("correct-bias,", "")
 
 
@@ -175,7 +176,7 @@ def test_shift_matches_the_layer_run_on_its_weight_error(attrs, c_out):
 
 def test_select_by_snr_keeps_it_only_when_it_scores_higher():
     feeds, evals = _feeds((1, 2, 8, 8), 16), _feeds((1, 2, 8, 8), 4, seed=1)
-    snr, q = _snr(DEPTHWISE, A16W8, QUANTIZE_PIPELINE, feeds, evals)
+    snr, q = _snr(DEPTHWISE, A16W8, SCORED, feeds, evals)
     decision = q.report["select-by-snr"]["bias_correction"]
     assert decision["applied"] and decision["gain_db"] > 0
     assert q.report["correct-bias"]["applied_by"] == "select-by-snr"
@@ -189,7 +190,7 @@ def test_select_by_snr_refuses_it_when_it_scores_lower(monkeypatch):
     real = correct_bias.Target.shift
     monkeypatch.setattr(correct_bias.Target, "shift", lambda self, mean: -50 * real(self, mean))  # a wrong shift
     feeds = _feeds((1, 2, 8, 8), 16)
-    _, q = _snr(DEPTHWISE, A16W8, QUANTIZE_PIPELINE, feeds, feeds)
+    _, q = _snr(DEPTHWISE, A16W8, SCORED, feeds, feeds)
     assert not q.report["select-by-snr"]["bias_correction"]["applied"]
     assert "scored the model" in q.report["correct-bias"]["skipped"]
     assert not any("correct-bias" in why for why in q.quant["b"].why)
