@@ -162,7 +162,7 @@ class CorrectBias(Pass):
     a ``why`` line on the bias, ``model.report["correct-bias"]``. Rounding a weight moves every
     output by the same amount on average whenever the input's mean is not 0, and filters whose taps
     nearly cancel (ppocr's 3x3 depthwise edge filters on inputs far from 0) turn it into a large
-    error: output SNR +0.5 to +4 dB at U8/S8 and +3 to +17 dB at U16/S8 on the benchmark CNNs
+    error: output SNR -0.1 to +4.2 dB at U8/S8 and +2.9 to +17.5 dB at U16/S8 on the benchmark CNNs
     (tools/bench_correct_bias.py).
     Rounding does not always err one way, and the mean shift of a channel is only corrected where
     it stands ``significance`` standard errors (over the feeds) from 0 (default 0: all). It can
