@@ -3,8 +3,8 @@
     /tmp/venv/bin/python tools/bench_correct_bias.py [--models a,b] [--activations uint16,uint8]
 
 Each model is quantized three times with the qpasses default config (only ``activation_type`` set)
-on the 64 calibration samples of tools/models.py: without correct-bias, with it always applied
-(the default pipeline), and scored (select-by-snr{bias_correction=true} scores both on the
+on the 64 calibration samples of tools/models.py: without correct-bias, with it applied to every
+layer (``activation_bits=8``; the default pipeline does the 16-bit ones), and scored (select-by-snr{bias_correction=true} scores both on the
 calibration feeds and keeps the better). SNR is on the eval samples, min over outputs, as in bench_vs_ort.py.
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ from qpasses.evaluate import session, snr_db  # noqa: E402
 from qpasses.instruments import TimePasses  # noqa: E402
 from qpasses.pipeline import QUANTIZE_PIPELINE  # noqa: E402
 
-FORCED = QUANTIZE_PIPELINE   # the default: always applied
-WITHOUT = FORCED.replace("correct-bias,", "")
-SCORED = QUANTIZE_PIPELINE.replace("select-by-snr", "select-by-snr{bias_correction=true}")
+FORCED = QUANTIZE_PIPELINE.replace("correct-bias,", "correct-bias{activation_bits=8},")   # every layer
+WITHOUT = QUANTIZE_PIPELINE.replace("correct-bias,", "")
+SCORED = FORCED.replace("select-by-snr", "select-by-snr{bias_correction=true}")
 
 
 def output_snr(float_path: Path, quantized, evals: list[dict]) -> float:
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64)
     args = ap.parse_args()
     names = args.models or [m for m in bench_models.DEFAULT_MODELS if m != "light_squeezenet"]
-    print("| model | activations | without dB | always (default) dB | gain dB | scored dB | select-by-snr's choice | correct-bias s |")
+    print("| model | activations | without dB | always dB | gain dB | scored dB | select-by-snr's choice | correct-bias s |")
     print("|---|---|---|---|---|---|---|---|")
     for name in names:
         try:

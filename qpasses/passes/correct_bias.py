@@ -162,12 +162,15 @@ class CorrectBias(Pass):
     a ``why`` line on the bias, ``model.report["correct-bias"]``. Rounding a weight moves every
     output by the same amount on average whenever the input's mean is not 0, and filters whose taps
     nearly cancel (ppocr's 3x3 depthwise edge filters on inputs far from 0) turn it into a large
-    error: output SNR -0.1 to +4.2 dB at U8/S8 and +2.9 to +17.5 dB at U16/S8 on the benchmark CNNs
-    (tools/bench_correct_bias.py).
+    error: output SNR +2.9 to +17.5 dB at U16/S8 on the benchmark CNNs (tools/bench_correct_bias.py).
+    At U8/S8 the activations' own rounding dominates: -0.1 to +4.2 dB with the default ranges,
+    -1 to -2.4 dB on ppocr_v4_det with min/max ranges, for one more float run over the feeds
+    (+4 s on resnet50_rand); hence ``activation_bits`` = 16 by default (16-bit and mixed-precision
+    layers).
     Rounding does not always err one way, and the mean shift of a channel is only corrected where
-    it stands ``significance`` standard errors (over the feeds) from 0 (default 0: all). It can
-    also hurt (ppocr_v4_det with min/max ranges: -1 to -2.4 dB): ``select-by-snr{bias_correction=true}``
-    scores the model with and without it and decides, and then this pass does nothing more.
+    it stands ``significance`` standard errors (over the feeds) from 0 (default 0: all).
+    ``select-by-snr{bias_correction=true}`` scores the model with and without it and decides, and
+    then this pass does nothing more.
     Invariants: the graph and the weights are unchanged; only bias values move; nothing is done (it
     says why) without re-readable calibration data or above ``max_nodes`` / ``max_weight_mb``, or
     when ``model.report["correct-bias"]`` exists (select-by-snr decided).
@@ -189,8 +192,9 @@ class CorrectBias(Pass):
     example_prelude: ClassVar[str] = "annotate-types,calibrate,compute-qparams"
 
     samples: int = field(default=32, metadata={"help": "calibration feeds the shifts are averaged over"})
-    activation_bits: int = field(default=8, metadata={
-        "help": "correct only layers whose input is quantized to at least this many bits"})
+    activation_bits: int = field(default=16, metadata={
+        "help": "correct only layers whose input is quantized to at least this many bits (8: all; "
+                "at 8 bits the measured effect was -2.4 to +4.2 dB and it costs a float run)"})
     significance: float = field(default=0.0, metadata={
         "help": "correct a channel only where its mean shift is this many standard errors from 0 "
                 "(an SE-block Conv after GlobalAveragePool sees one value per sample: its mean is noise)"})

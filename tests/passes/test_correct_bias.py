@@ -105,11 +105,18 @@ def test_gemm_with_transposed_weight():
     assert after > before + 6, (before, after)
 
 
-def test_depthwise_a8w8_improves_too():
+def test_8_bit_inputs_are_left_alone_by_default():
+    feeds = _feeds((1, 2, 8, 8), 4)
+    _, q = _snr(DEPTHWISE, {"activation_type": "uint8", "weight_type": "int8"}, QUANTIZE_PIPELINE, feeds, feeds)
+    assert "correct-bias" not in q.report
+    assert not any("correct-bias" in why for why in q.quant["b"].why)
+
+
+def test_depthwise_a8w8_improves_when_asked():
     feeds, evals = _feeds((1, 2, 8, 8), 8), _feeds((1, 2, 8, 8), 4, seed=1)
     config = {"activation_type": "uint8", "weight_type": "int8", "per_channel": False}
     before, _ = _snr(DEPTHWISE, config, WITHOUT, feeds, evals)
-    after, q = _snr(DEPTHWISE, config, NO_SELECT, feeds, evals)
+    after, q = _snr(DEPTHWISE, config, NO_SELECT.replace("correct-bias", "correct-bias{activation_bits=8}"), feeds, evals)
     assert q.report["correct-bias"]["layers"] == 1
     assert after > before + 1, (before, after)
 
