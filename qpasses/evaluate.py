@@ -9,7 +9,7 @@ import onnx
 
 from .calibration.data import InputSpec, validate
 from .errors import ModelError
-from .ir import QModel, load, load_external_data, max_ort_ir_version
+from .ir import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
 
 
 def session(model, *, optimize: bool = True):
@@ -36,6 +36,19 @@ def session(model, *, optimize: bool = True):
             raise
         load_external_data(proto, Path(model).parent)
         return session(load(proto), optimize=optimize)
+
+
+def rerun_skip_reason(model: QModel, max_nodes: int, max_weight_mb: float) -> str | None:
+    """Why a pass that runs the model again in onnxruntime on the calibration data should stand
+    aside (too many nodes or weights for another session, or no data), else None."""
+    if len(model.graph.nodes) > max_nodes:
+        return f"{len(model.graph.nodes)} nodes is over max_nodes={max_nodes}"
+    weight_mb = constant_bytes(model.graph) / 2**20
+    if weight_mb > max_weight_mb:
+        return f"{weight_mb:.0f} MB of weights is over max_weight_mb={max_weight_mb:g}"
+    if model.calibration_data is None:
+        return "no calibration data on the model"
+    return None
 
 
 def _check_same_signature(ref_inputs: list[str], ref_outputs: list[str], test_sess) -> None:

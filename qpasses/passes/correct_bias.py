@@ -11,8 +11,8 @@ from onnx import helper, numpy_helper
 
 from ..calibration.data import model_inputs, open_data
 from ..errors import CalibrationDataError
-from ..evaluate import session
-from ..ir import QModel, constant_bytes
+from ..evaluate import rerun_skip_reason, session
+from ..ir import QModel
 from ..pipeline import Pass, PassResult
 from ..qdq import QParams, quantized_values
 from ..qparams import dequantize
@@ -209,7 +209,7 @@ class CorrectBias(Pass):
             return PassResult(model, False, {"layers": 0})
         if not any(model.quant[name].role == "bias" for name in model.quant):
             return PassResult(model, False, {"layers": 0})
-        skip = self._skip_reason(model)
+        skip = rerun_skip_reason(model, self.max_nodes, self.max_weight_mb)
         if skip:
             model.report[NAME] = {"skipped": skip}
             return PassResult(model, False, {"layers": 0})
@@ -250,13 +250,3 @@ class CorrectBias(Pass):
         model.report[NAME] = {"layers": len(targets), "samples": count, "channels": channels,
                               "channels_corrected": kept}
         return PassResult(model, True, {"layers": len(targets), "samples": count})
-
-    def _skip_reason(self, model: QModel) -> str | None:
-        if len(model.graph.nodes) > self.max_nodes:
-            return f"{len(model.graph.nodes)} nodes is over max_nodes={self.max_nodes}"
-        weight_mb = constant_bytes(model.graph) / 2**20
-        if weight_mb > self.max_weight_mb:
-            return f"{weight_mb:.0f} MB of weights is over max_weight_mb={self.max_weight_mb:g}"
-        if model.calibration_data is None:
-            return "no calibration data on the model"
-        return None

@@ -10,8 +10,8 @@ import numpy as np
 from ..calibration.data import open_data
 from ..calibration.softmax import ROW_MAX_SUFFIX
 from ..errors import CalibrationDataError, first_line
-from ..evaluate import Reference
-from ..ir import QModel, constant_bytes
+from ..evaluate import Reference, rerun_skip_reason
+from ..ir import QModel
 from ..pipeline import Pass, PassManager, PassResult
 from ..registry import register
 from .compute_qparams import config_of
@@ -157,7 +157,7 @@ class SelectBySnr(Pass):
         bias = self.bias_correction and "compute-qparams" in self.then.split(",") and has_candidates(model)
         if not axes and not bias:
             return PassResult(model, False, {"variants": 0})
-        skip = self._skip_reason(model)
+        skip = rerun_skip_reason(model, self.max_nodes, self.max_weight_mb)
         if skip:
             model.report[NAME] = {"skipped": skip}
             return PassResult(model, False, {"variants": 0})
@@ -234,16 +234,6 @@ class SelectBySnr(Pass):
         except Exception as exc:   # a variant that cannot be built or run is not chosen
             failed.append({"variant": _label(combo), "error": f"{type(exc).__name__}: {first_line(exc)}"})
             return None
-
-    def _skip_reason(self, model: QModel) -> str | None:
-        if len(model.graph.nodes) > self.max_nodes:
-            return f"{len(model.graph.nodes)} nodes is over max_nodes={self.max_nodes}"
-        weight_mb = constant_bytes(model.graph) / 2**20
-        if weight_mb > self.max_weight_mb:
-            return f"{weight_mb:.0f} MB of weights is over max_weight_mb={self.max_weight_mb:g}"
-        if model.calibration_data is None:
-            return "no calibration data on the model"
-        return None
 
     def _reference(self, model: QModel) -> Reference | None:
         kept = model.kept_samples
