@@ -20,6 +20,7 @@ from ..qtypes import qtype
 from ..registry import register
 
 NAME = "correct-bias"
+WHY_PREFIX = NAME + ":"
 CORRECTED_OPS = frozenset({"Conv", "ConvTranspose", "Gemm"})
 TAP_OUTPUTS = 8   # Conv outputs per group up to which running the layer on its error is cheaper than tap means
 
@@ -37,7 +38,7 @@ class Target:
 
     def shift(self, probe_mean: np.ndarray) -> np.ndarray:
         """The mean output shift per output channel from the probe's mean over the samples."""
-        error, op = self.error.astype(np.float64), self.node.op
+        error, op = self.error, self.node.op   # probe_mean is float64: the products are too
         if self.direct:
             return probe_mean
         if op == "Conv":   # probe: mean of each input tap (channel ci, kernel offset k) over the outputs
@@ -62,19 +63,31 @@ def _weight_error(model: QModel, weight: str) -> np.ndarray | None:
     return (restored.astype(np.float64) - values.astype(np.float64)).astype(values.dtype)
 
 
+def _bias_layers(model: QModel):
+    """(bias name, its table entry, the Conv/ConvTranspose/Gemm reading it) for each constant bias
+    the table quantizes (not fixed) with one such reader."""
+    tensors = model.tensors()
+    for name in sorted(model.quant):
+        tq, bias = model.quant[name], tensors.get(name)
+        if (tq.role == "bias" and not tq.fixed and isinstance(bias, gs.Constant) and len(bias.outputs) == 1
+                and bias.outputs[0].op in CORRECTED_OPS):
+            yield name, tq, bias.outputs[0]
+
+
+def has_candidates(model: QModel) -> bool:
+    """Whether some Conv/ConvTranspose/Gemm reads a bias the table quantizes (before compute-qparams)."""
+    return next(_bias_layers(model), None) is not None
+
+
 def find_targets(model: QModel, activation_bits: int) -> list[Target]:
     """Conv/ConvTranspose/Gemm layers with a quantized constant weight and bias whose input is
     quantized to at least ``activation_bits`` bits."""
-    tensors, targets = model.tensors(), []
-    for name in sorted(model.quant):
-        tq = model.quant[name]
-        if tq.role != "bias" or tq.fixed or not tq.derived_from or len(tq.derived_from) != 2:
+    targets = []
+    for name, tq, node in _bias_layers(model):
+        if not tq.derived_from or len(tq.derived_from) != 2:
             continue
-        bias = tensors.get(name)
-        node = bias.outputs[0] if isinstance(bias, gs.Constant) and len(bias.outputs) == 1 else None
         inp = model.quant.get(tq.derived_from[0])
-        if (node is None or node.op not in CORRECTED_OPS or inp is None
-                or qtype(inp.qtype).bits < activation_bits or node.inputs[0].name != tq.derived_from[0]
+        if (inp is None or qtype(inp.qtype).bits < activation_bits or node.inputs[0].name != tq.derived_from[0]
                 or (node.op == "Gemm" and node.attrs.get("transA", 0))):
             continue
         error = _weight_error(model, tq.derived_from[1])
@@ -83,15 +96,11 @@ def find_targets(model: QModel, activation_bits: int) -> list[Target]:
     return targets
 
 
-def has_candidates(model: QModel) -> bool:
-    """Whether some Conv/ConvTranspose/Gemm reads a bias the table quantizes (before compute-qparams)."""
+def corrected_biases(model: QModel) -> dict[str, tuple[np.ndarray, str]]:
+    """{bias: (values, why line)} of the biases this pass corrected (its ``why`` line is their last)."""
     tensors = model.tensors()
-    for name in model.quant:
-        tensor = tensors.get(name)
-        if (model.quant[name].role == "bias" and not model.quant[name].fixed and isinstance(tensor, gs.Constant)
-                and len(tensor.outputs) == 1 and tensor.outputs[0].op in CORRECTED_OPS):
-            return True
-    return False
+    return {name: (tensors[name].values, tq.why[-1]) for name, tq, _ in _bias_layers(model)
+            if tq.why and tq.why[-1].startswith(WHY_PREFIX)}
 
 
 def _reduce_mean(name: str, source: str, axes: list[int], opset: int) -> tuple[list, list]:
@@ -207,7 +216,7 @@ class CorrectBias(Pass):
     def run(self, model: QModel) -> PassResult:
         if NAME in model.report:   # select-by-snr already applied it, or scored it worse
             return PassResult(model, False, {"layers": 0})
-        if not any(model.quant[name].role == "bias" for name in model.quant):
+        if not has_candidates(model):
             return PassResult(model, False, {"layers": 0})
         skip = rerun_skip_reason(model, self.max_nodes, self.max_weight_mb)
         if skip:
@@ -243,7 +252,7 @@ class CorrectBias(Pass):
             bias.values = (values.astype(np.float64) - shift).astype(values.dtype)
             kept, channels = kept + int(significant.sum()), channels + significant.size
             model.quant[t.bias].because(
-                f"{NAME}: minus the mean output shift of the quantized weight over {count} calibration "
+                f"{WHY_PREFIX} minus the mean output shift of the quantized weight over {count} calibration "
                 f"samples on {int(significant.sum())} of {significant.size} channels (largest "
                 f"{float(np.abs(shift).max(initial=0.0)):.3g}; the others are within "
                 f"{self.significance:g} standard errors of 0)")

@@ -15,7 +15,7 @@ from ..ir import QModel
 from ..pipeline import Pass, PassManager, PassResult
 from ..registry import register
 from .compute_qparams import config_of
-from .correct_bias import NAME as CORRECT_BIAS, has_candidates
+from .correct_bias import NAME as CORRECT_BIAS, corrected_biases, has_candidates
 
 NAME = "select-by-snr"
 MIN_SAMPLES = 8
@@ -198,13 +198,8 @@ class SelectBySnr(Pass):
         try:
             trial = model.copy(share_weights=True)
             PassManager(",".join(then[:cut] + [CORRECT_BIAS])).run(trial)
-            info = trial.report.get(CORRECT_BIAS, {})
-            tensors = trial.tensors()
-            biases = {name: (tensors[name].values, trial.quant[name].why[-1]) for name in trial.quant
-                      if trial.quant[name].why and trial.quant[name].why[-1].startswith(CORRECT_BIAS + ":")}
-            PassManager(",".join(then[cut:])).run(trial)
-            fused = len(model.graph.nodes) <= self.fused_nodes
-            corrected = reference.score(trial.to_proto(metadata=False), optimize=fused)["snr_db"]
+            info, biases = trial.report.get(CORRECT_BIAS, {}), corrected_biases(trial)
+            corrected = self._finish_and_score(trial, ",".join(then[cut:]), reference)
         except Exception as exc:   # scored like any variant: a failure is reported, not fatal
             report.setdefault("failed", []).append({"variant": CORRECT_BIAS, "error": f"{type(exc).__name__}: {first_line(exc)}"})
             model.report[CORRECT_BIAS] = {"skipped": f"{NAME}: it failed on a copy ({first_line(exc)})"}
@@ -228,12 +223,16 @@ class SelectBySnr(Pass):
             trial = model.copy(share_weights=True)
             for variant in combo:
                 variant.apply(trial)
-            PassManager(self.then).run(trial)
-            fused = len(model.graph.nodes) <= self.fused_nodes
-            return reference.score(trial.to_proto(metadata=False), optimize=fused)["snr_db"]
+            return self._finish_and_score(trial, self.then, reference)
         except Exception as exc:   # a variant that cannot be built or run is not chosen
             failed.append({"variant": _label(combo), "error": f"{type(exc).__name__}: {first_line(exc)}"})
             return None
+
+    def _finish_and_score(self, trial: QModel, passes: str, reference: Reference) -> float:
+        """Run ``passes`` on the copy ``trial`` and return its output SNR against ``reference``."""
+        fused = len(trial.graph.nodes) <= self.fused_nodes   # the float graph's size, before Q/DQ
+        PassManager(passes).run(trial)
+        return reference.score(trial.to_proto(metadata=False), optimize=fused)["snr_db"]
 
     def _reference(self, model: QModel) -> Reference | None:
         kept = model.kept_samples
