@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 
 from .calibration.data import InputSpec, validate
-from .errors import ModelError
+from .errors import ModelError, first_line
 from .ir import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
 
 
@@ -101,6 +101,8 @@ class Reference:
         self.names, self.inputs, self.feeds = list(names), sorted(inputs), list(feeds)
         self.outputs = {n: np.concatenate([np.ravel(o[i]).astype(np.float64) for o in outputs])
                         if outputs else np.zeros(0) for i, n in enumerate(self.names)}
+        # per output, where each feed's values start and end in self.outputs
+        self.bounds = [np.cumsum([0] + [np.size(o[i]) for o in outputs]) for i in range(len(self.names))]
 
     @classmethod
     def run(cls, reference_model, feeds, max_samples: int | None = None, enough_values: int = 0,
@@ -135,6 +137,62 @@ class Reference:
             out[n] = {"snr_db": snr_db(r, t), "max_abs_error": float(np.max(np.abs(r - t))) if r.size else 0.0}
         return {"samples": len(self.feeds), "outputs": out,
                 "snr_db": min((v["snr_db"] for v in out.values()), default=math.inf)}
+
+
+    def challenge(self, test_model, best: dict | None = None, *, penalty: float = 0.0, optimize: bool = True,
+                  min_samples: int = 8, z: float = 3.0) -> dict:
+        """Score ``test_model`` on the kept feeds against ``best`` (an earlier result, or None).
+        Its score is its worst output SNR over the feeds it ran minus ``penalty``. From
+        ``min_samples`` feeds on, it stops as soon as that trails best's score on the same feeds by
+        more than ``z`` standard errors (paired jackknife over the feeds; ``z`` = 0: never).
+        Returns {"snr_db", "score", "samples", "errors" (per feed and output, the sum of squared
+        errors)}, with "margin_db" (score minus best's on the same feeds) when there is a best and
+        "dropped": True when it stopped early. onnxruntime's errors are raised."""
+        sess = session(test_model, optimize=optimize)
+        _check_same_signature(self.inputs, self.names, sess)
+        n = len(self.feeds)
+        signal, errors = np.zeros((n, len(self.names))), np.zeros((n, len(self.names)))
+        ran, dropped = 0, False
+        for i, feed in enumerate(self.feeds):
+            refs = [self.outputs[name][b[i]:b[i + 1]] for name, b in zip(self.names, self.bounds)]
+            values = sess.run(self.names, feed)
+            signal[i] = [np.dot(r, r) for r in refs]
+            errors[i] = [np.sum((r - np.ravel(v).astype(np.float64)) ** 2) for r, v in zip(refs, values)]
+            ran = i + 1
+            if best is not None and z > 0 and min_samples <= ran < n:
+                best_penalty = best["snr_db"] - best["score"]
+                if _margin(signal[:ran], errors[:ran], best["errors"][:ran], z) - penalty + best_penalty < 0:
+                    dropped = True
+                    break
+        snr = float(_worst_snr(signal[:ran].sum(0), errors[:ran].sum(0)))
+        result = {"snr_db": snr, "score": snr - penalty, "samples": ran, "errors": errors[:ran]}
+        if best is not None:
+            best_snr = float(_worst_snr(signal[:ran].sum(0), best["errors"][:ran].sum(0)))
+            result["margin_db"] = result["score"] - (best_snr - best["snr_db"] + best["score"])
+        if dropped:
+            result["dropped"] = True
+        return result
+
+
+def _worst_snr(signal: np.ndarray, error: np.ndarray):
+    """min over outputs (last axis) of 10*log10(signal / error), with snr_db's conventions."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        snr = 10 * np.log10(signal / error)
+    return np.where(error == 0, np.inf, np.where(signal == 0, -np.inf, snr)).min(axis=-1)
+
+
+def _margin(signal: np.ndarray, errors: np.ndarray, best: np.ndarray, z: float) -> float:
+    """The SNR from per-feed ``errors`` minus the one from ``best`` (same feeds: rows), plus ``z``
+    paired jackknife standard errors of that difference (SNRs capped to +-400 dB)."""
+    n, total = signal.shape[0], signal.sum(0)
+
+    def snrs(e):   # over all rows, and leaving each row out
+        loo = _worst_snr(np.maximum(total - signal, 0), np.maximum(e.sum(0) - e, 0))
+        return np.clip(_worst_snr(total, e.sum(0)), -400, 400), np.clip(loo, -400, 400)
+
+    (full, loo), (best_full, best_loo) = snrs(errors), snrs(best)
+    diff = loo - best_loo
+    return float(full - best_full) + z * math.sqrt((n - 1) / n * float(np.sum((diff - diff.mean()) ** 2)))
 
 
 def compare(reference_model, test_model, feeds, max_samples: int | None = None) -> dict:

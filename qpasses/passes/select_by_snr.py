@@ -105,9 +105,11 @@ class SelectBySnr(Pass):
     Each combination runs ``then`` on a copy of the model and is scored by the lowest output SNR
     over the feeds, minus a penalty: ``asymmetric_penalty_db`` trades accuracy for onnxruntime's
     faster symmetric kernels (by default it only settles ties); then the first wins (calibrated
-    ranges, asymmetric weights: the measured defaults). With ``bias_correction``, the chosen variant
-    is scored once more with correct-bias run after compute-qparams; its corrected biases are kept
-    only if the SNR is higher. Writes: the chosen variant into ``model.ranges`` / the table (with a
+    ranges, asymmetric weights: the measured defaults). Variants are scored in that order, each
+    against the best so far: from 8 feeds on, one that trails it on the same feeds by more than
+    ``early_stop`` standard errors (jackknife over the feeds) stops there and is not chosen. With
+    ``bias_correction``, the chosen variant is scored once more the same way with correct-bias run
+    after compute-qparams; its corrected biases are kept only if it scores higher. Writes: the chosen variant into ``model.ranges`` / the table (with a
     ``why`` line), the corrected bias values (or not) and ``model.report["correct-bias"]`` (so the
     correct-bias pass does nothing more), ``model.report["select-by-snr"]`` (every score).
     Invariants: the graph is not changed (copies share its weight arrays, read-only); nothing is
@@ -145,6 +147,9 @@ class SelectBySnr(Pass):
     fused_nodes: int = field(default=1000, metadata={
         "help": "score with onnxruntime's fused integer kernels up to this many nodes; above, the "
                 "Q/DQ nodes run as written (fusing a 3,200-Conv QDQ graph takes onnxruntime 8 s)"})
+    early_stop: float = field(default=3.0, metadata={
+        "help": "stop scoring a variant once it trails the best by this many standard errors "
+                "(jackknife over the feeds scored so far, from 8 on; 0: every variant scores every feed)"})
     bias_correction: bool = field(default=False, metadata={
         "help": "also score the chosen variant with correct-bias and keep the corrected biases only "
                 "if they score higher (else correct-bias does nothing); off by default: on the "
@@ -166,49 +171,61 @@ class SelectBySnr(Pass):
         if reference is None:
             model.report[NAME] = {"skipped": "the calibration data cannot be read again"}
             return PassResult(model, False, {"variants": 0})
-        scored, failed = [], []
-        for combo in itertools.product(*axes):
-            snr = self._score(model, combo, reference, failed)
-            if snr is not None:
-                scored.append((snr - sum(v.penalty_db for v in combo), snr, combo))
-        report = {"samples": len(reference.feeds)}
-        if failed:
-            report["failed"] = failed
-        if not scored:   # the passes after this one will meet the same problem and say so
+        fused = len(model.graph.nodes) <= self.fused_nodes   # the float graph's size, before Q/DQ
+        scored, failed, best = [], [], None   # best: (combo, result) of the best variant that ran every feed
+        for combo in itertools.product(*axes):   # the order is the preference: the first wins ties
+            try:
+                result = self._challenge(self._quantized(model, combo)[0], reference, fused,
+                                         best[1] if best else None, sum(v.penalty_db for v in combo))
+            except Exception as exc:   # a variant that cannot be built or run is not chosen
+                failed.append({"variant": _label(combo), "error": f"{type(exc).__name__}: {first_line(exc)}"})
+                continue
+            scored.append((combo, result))
+            if not result.get("dropped") and (best is None or result["score"] > best[1]["score"]):
+                best = (combo, result)
+        report = {"samples": len(reference.feeds)} | ({"failed": failed} if failed else {})
+        if best is None:   # the passes after this one will meet the same problem and say so
             model.report[NAME] = report | {"skipped": "no variant could be quantized and run"}
             return PassResult(model, False, {"variants": 0})
-        best = max(scored, key=lambda s: s[0])   # first wins ties: the order above is the preference
-        for variant in best[2]:
+        for variant in best[0]:
             variant.apply(model)
             names, reason = variant.why
             for name in names:
                 model.quant[name].because(reason)
-        report |= {"chosen": _label(best[2]) or "as configured",
-                   "variants": [{"variant": _label(c) or "as configured", "snr_db": round(snr, 2),
-                                 "penalty_db": round(snr - s, 2)} for s, snr, c in scored]}
-        corrected = self._bias_correction(model, best[1], reference, report) if bias else False
+        report |= {"chosen": _label(best[0]) or "as configured",
+                   "variants": [{"variant": _label(c) or "as configured", "snr_db": round(r["snr_db"], 2),
+                                 "penalty_db": round(r["snr_db"] - r["score"], 2), "samples": r["samples"]}
+                                for c, r in scored]}
+        corrected = self._bias_correction(model, best[1], reference, report, fused) if bias else False
         model.report[NAME] = report
-        return PassResult(model, any(v.changes for v in best[2]) or corrected, {"variants": len(scored)})
+        return PassResult(model, any(v.changes for v in best[0]) or corrected, {"variants": len(scored)})
 
-    def _bias_correction(self, model: QModel, snr: float, reference: Reference, report: dict) -> bool:
-        """Score the chosen variant with correct-bias; keep its biases if that scores higher. Either
-        way ``model.report["correct-bias"]`` says what happened, and the pass itself does nothing more."""
-        then = self.then.split(",")
-        cut = then.index("compute-qparams") + 1
+    def _challenge(self, proto, reference: Reference, fused: bool, best: dict | None, penalty: float) -> dict:
+        return reference.challenge(proto, best, penalty=penalty, optimize=fused, min_samples=MIN_SAMPLES,
+                                   z=self.early_stop)
+
+    def _bias_correction(self, model: QModel, chosen: dict, reference: Reference, report: dict, fused: bool) -> bool:
+        """Score the chosen variant with correct-bias against it (``chosen``: its result); keep the
+        corrected biases if they score higher. Either way ``model.report["correct-bias"]`` says
+        what happened, and the pass itself does nothing more."""
         try:
-            trial = model.copy(share_weights=True)
-            PassManager(",".join(then[:cut] + [CORRECT_BIAS])).run(trial)
-            info, biases = trial.report.get(CORRECT_BIAS, {}), corrected_biases(trial)
-            corrected = self._finish_and_score(trial, ",".join(then[cut:]), reference)
+            proto, (info, biases) = self._quantized(model, (), with_correct_bias=True)
+            result = self._challenge(proto, reference, fused, chosen, chosen["snr_db"] - chosen["score"]) \
+                if biases else None
         except Exception as exc:   # scored like any variant: a failure is reported, not fatal
-            report.setdefault("failed", []).append({"variant": CORRECT_BIAS, "error": f"{type(exc).__name__}: {first_line(exc)}"})
-            model.report[CORRECT_BIAS] = {"skipped": f"{NAME}: it failed on a copy ({first_line(exc)})"}
+            error = f"{type(exc).__name__}: {first_line(exc)}"
+            report.setdefault("failed", []).append({"variant": CORRECT_BIAS, "error": error})
+            model.report[CORRECT_BIAS] = {"skipped": f"{NAME}: it failed on a copy ({error})"}
             return False
-        gain = corrected - snr
-        report["bias_correction"] = {"snr_db": round(corrected, 2), "gain_db": round(gain, 2), "applied": gain > 0}
-        if gain <= 0 or not biases:
-            model.report[CORRECT_BIAS] = {"skipped": f"{NAME} scored the model {gain:+.2f} dB with it" if biases
-                                          else info.get("skipped", "no layer to correct")}
+        if result is None:
+            model.report[CORRECT_BIAS] = {"skipped": info.get("skipped", "no layer to correct")}
+            return False
+        gain = result["margin_db"]   # over the same feeds, with the same penalty
+        applied = not result.get("dropped") and gain > 0
+        report["bias_correction"] = {"snr_db": round(result["snr_db"], 2), "gain_db": round(gain, 2),
+                                     "samples": result["samples"], "applied": applied}
+        if not applied:
+            model.report[CORRECT_BIAS] = {"skipped": f"{NAME} scored the model {gain:+.2f} dB with it"}
             return False
         tensors = model.tensors()
         for name, (values, why) in biases.items():
@@ -217,22 +234,21 @@ class SelectBySnr(Pass):
         model.report[CORRECT_BIAS] = info | {"applied_by": NAME, "gain_db": round(gain, 2)}
         return True
 
-    def _score(self, model: QModel, combo, reference: Reference, failed: list) -> float | None:
-        """Output SNR of ``combo`` quantized on a copy of ``model`` (None: it failed; noted in ``failed``)."""
-        try:
-            trial = model.copy(share_weights=True)
-            for variant in combo:
-                variant.apply(trial)
-            return self._finish_and_score(trial, self.then, reference)
-        except Exception as exc:   # a variant that cannot be built or run is not chosen
-            failed.append({"variant": _label(combo), "error": f"{type(exc).__name__}: {first_line(exc)}"})
-            return None
-
-    def _finish_and_score(self, trial: QModel, passes: str, reference: Reference) -> float:
-        """Run ``passes`` on the copy ``trial`` and return its output SNR against ``reference``."""
-        fused = len(trial.graph.nodes) <= self.fused_nodes   # the float graph's size, before Q/DQ
-        PassManager(passes).run(trial)
-        return reference.score(trial.to_proto(metadata=False), optimize=fused)["snr_db"]
+    def _quantized(self, model: QModel, combo, with_correct_bias: bool = False):
+        """(the QDQ model of a copy of ``model`` with ``combo`` applied and ``then`` run, None); with
+        ``with_correct_bias``, correct-bias runs right after compute-qparams and the second item is
+        (its report entry, the biases it corrected)."""
+        trial = model.copy(share_weights=True)
+        for variant in combo:
+            variant.apply(trial)
+        then, corrected = self.then.split(","), None
+        if with_correct_bias:
+            cut = then.index("compute-qparams") + 1
+            PassManager(",".join(then[:cut] + [CORRECT_BIAS])).run(trial)
+            corrected, then = (trial.report.get(CORRECT_BIAS, {}), corrected_biases(trial)), then[cut:]
+        if then:
+            PassManager(",".join(then)).run(trial)
+        return trial.to_proto(metadata=False), corrected
 
     def _reference(self, model: QModel) -> Reference | None:
         kept = model.kept_samples

@@ -211,3 +211,17 @@ def test_float_outputs_kept_by_calibrate_score_like_a_second_float_run():
         model.kept_samples = model.kept_samples if kept_outputs else None
         run_pipeline(model, f"{NAME}{{output_values=10000}}", calibration_data=data)
         assert model.report[NAME]["samples"] == 8
+
+
+def test_a_clearly_worse_variant_stops_scoring_early():
+    """Positive weights: symmetric (scored second) is far worse than asymmetric and stops at 8 feeds."""
+    config = {**PER_TENSOR, "activation_type": "uint16"}
+    positive = (np.random.default_rng(2).random((64, 32)) + 0.5).astype(np.float32)
+    samples = {}
+    for stop in ("", "early_stop=0"):
+        model = matmul_model(positive)
+        select(model, normal_feeds(), config, ",".join(o for o in ("fused_nodes=0", stop) if o))
+        report = model.report[NAME]
+        assert report["chosen"] == "weights asymmetric" and report["samples"] == 16
+        samples[stop] = [v["samples"] for v in report["variants"]]
+    assert samples == {"": [16, 8], "early_stop=0": [16, 16]}
