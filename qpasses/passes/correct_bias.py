@@ -7,7 +7,7 @@ from typing import ClassVar
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ..calibration.data import model_inputs, open_data
 from ..errors import CalibrationDataError
@@ -22,34 +22,36 @@ from ..registry import register
 NAME = "correct-bias"
 WHY_PREFIX = NAME + ":"
 CORRECTED_OPS = frozenset({"Conv", "ConvTranspose", "Gemm"})
-TAP_OUTPUTS = 8   # Conv outputs per group up to which running the layer on its error is cheaper than tap means
 
 
 @dataclass
 class Target:
     """One layer to correct: its node, bias constant and weight quantization error, and the graph
-    output measuring what the shift is computed from (``probe``)."""
+    output of its probe (``probe``): for Conv/ConvTranspose the mean of each input tap over the
+    output positions, [C_in, K1, ..., Kr] as ``taps`` lays them out; for Gemm the mean row of A."""
 
     node: gs.Node
     bias: str
     error: np.ndarray        # dequantized weight - weight
     probe: str = ""
-    direct: bool = False     # the probe is the layer run on the weight error: it is the shift
 
-    def shift(self, probe_mean: np.ndarray) -> np.ndarray:
-        """The mean output shift per output channel from the probe's mean over the samples."""
-        error, op = self.error, self.node.op   # probe_mean is float64: the products are too
-        if self.direct:
-            return probe_mean
-        if op == "Conv":   # probe: mean of each input tap (channel ci, kernel offset k) over the outputs
-            groups = int(self.node.attrs.get("group", 1))
+    def shift(self, probes: np.ndarray) -> np.ndarray:
+        """The mean output shift per output channel [F, C_out] from the probes' values of F feeds
+        (for Conv/ConvTranspose laid out by ``taps``: [F, C_in, K])."""
+        error, op = self.error.astype(np.float64), self.node.op
+        groups = int(self.node.attrs.get("group", 1))
+        if op == "Conv":   # error [C_out, C_in/group, K...]
             c_out, c_group = error.shape[:2]
-            taps = probe_mean.reshape(groups, c_group, -1)[np.arange(c_out) // (c_out // groups)]
-            return np.einsum("oik,oik->o", error.reshape(c_out, c_group, -1), taps)
-        if op == "Gemm":   # probe: mean row of A
-            alpha = float(self.node.attrs.get("alpha", 1.0))
-            return alpha * (error @ probe_mean if self.node.attrs.get("transB", 0) else probe_mean @ error)
-        raise AssertionError(f"no tap probe for {op}")
+            per_group = probes.reshape(len(probes), groups, c_group, -1)
+            error = error.reshape(groups, c_out // groups, c_group, -1)
+            return np.einsum("gcik,fgik->fgc", error, per_group).reshape(len(probes), c_out)
+        if op == "ConvTranspose":   # error [C_in, C_out/group, K...]: input channel i feeds its group's outputs
+            c_in, c_group = error.shape[:2]
+            per_group = probes.reshape(len(probes), groups, c_in // groups, -1)
+            error = error.reshape(groups, c_in // groups, c_group, -1)
+            return np.einsum("giok,fgik->fgo", error, per_group).reshape(len(probes), -1)
+        alpha = float(self.node.attrs.get("alpha", 1.0))   # Gemm: probe is the mean row of A
+        return alpha * (probes @ error.T if self.node.attrs.get("transB", 0) else probes @ error)
 
 
 def _weight_error(model: QModel, weight: str) -> np.ndarray | None:
@@ -112,50 +114,101 @@ def _reduce_mean(name: str, source: str, axes: list[int], opset: int) -> tuple[l
     return [helper.make_node("ReduceMean", [source], [name], axes=axes, keepdims=0)], []
 
 
-def _tap_kernel(channels: int, kernel: tuple[int, ...], dtype) -> np.ndarray:
-    """Depthwise one-hot kernels: output channel ci*K + k copies input channel ci at kernel offset k."""
-    taps = int(np.prod(kernel))
-    bank = np.zeros((channels * taps, 1, taps), dtype)
-    bank[np.arange(channels * taps), 0, np.tile(np.arange(taps), channels)] = 1
-    return bank.reshape(channels * taps, 1, *kernel)
+def tap_indicators(node: gs.Node, in_shape, out_shape) -> list[np.ndarray] | None:
+    """Per spatial axis of a Conv/ConvTranspose with these input and output shapes, the [size,
+    kernel] matrix that maps the input positions to each kernel offset's mean over the output
+    positions: contracting the input with all of them gives the mean of every input tap. None
+    when the layer's padding cannot be told (ConvTranspose with auto_pad or output_shape)."""
+    rank = len(in_shape) - 2
+    kernel = list(node.inputs[1].shape[2:]) if node.inputs[1].shape else []
+    attrs = node.attrs
+    strides, dilations = attrs.get("strides", [1] * rank), attrs.get("dilations", [1] * rank)
+    auto_pad = attrs.get("auto_pad", "NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    transposed = node.op == "ConvTranspose"
+    if len(kernel) != rank or (transposed and (auto_pad != "NOTSET" or "output_shape" in attrs)):
+        return None
+    pads = attrs.get("pads", [0] * 2 * rank)
+    out = []
+    for j in range(rank):
+        size, n_out, k, s, d = in_shape[2 + j], out_shape[2 + j], kernel[j], strides[j], dilations[j]
+        begin = pads[j]
+        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+            total = max(0, (n_out - 1) * s + (k - 1) * d + 1 - size)
+            begin = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
+        elif auto_pad == "VALID":
+            begin = 0
+        matrix = np.zeros((size, k), np.float32)
+        for tap in range(k):
+            if transposed:   # input i reaches output i*s + tap*d - begin
+                i = np.arange(size)
+                matrix[i[(i * s + tap * d - begin >= 0) & (i * s + tap * d - begin < n_out)], tap] = 1
+            else:            # output o reads input o*s + tap*d - begin
+                i = np.arange(n_out) * s + tap * d - begin
+                matrix[i[(i >= 0) & (i < size)], tap] = 1
+        out.append(matrix / n_out)
+    return out
 
 
-def probe_model(model: QModel, targets: list[Target]) -> onnx.ModelProto:
-    """The float model with one averaged probe per target: for Conv with more than TAP_OUTPUTS
-    outputs per group, the mean of each input tap over the output positions (a one-hot depthwise
-    Conv with the layer's strides, pads and dilations: C_in*K outputs instead of the layer's
-    C_out*C_in/group*K products); for Gemm, the mean row; else (depthwise Conv, ConvTranspose) the
-    layer itself run on its weight error."""
-    proto = model.to_proto(metadata=False)
-    graph = proto.graph
+def _layer_shapes(base: onnx.ModelProto, targets: list[Target], feed: dict) -> dict[str, tuple]:
+    """The shapes of the Conv/ConvTranspose targets' inputs and outputs on ``feed`` (one run of the
+    float model ``base`` whose outputs are their Shape)."""
+    names = sorted({n for t in targets if t.node.op != "Gemm" for n in (t.node.inputs[0].name, t.node.outputs[0].name)})
+    if not names:
+        return {}
+    proto = onnx.ModelProto()
+    proto.CopyFrom(base)
+    del proto.graph.output[:]
+    for name in names:
+        proto.graph.node.append(helper.make_node("Shape", [name], [f"{NAME}/shape/{name}"]))
+        proto.graph.output.append(helper.make_tensor_value_info(f"{NAME}/shape/{name}", TensorProto.INT64, None))
+    values = session(proto).run(None, feed)
+    return {name: tuple(int(v) for v in value) for name, value in zip(names, values)}
+
+
+def probe_model(base: onnx.ModelProto, targets: list[Target], shapes: dict[str, tuple], opset: int) -> onnx.ModelProto:
+    """The float model with one probe output per target (see Target): for Conv/ConvTranspose, the
+    input contracted with each spatial axis' tap_indicators (MatMuls of C_in * size * kernel
+    products: far fewer than the layer's) and averaged over the batch; for Gemm, the mean row. A
+    layer whose shapes or padding are not known gets no probe (``probe`` stays empty). Edits ``base``."""
+    proto, graph = base, base.graph
     del graph.output[:]
     for k, t in enumerate(targets):
-        node, prefix = t.node, f"{NAME}/{k}"
-        t.probe, rank = f"{prefix}/mean", t.error.ndim
-        attrs = {key: v for key, v in node.attrs.items() if key not in ("beta", "alpha", "group", "transB")}
-        groups = int(node.attrs.get("group", 1))
-        t.direct = node.op == "ConvTranspose" or (node.op == "Conv" and t.error.shape[0] // groups <= TAP_OUTPUTS)
-        if t.direct:
-            attrs = dict(node.attrs)
-            const = t.error
-        elif node.op == "Conv":
-            channels = t.error.shape[1] * groups
-            attrs["group"] = channels
-            const = _tap_kernel(channels, t.error.shape[2:], t.error.dtype)
-        else:
-            const = None
-        if const is None:
-            source, axes = node.inputs[0].name, [0]
-        else:
-            source, axes = f"{prefix}/out", [0, *range(2, rank)]
-            graph.initializer.append(numpy_helper.from_array(const, f"{prefix}/kernel"))
-            graph.node.append(helper.make_node(node.op, [node.inputs[0].name, f"{prefix}/kernel"], [source], **attrs))
-        nodes, inits = _reduce_mean(t.probe, source, axes, model.opset)
+        node, prefix, source = t.node, f"{NAME}/{k}", t.node.inputs[0].name
+        axes = [0]
+        if node.op != "Gemm":
+            in_shape, out_shape = shapes.get(source), shapes.get(node.outputs[0].name)
+            indicators = tap_indicators(node, in_shape, out_shape) if in_shape and out_shape else None
+            if indicators is None:
+                continue
+            if t.error.dtype != np.float32:
+                graph.node.append(helper.make_node("Cast", [source], [f"{prefix}/x"], to=TensorProto.FLOAT))
+                source = f"{prefix}/x"
+            rank = len(indicators)
+            for j in reversed(range(rank)):   # contract the last spatial axis, then bring the next one last
+                if j < rank - 1:
+                    perm = [a for a in range(2 + rank) if a != 2 + j] + [2 + j]
+                    graph.node.append(helper.make_node("Transpose", [source], [f"{prefix}/t{j}"], perm=perm))
+                    source = f"{prefix}/t{j}"
+                graph.initializer.append(numpy_helper.from_array(indicators[j], f"{prefix}/a{j}"))
+                graph.node.append(helper.make_node("MatMul", [source, f"{prefix}/a{j}"], [f"{prefix}/m{j}"]))
+                source = f"{prefix}/m{j}"
+        t.probe = f"{prefix}/mean"
+        nodes, inits = _reduce_mean(t.probe, source, axes, opset)
         graph.node.extend(nodes)
         graph.initializer.extend(inits)
-        elem = helper.np_dtype_to_tensor_dtype(t.error.dtype)
+        elem = TensorProto.FLOAT if node.op != "Gemm" else helper.np_dtype_to_tensor_dtype(t.error.dtype)
         graph.output.append(helper.make_tensor_value_info(t.probe, elem, None))
     return proto
+
+
+def taps(node: gs.Node, probe_value: np.ndarray) -> np.ndarray:
+    """A probe's value laid out as [C_in, K1 * ... * Kr] (the MatMuls leave the axes as [C_in, Kr, ..., K1])."""
+    probe_value = np.asarray(probe_value)
+    if node.op == "Gemm":
+        return probe_value
+    rank = probe_value.ndim - 1
+    return probe_value.transpose(0, *range(rank, 0, -1)).reshape(probe_value.shape[0], -1)
 
 
 @register
@@ -166,8 +219,10 @@ class CorrectBias(Pass):
     float graph and the first ``samples`` calibration feeds. For each Conv/ConvTranspose/Gemm with a
     quantized constant weight and a bias, whose input is quantized to at least ``activation_bits``
     bits, E[y_q - y] per output channel = the layer applied to (float input, dequantized weight -
-    weight), averaged over the feeds and positions (probe_model measures it in one onnxruntime run
-    per feed). Writes: that shift subtracted from the float bias (insert-qdq quantizes the result),
+    weight), averaged over the feeds and positions. It is linear in the mean of each input tap over
+    the output positions, which one float run per feed measures with two small MatMuls per layer
+    (exact for strides, pads, dilations and groups; the first feed's shapes are used, feeds of
+    other shapes are skipped). Writes: that shift subtracted from the float bias (insert-qdq quantizes the result),
     a ``why`` line on the bias, ``model.report["correct-bias"]``. Rounding a weight moves every
     output by the same amount on average whenever the input's mean is not 0, and filters whose taps
     nearly cancel (ppocr's 3x3 depthwise edge filters on inputs far from 0) turn it into a large
@@ -225,26 +280,41 @@ class CorrectBias(Pass):
         targets = find_targets(model, self.activation_bits)
         if not targets:
             return PassResult(model, False, {"layers": 0})
-        proto = probe_model(model, targets)
         try:
-            feeds = open_data(model.calibration_data).validated(model_inputs(proto), self.samples)
-            sess = session(proto)
-            sums, squares, count = [0.0] * len(targets), [0.0] * len(targets), 0
+            base = model.to_proto(metadata=False)
+            feeds = open_data(model.calibration_data).validated(model_inputs(base), self.samples)
+            count, other_shapes, sess, shape_of = 0, 0, None, None
             for feed in feeds:
-                for k, (t, value) in enumerate(zip(targets, sess.run([t.probe for t in targets], feed))):
-                    shift = t.shift(np.asarray(value, np.float64))
-                    sums[k], squares[k] = sums[k] + shift, squares[k] + shift * shift
+                if sess is None:   # the probes are built for the first feed's shapes
+                    shape_of = {name: np.shape(v) for name, v in feed.items()}
+                    proto = probe_model(base, targets, _layer_shapes(base, targets, feed), model.opset)
+                    targets = [t for t in targets if t.probe]
+                    probes: list[list] = [[] for _ in targets]   # per target, its probe's value per feed
+                    if not targets:
+                        break
+                    sess = session(proto)
+                if any(np.shape(v) != shape_of[name] for name, v in feed.items()):
+                    other_shapes += 1
+                    continue
+                for k, value in enumerate(sess.run([t.probe for t in targets], feed)):
+                    probes[k].append(taps(targets[k].node, value))
                 count += 1
         except CalibrationDataError as exc:
             model.report[NAME] = {"skipped": f"the calibration data cannot be read again ({exc})"}
             return PassResult(model, False, {"layers": 0})
+        if not targets:
+            model.report[NAME] = {"skipped": "no layer with known shapes and padding to correct"}
+            return PassResult(model, False, {"layers": 0})
         if count < 2:
-            model.report[NAME] = {"skipped": f"{count} calibration sample(s) could be read again; at least 2 are needed"}
+            where = " in the first one's shapes" if other_shapes else ""
+            model.report[NAME] = {"skipped": f"{count} calibration sample(s) could be read again{where}; "
+                                             f"at least 2 are needed"}
             return PassResult(model, False, {"layers": 0})
         tensors, kept, channels = model.tensors(), 0, 0
-        for t, total, square in zip(targets, sums, squares):
-            mean = total / count
-            spread = np.sqrt(np.maximum(square / count - mean * mean, 0.0) * count / (count - 1) / count)
+        for t, values in zip(targets, probes):
+            per_feed = t.shift(np.asarray(values, np.float64))
+            mean = per_feed.mean(axis=0)
+            spread = per_feed.std(axis=0, ddof=1) / np.sqrt(count)   # standard error of the mean
             significant = np.abs(mean) > self.significance * spread
             shift = np.where(significant, mean, 0.0)   # per output channel: the bias' last axis
             bias = tensors[t.bias]
@@ -257,5 +327,5 @@ class CorrectBias(Pass):
                 f"{float(np.abs(shift).max(initial=0.0)):.3g}; the others are within "
                 f"{self.significance:g} standard errors of 0)")
         model.report[NAME] = {"layers": len(targets), "samples": count, "channels": channels,
-                              "channels_corrected": kept}
+                              "channels_corrected": kept} | ({"samples_of_other_shapes": other_shapes} if other_shapes else {})
         return PassResult(model, True, {"layers": len(targets), "samples": count})

@@ -149,36 +149,65 @@ def test_stands_aside_above_max_nodes():
     assert q.report["correct-bias"]["skipped"] == "1 nodes is over max_nodes=0"
 
 
-def _conv(w: np.ndarray, attrs: dict):
+def _conv(w: np.ndarray, attrs: dict, op: str = "Conv", x_shape=(1, 4, 9, 9)):
+    c_out = w.shape[0] if op == "Conv" else w.shape[1] * attrs.get("group", 1)
     graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)], "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 9, 9])],
+        [helper.make_node(op, ["x", "w", "b"], ["y"], **attrs)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.zeros(w.shape[0], np.float32), "b")])
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.zeros(c_out, np.float32), "b")])
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     proto.ir_version = 10
     return proto
 
 
-@pytest.mark.parametrize("attrs, c_out", [
-    ({"strides": [2, 2], "pads": [1, 0, 1, 0]}, 12),                  # tap probes (12 outputs per group)
-    ({"group": 2, "dilations": [2, 2], "pads": [2, 2, 2, 2]}, 24),    # tap probes, grouped, dilated
-    ({"group": 4, "pads": [1, 1, 1, 1]}, 4),                          # the layer run on its error
+@pytest.mark.parametrize("op, attrs, w_shape, x_shape", [
+    ("Conv", {"strides": [2, 2], "pads": [1, 0, 1, 0]}, (12, 4, 3, 3), (1, 4, 9, 9)),
+    ("Conv", {"group": 2, "dilations": [2, 2], "pads": [2, 2, 2, 2]}, (24, 2, 3, 3), (1, 4, 9, 9)),
+    ("Conv", {"group": 4, "pads": [1, 1, 1, 1]}, (4, 1, 3, 3), (1, 4, 9, 9)),                  # depthwise
+    ("Conv", {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, (6, 4, 4, 4), (2, 4, 10, 9)),      # uneven pads, batch 2
+    ("Conv", {"auto_pad": "SAME_LOWER", "strides": [2, 1]}, (6, 4, 4, 3), (1, 4, 10, 9)),
+    ("Conv", {"auto_pad": "VALID", "strides": [3, 2]}, (5, 4, 2, 3), (1, 4, 10, 9)),
+    ("Conv", {"strides": [2], "pads": [2, 1], "dilations": [2]}, (7, 4, 3), (1, 4, 17)),       # 1-D
+    ("Conv", {"pads": [1, 0, 1, 0, 1, 1]}, (3, 4, 3, 2, 3), (1, 4, 5, 6, 4)),                    # 3-D
+    ("ConvTranspose", {"strides": [2, 2], "pads": [1, 1, 0, 0], "output_padding": [1, 0]}, (4, 3, 3, 3), (1, 4, 9, 9)),
+    ("ConvTranspose", {"group": 2, "dilations": [2, 1], "pads": [0, 1, 2, 1]}, (4, 5, 3, 3), (1, 4, 9, 9)),
 ])
-def test_shift_matches_the_layer_run_on_its_weight_error(attrs, c_out):
+def test_shift_matches_the_layer_run_on_its_weight_error(op, attrs, w_shape, x_shape):
     rng = np.random.default_rng(3)
-    w = rng.standard_normal((c_out, 4 // attrs.get("group", 1), 3, 3)).astype(np.float32)
-    model = from_proto(_conv(w, attrs))
-    feeds = [{"x": (rng.standard_normal((1, 4, 9, 9)) + 3).astype(np.float32)} for _ in range(4)]
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    model = from_proto(_conv(w, attrs, op, x_shape))
+    feeds = [{"x": (rng.standard_normal(x_shape) + 3).astype(np.float32)} for _ in range(4)]
     model.calibration_data = feeds
     model.config = load_config({"activation_type": "uint16", "weight_type": "int8", "per_channel": False})
     PassManager("annotate-types,calibrate,compute-qparams").run(model)
     tq = model.quant["w"]
     error = (dequantize(quantize_values(w, tq.scale, tq.zero_point, tq.qtype), tq.scale, tq.zero_point)
              - w).astype(np.float32)
-    expected = np.mean([run(_conv(error, attrs), f)[0].mean(axis=(0, 2, 3)) for f in feeds], axis=0)
+    spatial = tuple(range(2, len(x_shape)))
+    expected = np.mean([run(_conv(error, attrs, op, x_shape), f)[0].mean(axis=(0, *spatial)) for f in feeds], axis=0)
     PassManager("correct-bias{significance=0}").run(model)
+    assert model.report["correct-bias"]["layers"] == 1
     np.testing.assert_allclose(model.tensors()["b"].values, -expected, rtol=1e-3, atol=1e-6)
+
+
+def test_conv_transpose_with_auto_pad_is_left_alone_and_feeds_of_other_shapes_are_skipped():
+    rng = np.random.default_rng(4)
+    config = {"activation_type": "uint16", "weight_type": "int8", "per_channel": False}
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    model = from_proto(_conv(w, {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, "ConvTranspose"))
+    model.calibration_data = [{"x": rng.standard_normal((1, 4, 9, 9)).astype(np.float32)} for _ in range(4)]
+    model.config = load_config(config)
+    PassManager("annotate-types,calibrate,compute-qparams,correct-bias").run(model)
+    assert model.report["correct-bias"] == {"skipped": "no layer with known shapes and padding to correct"}
+    proto = _conv(rng.standard_normal((6, 4, 3, 3)).astype(np.float32), {"pads": [1, 1, 1, 1]})
+    proto.graph.input[0].type.tensor_type.shape.dim[3].dim_param = "width"
+    model = from_proto(proto)
+    model.calibration_data = [{"x": rng.standard_normal((1, 4, 9, 9 + (i % 2))).astype(np.float32)} for i in range(6)]
+    model.config = load_config(config)
+    PassManager("annotate-types,calibrate,compute-qparams,correct-bias").run(model)
+    assert model.report["correct-bias"]["samples"] == 3
+    assert model.report["correct-bias"]["samples_of_other_shapes"] == 3
 
 
 def test_select_by_snr_keeps_it_only_when_it_scores_higher():
