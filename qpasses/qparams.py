@@ -43,17 +43,28 @@ def _broadcast(param, x: np.ndarray, axis: int | None) -> np.ndarray:
 
 
 def quantize(x, scale, zero_point, qt: QType | str, axis: int | None = None) -> np.ndarray:
-    """round_half_even(x / scale) + zero_point, saturated to the type's range (ONNX QuantizeLinear)."""
+    """round_half_even(x / scale) + zero_point, saturated to the type's range (ONNX QuantizeLinear).
+    In float32, as onnxruntime computes it (and one temporary of the input's size, not three in
+    float64); in float64 for 32-bit types, whose range float32 cannot count in steps of 1."""
     qt = qtype(qt)
-    x = np.asarray(x, dtype=np.float64)
-    q = np.rint(x / _broadcast(scale, x, axis)) + _broadcast(zero_point, x, axis)
-    return np.asarray(np.clip(q, qt.qmin, qt.qmax), dtype=qt.storage)  # 0-d stays an array
+    compute = np.float64 if qt.bits > 16 else np.float32
+    q = np.array(x, dtype=compute)   # a copy: the ops below work in place
+    q /= _broadcast(scale, q, axis).astype(compute)
+    np.rint(q, out=q)
+    q += _broadcast(zero_point, q, axis).astype(compute)
+    np.clip(q, qt.qmin, qt.qmax, out=q)
+    return np.asarray(q.astype(qt.storage))  # 0-d stays an array
 
 
 def dequantize(q, scale, zero_point, axis: int | None = None) -> np.ndarray:
-    """(q - zero_point) * scale as float32 (ONNX DequantizeLinear)."""
-    q = np.asarray(q, dtype=np.float64)
-    return np.asarray((q - _broadcast(zero_point, q, axis)) * _broadcast(scale, q, axis), dtype=np.float32)
+    """(q - zero_point) * scale as float32 (ONNX DequantizeLinear). Integers of up to 16 bits and
+    their differences are exact in float32, so one float32 product is the correctly rounded result."""
+    q = np.asarray(q)
+    compute = np.float32 if q.dtype.itemsize <= 2 else np.float64
+    out = np.array(q, dtype=compute)
+    out -= _broadcast(zero_point, out, axis).astype(compute)
+    out *= _broadcast(scale, out, axis).astype(compute)
+    return np.asarray(out, dtype=np.float32)
 
 
 # -- ranges -> (scale, zero_point) ----------------------------------------------------------------
@@ -145,13 +156,13 @@ def _fixed_zero_point(lo, qt: QType, qmin: int, qmax: int, symmetric: bool, rest
 
 def value_range(values, axis: int | None = None):
     """(min, max) of an array as float64 arrays: scalars, or one per index of ``axis``."""
-    v = np.asarray(values, np.float64)
+    v = np.asarray(values)
     if v.size == 0:
         return np.zeros(()), np.zeros(())
-    if axis is None:
-        return np.asarray(v.min()), np.asarray(v.max())
-    axes = tuple(i for i in range(v.ndim) if i != axis % v.ndim)
-    return v.min(axis=axes), v.max(axis=axes)
+    if v.dtype.kind != "f":
+        v = v.astype(np.float64)
+    axes = None if axis is None else tuple(i for i in range(v.ndim) if i != axis % v.ndim)
+    return np.asarray(v.min(axis=axes), np.float64), np.asarray(v.max(axis=axes), np.float64)
 
 
 # -- int32 biases -----------------------------------------------------------------------------------

@@ -239,3 +239,34 @@ def test_fit_scale_rounds_up(s, scale_type):
 def test_all_zero_range_is_usable(qt):
     scale, zp = qp(0.0, 0.0, qt)
     assert scale == 1.0 and zp == 0
+
+
+@pytest.mark.parametrize("qt, axis", [("int8", None), ("uint8", None), ("int8", 0), ("uint16", 1), ("int16", None)])
+def test_quantize_and_dequantize_match_onnxruntime_bit_for_bit(qt, axis):
+    """float32 arithmetic like onnxruntime's QuantizeLinear/DequantizeLinear, also at rounding ties."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(5)
+    channels = 6 if axis is not None else 1
+    scale = (rng.random(channels) * 0.02 + 1e-3).astype(np.float32)
+    x = (rng.standard_normal((6, 6, 5)) * 2).astype(np.float32)
+    ties = np.arange(-90, 90).astype(np.float32).reshape(6, 6, 5) + 0.5   # k + 0.5 steps
+    x[::2] = (ties * (scale.reshape(-1, 1, 1) if axis == 0 else scale[0]))[::2]
+    limits = qtype(qt)
+    zp = rng.integers(limits.qmin // 2, limits.qmax // 2 + 1, channels).astype(limits.storage)
+    attrs = {"axis": axis} if axis is not None else {}
+    graph = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], **attrs),
+         helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], **attrs)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+        [helper.make_tensor_value_info("q", helper.np_dtype_to_tensor_dtype(np.dtype(limits.storage)), None),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(scale if axis is not None else scale[:1].reshape(()), "s"),
+         numpy_helper.from_array(zp if axis is not None else zp[:1].reshape(()), "z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    q_ort, y_ort = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    q = quantize(x, scale.astype(np.float64), zp, qt, axis)
+    np.testing.assert_array_equal(q, q_ort)
+    np.testing.assert_array_equal(dequantize(q, scale.astype(np.float64), zp, axis), y_ort)
