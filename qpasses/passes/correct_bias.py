@@ -141,11 +141,13 @@ def tap_indicators(node: gs.Node, in_shape, out_shape) -> list[np.ndarray] | Non
         matrix = np.zeros((size, k), np.float32)
         for tap in range(k):
             if transposed:   # input i reaches output i*s + tap*d - begin
-                i = np.arange(size)
-                matrix[i[(i * s + tap * d - begin >= 0) & (i * s + tap * d - begin < n_out)], tap] = 1
+                inputs = np.arange(size)
+                outputs = inputs * s + tap * d - begin
             else:            # output o reads input o*s + tap*d - begin
-                i = np.arange(n_out) * s + tap * d - begin
-                matrix[i[(i >= 0) & (i < size)], tap] = 1
+                outputs = np.arange(n_out)
+                inputs = outputs * s + tap * d - begin
+            valid = (inputs >= 0) & (inputs < size) & (outputs >= 0) & (outputs < n_out)
+            matrix[inputs[valid], tap] = 1
         out.append(matrix / n_out)
     return out
 
