@@ -103,6 +103,7 @@ class Reference:
                         if outputs else np.zeros(0) for i, n in enumerate(self.names)}
         # per output, where each feed's values start and end in self.outputs
         self.bounds = [np.cumsum([0] + [np.size(o[i]) for o in outputs]) for i in range(len(self.names))]
+        self._signal_cache: np.ndarray | None = None
 
     @classmethod
     def run(cls, reference_model, feeds, max_samples: int | None = None, enough_values: int = 0,
@@ -145,7 +146,7 @@ class Reference:
     def _signal(self) -> np.ndarray:
         """Per feed and output, the sum of squares of the reference values (numpy, not BLAS: its
         threads would compete with onnxruntime's)."""
-        if getattr(self, "_signal_cache", None) is None:
+        if self._signal_cache is None:
             self._signal_cache = np.array([[np.sum(np.square(self._feed_output(name, i))) for name in self.names]
                                            for i in range(len(self.feeds))]).reshape(len(self.feeds), len(self.names))
         return self._signal_cache
