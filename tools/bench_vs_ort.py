@@ -236,13 +236,36 @@ def snr_db(ref: np.ndarray, test: np.ndarray) -> float:
     return 10.0 * math.log10(sig / err) if sig > 0 else -math.inf
 
 
-def model_snr(path: Path, bm, refs) -> float:
+def model_snr(path: Path, bm, refs) -> tuple[float, dict]:
+    """(SNR: the lowest over outputs, over all eval samples; per eval sample and output, the sums
+    of ref^2 and of (ref - test)^2, from which ``delta_spread`` tells how much the SNR owes to
+    which samples were drawn)."""
     names, ref_runs = refs
     sess = _session(path, single_thread=False)
     runs = [sess.run(names, feed) for feed in bm.samples("eval")]
     per_output = [snr_db(np.concatenate([r[i].ravel() for r in ref_runs]),
                          np.concatenate([q[i].ravel() for q in runs])) for i in range(len(names))]
-    return min(per_output)
+    parts = {"signal": [[float(np.sum(np.square(np.asarray(r[i], np.float64)))) for i in range(len(names))]
+                        for r in ref_runs],
+             "error": [[float(np.sum(np.square(np.asarray(r[i], np.float64) - np.asarray(q[i], np.float64))))
+                        for i in range(len(names))] for r, q in zip(ref_runs, runs)]}
+    return min(per_output), parts
+
+
+def delta_spread(qp_parts: dict, ort_parts: dict) -> float | None:
+    """Jackknife standard error, over the eval samples, of SNR(qpasses) - SNR(onnxruntime) (paired:
+    the same samples on both sides). None with fewer than 3 samples or non-finite SNRs."""
+    sig = np.asarray(qp_parts["signal"], np.float64)
+    errs = [np.asarray(p["error"], np.float64) for p in (qp_parts, ort_parts)]
+    n = len(sig)
+    if n < 3 or any(e.shape != sig.shape for e in errs):
+        return None
+    with np.errstate(divide="ignore", invalid="ignore"):
+        loo = [np.min(10 * np.log10((sig.sum(0) - sig) / (e.sum(0) - e)), axis=1) for e in errs]
+    diff = loo[0] - loo[1]
+    if not np.all(np.isfinite(diff)):
+        return None
+    return float(np.sqrt((n - 1) / n * np.sum((diff - diff.mean()) ** 2)))
 
 
 def latencies(paths: list[Path], feed: dict, runs: int) -> list[float]:
@@ -354,7 +377,7 @@ def _measure(result: dict, bm, refs) -> None:
     result["q"], result["dq"] = qdq_counts(path)
     if result["ort_load"] is None:
         try:
-            result["snr"] = model_snr(path, bm, refs)
+            result["snr"], result["snr_parts"] = model_snr(path, bm, refs)
         except Exception as exc:
             result["run_error"] = _one_line(exc)
 
@@ -531,11 +554,20 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _spread(row: Row) -> str:
+    """', 2 SE x.xx' for a cell whose eval samples allow it (see delta_spread)."""
+    if "snr_parts" not in row.qp or "snr_parts" not in row.ort:
+        return ""
+    se = delta_spread(row.qp["snr_parts"], row.ort["snr_parts"])
+    return f", 2 SE {2 * se:.2f}" if se is not None else ""
+
+
 def summary(rows: list[Row], samples: int) -> str:
     out = ["", "Targets:"]
     compared = [(r, r.qp.get("snr"), r.ort.get("snr")) for r in rows if r.ort.get("snr") is not None]
     ok = [r for r, q, o in compared if q is not None and (math.isnan(o) or _delta(q, o) >= -0.1)]
-    bad = [f"{r.model}/{r.config} ({_f(_delta(q, o), 2)})" for r, q, o in compared if q is not None and r not in ok]
+    bad = [f"{r.model}/{r.config} ({_f(_delta(q, o), 2)}{_spread(r)})" for r, q, o in compared
+           if q is not None and r not in ok]
     missing = sum(q is None for _, q, _ in compared)
     out.append(f"- SNR >= ORT - 0.1 dB: {len(ok)}/{len(compared)} model-configs"
                + (f"; short: {', '.join(bad)}" if bad else "")
