@@ -132,9 +132,12 @@ def cmd_run(args) -> int:
               "facts": sorted(model.facts), "findings": model.report}
     selected = model.report.get("select-by-snr", {})
     if selected.get("variants"):
-        scores = ", ".join(f"{v['variant']} {_fmt_db(v['snr_db'])}" for v in selected["variants"])
+        total = selected["samples"]
+        scores = ", ".join(f"{v['variant']} {_fmt_db(v['snr_db'])}"
+                           + (f" [clearly behind: stopped after {v['samples']}]" if v.get("samples", total) < total else "")
+                           for v in selected["variants"])
         say(f"qpasses: select-by-snr chose {selected['chosen']} ({scores}; "
-            f"{selected['samples']} calibration samples)")
+            f"{total} calibration samples)")
     if "qdq-inserted" in model.facts:
         data = eval_data or model.calibration_data
         report["accuracy"] = compare(src, out, data, max_samples=_EVAL_SAMPLES)

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import onnx
 import pytest
 
@@ -111,3 +112,20 @@ def test_run_quantizes_and_reports_the_selection_and_the_snr(example, tmp_path, 
     assert "select-by-snr" in data["pipeline"] and chosen["samples"] == 32
     assert f"select-by-snr chose {chosen['chosen']}" in err
     assert data["accuracy"]["snr_db"] > 30 and "output SNR vs float" in err
+
+
+def test_run_says_which_variant_stopped_early(tmp_path, capsys):
+    """Sigmoid of N(0, 1) values with one outlier: min/max ranges are far behind percentile ones."""
+    from qpasses.testing import model_from_text
+
+    model = model_from_text("g (float[1, 4096] x) => (float[1, 4096] y) { y = Sigmoid(x) }")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 1, 4096)).astype(np.float32)
+    x[0, 0, 0] = 100.0
+    path, calib = tmp_path / "sigmoid.onnx", tmp_path / "calib.npz"
+    onnx.save(model.to_proto(), path)
+    np.savez(calib, x=x)
+    code, _, err = _run(capsys, "run", path, "-o", tmp_path / "q.onnx", "--calib", calib)
+    assert code == 0, err
+    assert "select-by-snr chose ranges percentile" in err
+    assert "ranges minmax" in err and "[clearly behind: stopped after 8]; 32 calibration samples)" in err
