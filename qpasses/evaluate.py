@@ -139,15 +139,16 @@ class Reference:
         return {"samples": len(self.feeds), "outputs": out,
                 "snr_db": min((v["snr_db"] for v in out.values()), default=math.inf)}
 
-    def _feed_output(self, name: str, i: int) -> np.ndarray:
-        bounds = self.bounds[self.names.index(name)]
-        return self.outputs[name][bounds[i]:bounds[i + 1]]
+    def _feed_output(self, k: int, i: int) -> np.ndarray:
+        """Output ``k``'s reference values on feed ``i``."""
+        bounds = self.bounds[k]
+        return self.outputs[self.names[k]][bounds[i]:bounds[i + 1]]
 
     def _signal(self) -> np.ndarray:
         """Per feed and output, the sum of squares of the reference values (numpy, not BLAS: its
         threads would compete with onnxruntime's)."""
         if self._signal_cache is None:
-            self._signal_cache = np.array([[np.sum(np.square(self._feed_output(name, i))) for name in self.names]
+            self._signal_cache = np.array([[np.sum(np.square(self._feed_output(k, i))) for k in range(len(self.names))]
                                            for i in range(len(self.feeds))]).reshape(len(self.feeds), len(self.names))
         return self._signal_cache
 
@@ -167,8 +168,8 @@ class Reference:
         ran, dropped = 0, False
         for i, feed in enumerate(self.feeds):
             values = sess.run(self.names, feed)
-            errors[i] = [np.sum(np.square(self._feed_output(name, i) - np.ravel(v).astype(np.float64)))
-                         for name, v in zip(self.names, values)]
+            errors[i] = [np.sum(np.square(self._feed_output(k, i) - np.ravel(v).astype(np.float64)))
+                         for k, v in enumerate(values)]
             ran = i + 1
             if best is not None and z > 0 and min_samples <= ran < n:
                 best_penalty = best["snr_db"] - best["score"]

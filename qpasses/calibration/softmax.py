@@ -97,17 +97,19 @@ def row_max_probes(model: QModel, names):
         model.touch()
 
 
+def _row_max_end(name: str, sources: tuple[dict, dict], end: int) -> float | None:
+    """One end (0: bottom, 1: top) of a Softmax input's row maxima, from the first of ``sources``
+    (model.observed / model.ranges) that has them; None when not measured or not finite."""
+    seen = sources[0].get(name + ROW_MAX_SUFFIX) or sources[1].get(name + ROW_MAX_SUFFIX)
+    return float(seen[end]) if seen is not None and np.isfinite(seen[end]) else None
+
+
 def lower_bound(model: QModel, name: str) -> tuple[float, float] | None:
     """(bound, smallest row maximum) for a Softmax input measured by calibrate, else None."""
-    seen = model.observed.get(name + ROW_MAX_SUFFIX) or model.ranges.get(name + ROW_MAX_SUFFIX)
-    if seen is None or not np.isfinite(seen[0]):
-        return None
-    return float(seen[0]) - NEGLIGIBLE, float(seen[0])
+    smallest = _row_max_end(name, (model.observed, model.ranges), 0)
+    return None if smallest is None else (smallest - NEGLIGIBLE, smallest)
 
 
 def upper_bound(model: QModel, name: str) -> float | None:
     """The top of the calibrated range of the row maxima of a Softmax input, else None."""
-    seen = model.ranges.get(name + ROW_MAX_SUFFIX) or model.observed.get(name + ROW_MAX_SUFFIX)
-    if seen is None or not np.isfinite(seen[1]):
-        return None
-    return float(seen[1])
+    return _row_max_end(name, (model.ranges, model.observed), 1)
