@@ -93,10 +93,11 @@ def _check_initializer(tensor: onnx.TensorProto) -> None:
     if tensor.data_location == onnx.TensorProto.EXTERNAL or tensor.data_type not in _FIXED_SIZE:
         return
     count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
-    if tensor.raw_data:
+    if tensor.HasField("raw_data"):
+        size = len(tensor.raw_data)   # a copy of the bytes (protobuf has no length call): read once
         expected = count * _FIXED_SIZE[tensor.data_type]
-        if len(tensor.raw_data) != expected:
-            raise ModelError(f"initializer '{tensor.name}': {len(tensor.raw_data)} bytes of data for shape "
+        if size != expected:
+            raise ModelError(f"initializer '{tensor.name}': {size} bytes of data for shape "
                              f"{list(tensor.dims)} (expected {expected})")
         return
     field = helper.tensor_dtype_to_field(tensor.data_type)
