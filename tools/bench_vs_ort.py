@@ -70,7 +70,12 @@ CONFIGS = {c.name: c for c in (
     Config("u8s8_entropy", "U8S8 entropy", _ort(method="Entropy"), _qp(method="entropy", num_bins=128)),
     # qpasses with no config vs onnxruntime's U8/S8 minmax per-tensor (same ORT run as u8s8_minmax)
     Config("default", "qpasses default vs ORT U8S8 minmax", _ort(), None),
+    # only with --configs: onnxruntime's weight grid for QInt8 (symmetric) on the qpasses side too,
+    # which otherwise lets select-by-snr pick asymmetric per-tensor weights (slower int8 kernels)
+    Config("u8s8_minmax_symw", "U8S8 minmax per-tensor, symmetric weights on both sides", _ort(),
+           _qp(method="minmax") | {"weight_symmetric": True}),
 )}
+DEFAULT_CONFIGS = ("u8s8_minmax", "u8s8_minmax_pc", "u8s8_percentile", "u8s8_entropy", "default")
 MIXED_FRACTION = 0.05   # share of activation tensors promoted to 16 bits in the mixed-precision column
 MIXED_TYPE = "uint16"
 
@@ -639,7 +644,7 @@ def main(argv=None) -> int:
                     help=f"comma-separated subset (default: {','.join(bench_models.DEFAULT_MODELS)}; "
                          f"all: {','.join(bench_models.all_names())})")
     ap.add_argument("--configs", type=lambda s: [x for x in s.split(",") if x], default=None,
-                    help=f"comma-separated subset of {','.join(CONFIGS)}")
+                    help=f"comma-separated, of {','.join(CONFIGS)} (default: {','.join(DEFAULT_CONFIGS)})")
     ap.add_argument("--samples", type=int, default=None, help="calibration samples (default 64, --quick 16)")
     ap.add_argument("--quick", action="store_true", help=f"models {','.join(bench_models.QUICK_MODELS)}, 16 samples")
     ap.add_argument("--sides", default="ort,qp", help="ort, qp or ort,qp")
@@ -680,7 +685,7 @@ def main(argv=None) -> int:
     unknown = [c for c in (args.configs or []) if c not in CONFIGS]
     if unknown:
         ap.error(f"unknown config(s) {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
-    configs = [CONFIGS[c] for c in (args.configs or CONFIGS)]
+    configs = [CONFIGS[c] for c in (args.configs or DEFAULT_CONFIGS)]
     if args.qp_default is not None:
         configs = [replace(c, qp=args.qp_default) if c.name == "default" else c for c in configs]
     rows, skipped, start = [], [], time.perf_counter()
