@@ -134,7 +134,8 @@ def cmd_run(args) -> int:
     if selected.get("variants"):
         total = selected["samples"]
         scores = ", ".join(f"{v['variant']} {_fmt_db(v['snr_db'])}"
-                           + (f" [clearly behind: stopped after {v['samples']}]" if v.get("samples", total) < total else "")
+                           + (f" [clearly behind: stopped after {v['samples']}]" if v.get("dropped") else
+                              f" [clearly ahead after {v['samples']}]" if v.get("samples", total) < total else "")
                            for v in selected["variants"])
         say(f"qpasses: select-by-snr chose {selected['chosen']} ({scores}; "
             f"{total} calibration samples)")

@@ -152,38 +152,74 @@ class Reference:
                                            for i in range(len(self.feeds))]).reshape(len(self.feeds), len(self.names))
         return self._signal_cache
 
-    def challenge(self, test_model, best: dict | None = None, *, penalty: float = 0.0, optimize: bool = True,
-                  min_samples: int = 8, z: float = 3.0) -> dict:
-        """Score ``test_model`` on the kept feeds against ``best`` (an earlier result, or None).
-        Its score is its worst output SNR over the feeds it ran minus ``penalty``. From
-        ``min_samples`` feeds on, it stops as soon as that trails best's score on the same feeds by
-        more than ``z`` standard errors (paired jackknife over the feeds; ``z`` = 0: never).
-        Returns {"snr_db", "score", "samples", "errors" (per feed and output, the sum of squared
-        errors)}, with "margin_db" (score minus best's on the same feeds) when there is a best and
-        "dropped": True when it stopped early. onnxruntime's errors are raised."""
-        sess = session(test_model, optimize=optimize)
-        _check_same_signature(self.inputs, self.names, sess)
+    def contender(self, test_model, *, penalty: float = 0.0, optimize: bool = True) -> "Contender":
+        """``test_model`` ready to be scored on the kept feeds (see Contender, duel)."""
+        return Contender(self, test_model, penalty=penalty, optimize=optimize)
+
+    def duel(self, best: "Contender", challenger: "Contender", *, min_samples: int = 8, z: float = 3.0) -> "Contender":
+        """Run ``best`` and ``challenger`` on the same feeds, ``best`` a block of ``min_samples``
+        ahead, until one trails the other by more than ``z`` standard errors (paired jackknife over
+        the feeds both ran, penalties counted; checked from ``min_samples`` feeds on; ``z`` = 0:
+        never) or every feed ran. Returns the winner (a tie: ``best``); a loser that stopped early
+        is marked ``dropped``. onnxruntime's errors are raised."""
         n = len(self.feeds)
-        signal, errors = self._signal(), np.zeros((n, len(self.names)))
-        ran, dropped = 0, False
-        for i, feed in enumerate(self.feeds):
-            values = sess.run(self.names, feed)
-            errors[i] = [np.sum(np.square(self._feed_output(k, i) - np.ravel(v).astype(np.float64)))
-                         for k, v in enumerate(values)]
-            ran = i + 1
-            if best is not None and z > 0 and min_samples <= ran < n:
-                best_penalty = best["snr_db"] - best["score"]
-                if _margin(signal[:ran], errors[:ran], best["errors"][:ran], z) - penalty + best_penalty < 0:
-                    dropped = True
-                    break
-        snr = float(_worst_snr(signal[:ran].sum(0), errors[:ran].sum(0)))
-        result = {"snr_db": snr, "score": snr - penalty, "samples": ran, "errors": errors[:ran]}
-        if best is not None:
-            best_snr = float(_worst_snr(signal[:ran].sum(0), best["errors"][:ran].sum(0)))
-            result["margin_db"] = result["score"] - (best_snr - best["snr_db"] + best["score"])
-        if dropped:
-            result["dropped"] = True
-        return result
+        best.advance(min_samples)
+        while challenger.ran < n:
+            if challenger.ran >= best.ran:
+                best.advance(best.ran + max(min_samples, 1))
+            challenger.advance(challenger.ran + 1)
+            if z > 0 and min_samples <= challenger.ran < n:
+                for loser, winner in ((challenger, best), (best, challenger)):
+                    if loser.margin(winner, z) < 0:
+                        loser.dropped = True
+                        return winner
+        return challenger if challenger.score() > best.score() else best
+
+
+class Contender:
+    """A test model scored against a Reference feed by feed, resumable: ``advance(m)`` runs it on
+    the kept feeds up to the m-th; its score is its worst output SNR over the feeds it ran minus
+    ``penalty``; ``errors``: per feed and output, the sum of squared errors."""
+
+    def __init__(self, reference: Reference, test_model, *, penalty: float = 0.0, optimize: bool = True):
+        self.reference, self.penalty, self.dropped = reference, penalty, False
+        self.session = session(test_model, optimize=optimize)
+        _check_same_signature(reference.inputs, reference.names, self.session)
+        self.errors = np.zeros((len(reference.feeds), len(reference.names)))
+        self.ran = 0
+
+    def advance(self, upto: int) -> None:
+        ref = self.reference
+        for i in range(self.ran, min(upto, len(ref.feeds))):
+            values = self.session.run(ref.names, ref.feeds[i])
+            self.errors[i] = [np.sum(np.square(ref._feed_output(k, i) - np.ravel(v).astype(np.float64)))
+                              for k, v in enumerate(values)]
+            self.ran = i + 1
+
+    def snr(self, feeds: int | None = None) -> float:
+        """The worst output SNR over the first ``feeds`` feeds (default: all it ran)."""
+        m = self.ran if feeds is None else feeds
+        return float(_worst_snr(self.reference._signal()[:m].sum(0), self.errors[:m].sum(0)))
+
+    def score(self, feeds: int | None = None) -> float:
+        return self.snr(feeds) - self.penalty
+
+    def margin(self, other: "Contender", z: float = 0.0) -> float:
+        """This score minus ``other``'s over the feeds both ran, plus ``z`` standard errors."""
+        m = min(self.ran, other.ran)
+        return (_margin(self.reference._signal()[:m], self.errors[:m], other.errors[:m], z)
+                - self.penalty + other.penalty)
+
+    def result(self, best: "Contender | None" = None) -> dict:
+        """{"snr_db", "score", "samples", "margin_db" (against ``best``), "dropped" (if it stopped early)}."""
+        out = {"snr_db": self.snr(), "score": self.score(), "samples": self.ran}
+        if best is not None and best is not self:
+            out["margin_db"] = self.margin(best)
+        return out | ({"dropped": True} if self.dropped else {})
+
+    def close(self) -> None:
+        """Free the onnxruntime session (the errors stay)."""
+        self.session = None
 
 
 def _worst_snr(signal: np.ndarray, error: np.ndarray):

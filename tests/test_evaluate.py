@@ -1,4 +1,4 @@
-"""evaluate.Reference.race: scoring several models feed by feed and stopping the clear losers early."""
+"""evaluate.Reference.duel: scoring models feed by feed against each other and stopping once one clearly leads."""
 import numpy as np
 import pytest
 
@@ -35,55 +35,67 @@ def reference(n=32):
 
 
 def race(ref, models, penalties=None, **options):
-    """Challenge each model against the best so far, as select-by-snr does."""
-    best, results = None, []
+    """Duel each model against the best so far, as select-by-snr does: (contenders, winner)."""
+    best, contenders = None, []
     for model, penalty in zip(models, penalties or [0.0] * len(models)):
-        result = ref.challenge(model, best, penalty=penalty, **options)
-        results.append(result)
-        if not result.get("dropped") and (best is None or result["score"] > best["score"]):
-            best = result
-    return results
+        contender = ref.contender(model, penalty=penalty)
+        contenders.append(contender)
+        best = contender if best is None else ref.duel(best, contender, **options)
+    if len(contenders) == 1:
+        best.advance(options.get("min_samples", 8))
+    return contenders, best
 
 
-def test_a_clear_loser_stops_after_the_minimum():
+def test_a_clear_loser_stops_after_the_minimum_and_so_does_the_winner():
     ref = reference()
-    results = race(ref, [noisy(0.01), noisy(0.3)], min_samples=8)
-    assert results[0]["samples"] == 32 and "dropped" not in results[0] and "margin_db" not in results[0]
-    assert results[1]["dropped"] and results[1]["samples"] == 8
-    assert results[1]["margin_db"] == pytest.approx(results[1]["snr_db"] - 20 * np.log10(0.3 / 0.01), abs=1e-6) \
-        or results[1]["margin_db"] < -25
-    assert results[0]["snr_db"] > results[1]["snr_db"] + 25
+    (good, bad), winner = race(ref, [noisy(0.01), noisy(0.3)], min_samples=8)
+    assert winner is good and (good.ran, bad.ran) == (8, 8) and bad.dropped and not good.dropped
+    result = bad.result(good)
+    assert result["dropped"] and result["samples"] == 8 and result["margin_db"] < -25
+    assert good.result()["snr_db"] > result["snr_db"] + 25
+    (bad, good), winner = race(ref, [noisy(0.3), noisy(0.01)], min_samples=8)   # the challenger wins early
+    assert winner is good and bad.dropped and (good.ran, bad.ran) == (8, 8)
 
 
 def test_close_models_run_every_feed_and_match_a_full_comparison():
     ref = reference()
     models = [noisy(0.01, 37.0), noisy(0.01, 53.0)]   # same error size, different per feed
-    results = race(ref, models, min_samples=8)
-    assert [r["samples"] for r in results] == [32, 32] and not any("dropped" in r for r in results)
-    for model, result in zip(models, results):
-        assert result["snr_db"] == pytest.approx(ref.score(model)["snr_db"], abs=1e-6)
+    contenders, winner = race(ref, models, min_samples=8)
+    assert [c.ran for c in contenders] == [32, 32] and not any(c.dropped for c in contenders)
+    for model, contender in zip(models, contenders):
+        assert contender.snr() == pytest.approx(ref.score(model)["snr_db"], abs=1e-6)
     full = compare(parse(IDENTITY), models[0], ref.feeds)
-    assert results[0]["snr_db"] == pytest.approx(full["snr_db"], abs=1e-6)
-    assert results[1]["margin_db"] == pytest.approx(results[1]["snr_db"] - results[0]["snr_db"], abs=1e-9)
+    assert contenders[0].snr() == pytest.approx(full["snr_db"], abs=1e-6)
+    first, second = contenders
+    assert second.margin(first) == pytest.approx(second.snr() - first.snr(), abs=1e-9)
+    assert winner is (second if second.score() > first.score() else first)
 
 
-def test_no_early_stop_with_z_0_and_a_better_challenger_runs_every_feed():
+def test_no_early_stop_with_z_0():
     ref = reference()
-    assert [r["samples"] for r in race(ref, [noisy(0.01), noisy(0.3)], z=0)] == [32, 32]
-    results = race(ref, [noisy(0.3), noisy(0.01)])
-    assert [r["samples"] for r in results] == [32, 32] and results[1]["margin_db"] > 25
+    contenders, winner = race(ref, [noisy(0.01), noisy(0.3)], z=0)
+    assert [c.ran for c in contenders] == [32, 32] and winner is contenders[0]
+    contenders, winner = race(ref, [noisy(0.3), noisy(0.01)], z=0)
+    assert [c.ran for c in contenders] == [32, 32] and winner is contenders[1]
+    assert contenders[1].margin(contenders[0]) > 25
 
 
 def test_penalties_count_on_both_sides():
     ref = reference()
     # 0.01 vs 0.012: 1.6 dB apart; a 10 dB penalty on the better one makes it the loser
-    results = race(ref, [noisy(0.012), noisy(0.01)], penalties=[0.0, 10.0], min_samples=8)
-    assert results[1].get("dropped") and results[1]["score"] == pytest.approx(results[1]["snr_db"] - 10)
-    results = race(ref, [noisy(0.01), noisy(0.012)], penalties=[10.0, 0.0], min_samples=8)
-    assert not results[1].get("dropped") and results[1]["margin_db"] > 8
+    (worse, better), winner = race(ref, [noisy(0.012), noisy(0.01)], penalties=[0.0, 10.0], min_samples=8)
+    assert winner is worse and better.dropped and better.score() == pytest.approx(better.snr() - 10)
+    (better, worse), winner = race(ref, [noisy(0.01), noisy(0.012)], penalties=[10.0, 0.0], min_samples=8)
+    assert winner is worse and better.dropped and worse.margin(better) > 8
+
+
+def test_a_lone_contender_runs_the_first_block_only():
+    ref = reference()
+    (only,), winner = race(ref, [noisy(0.01)], min_samples=8)
+    assert winner is only and only.ran == 8 and only.result()["samples"] == 8
 
 
 def test_a_model_that_cannot_run_raises():
     broken = parse(IDENTITY.replace("y = Identity(x)", "z = Identity(x)").replace("(float[1, 256] y)", "(float[1, 256] z)"))
     with pytest.raises(Exception, match="reference output"):
-        reference(12).challenge(broken)
+        reference(12).contender(broken)

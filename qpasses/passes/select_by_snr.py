@@ -106,10 +106,11 @@ class SelectBySnr(Pass):
     over the feeds, minus a penalty: ``asymmetric_penalty_db`` trades accuracy for onnxruntime's
     faster symmetric kernels (by default it only settles ties); then the first wins (calibrated
     ranges, asymmetric weights: the measured defaults). Variants are scored in that order, each
-    against the best so far: from 8 feeds on, one that trails it on the same feeds by more than
-    ``early_stop`` standard errors (jackknife over the feeds) stops there and is not chosen. With
-    ``bias_correction``, the chosen variant is scored once more the same way with correct-bias run
-    after compute-qparams; its corrected biases are kept only if it scores higher. Writes: the chosen variant into ``model.ranges`` / the table (with a
+    against the best so far on the same feeds, the best a block of 8 feeds ahead: from 8 feeds on,
+    as soon as one trails the other by more than ``early_stop`` standard errors (jackknife over the
+    feeds) both stop and the leader is kept. With ``bias_correction``, the chosen variant is scored
+    the same way against itself with correct-bias run after compute-qparams; its corrected biases
+    are kept only if it wins. Writes: the chosen variant into ``model.ranges`` / the table (with a
     ``why`` line), the corrected bias values (or not) and ``model.report["correct-bias"]`` (so the
     correct-bias pass does nothing more), ``model.report["select-by-snr"]`` (every score).
     Invariants: the graph is not changed (copies share its weight arrays, read-only); nothing is
@@ -148,8 +149,8 @@ class SelectBySnr(Pass):
         "help": "score with onnxruntime's fused integer kernels up to this many nodes; above, the "
                 "Q/DQ nodes run as written (fusing a 3,200-Conv QDQ graph takes onnxruntime 8 s)"})
     early_stop: float = field(default=3.0, metadata={
-        "help": "stop scoring a variant once it trails the best by this many standard errors "
-                "(jackknife over the feeds scored so far, from 8 on; 0: every variant scores every feed)"})
+        "help": "stop scoring two variants once one trails the other by this many standard errors "
+                "(jackknife over the feeds both scored, from 8 on; 0: every variant scores every feed)"})
     bias_correction: bool = field(default=False, metadata={
         "help": "also score the chosen variant with correct-bias and keep the corrected biases only "
                 "if they score higher (else correct-bias does nothing); off by default: on the "
@@ -172,17 +173,22 @@ class SelectBySnr(Pass):
             model.report[NAME] = {"skipped": "the calibration data cannot be read again"}
             return PassResult(model, False, {"variants": 0})
         fused = len(model.graph.nodes) <= self.fused_nodes   # the float graph's size, before Q/DQ
-        scored, failed, best = [], [], None   # best: (combo, result) of the best variant that ran every feed
+        scored, failed, best = [], [], None   # best: (combo, Contender) of the best variant so far
         for combo in itertools.product(*axes):   # the order is the preference: the first wins ties
             try:
-                result = self._challenge(self._quantized(model, combo)[0], reference, fused,
-                                         best[1] if best else None, sum(v.penalty_db for v in combo))
+                contender = reference.contender(self._quantized(model, combo)[0], optimize=fused,
+                                                penalty=sum(v.penalty_db for v in combo))
+                winner = self._duel(reference, best[1], contender) if best else self._duel(reference, contender)
             except Exception as exc:   # a variant that cannot be built or run is not chosen
                 failed.append({"variant": _label(combo), "error": f"{type(exc).__name__}: {first_line(exc)}"})
                 continue
-            scored.append((combo, result))
-            if not result.get("dropped") and (best is None or result["score"] > best[1]["score"]):
-                best = (combo, result)
+            scored.append((combo, contender))
+            if best is None or winner is contender:
+                if best:
+                    best[1].close()
+                best = (combo, contender)
+            else:
+                contender.close()
         report = {"samples": len(reference.feeds)} | ({"failed": failed} if failed else {})
         if best is None:   # the passes after this one will meet the same problem and say so
             model.report[NAME] = report | {"skipped": "no variant could be quantized and run"}
@@ -193,37 +199,44 @@ class SelectBySnr(Pass):
             for name in names:
                 model.quant[name].because(reason)
         report |= {"chosen": _label(best[0]) or "as configured",
-                   "variants": [{"variant": _label(c) or "as configured", "snr_db": round(r["snr_db"], 2),
-                                 "penalty_db": round(r["snr_db"] - r["score"], 2), "samples": r["samples"]}
-                                for c, r in scored]}
+                   "variants": [{"variant": _label(c) or "as configured", "snr_db": round(r.snr(), 2),
+                                 "penalty_db": round(r.penalty, 2), "samples": r.ran}
+                                | ({"dropped": True} if r.dropped else {}) for c, r in scored]}
         corrected = self._bias_correction(model, best[1], reference, report, fused) if bias else False
+        best[1].close()
         model.report[NAME] = report
         return PassResult(model, any(v.changes for v in best[0]) or corrected, {"variants": len(scored)})
 
-    def _challenge(self, proto, reference: Reference, fused: bool, best: dict | None, penalty: float) -> dict:
-        return reference.challenge(proto, best, penalty=penalty, optimize=fused, min_samples=MIN_SAMPLES,
-                                   z=self.early_stop)
+    def _duel(self, reference: Reference, best, challenger=None):
+        """The winner of ``best`` against ``challenger`` (alone: ``best`` after its first feeds)."""
+        if challenger is None:
+            best.advance(MIN_SAMPLES)
+            return best
+        return reference.duel(best, challenger, min_samples=MIN_SAMPLES, z=self.early_stop)
 
-    def _bias_correction(self, model: QModel, chosen: dict, reference: Reference, report: dict, fused: bool) -> bool:
-        """Score the chosen variant with correct-bias against it (``chosen``: its result); keep the
-        corrected biases if they score higher. Either way ``model.report["correct-bias"]`` says
-        what happened, and the pass itself does nothing more."""
+    def _bias_correction(self, model: QModel, chosen, reference: Reference, report: dict, fused: bool) -> bool:
+        """Score the chosen variant with correct-bias against it (``chosen``: its Contender); keep
+        the corrected biases if they win. Either way ``model.report["correct-bias"]`` says what
+        happened, and the pass itself does nothing more."""
         try:
             proto, (info, biases) = self._quantized(model, (), with_correct_bias=True)
-            result = self._challenge(proto, reference, fused, chosen, chosen["snr_db"] - chosen["score"]) \
-                if biases else None
+            contender = reference.contender(proto, optimize=fused, penalty=chosen.penalty) if biases else None
+            winner = self._duel(reference, chosen, contender) if contender else None
         except Exception as exc:   # scored like any variant: a failure is reported, not fatal
             error = f"{type(exc).__name__}: {first_line(exc)}"
             report.setdefault("failed", []).append({"variant": CORRECT_BIAS, "error": error})
             model.report[CORRECT_BIAS] = {"skipped": f"{NAME}: it failed on a copy ({error})"}
             return False
-        if result is None:
+        finally:
+            chosen.close()
+        if contender is None:
             model.report[CORRECT_BIAS] = {"skipped": info.get("skipped", "no layer to correct")}
             return False
-        gain = result["margin_db"]   # over the same feeds, with the same penalty
-        applied = not result.get("dropped") and gain > 0
-        report["bias_correction"] = {"snr_db": round(result["snr_db"], 2), "gain_db": round(gain, 2),
-                                     "samples": result["samples"], "applied": applied}
+        contender.close()
+        gain = contender.margin(chosen)   # over the same feeds, with the same penalty
+        applied = winner is contender
+        report["bias_correction"] = {"snr_db": round(contender.snr(), 2), "gain_db": round(gain, 2),
+                                     "samples": contender.ran, "applied": applied}
         if not applied:
             model.report[CORRECT_BIAS] = {"skipped": f"{NAME} scored the model {gain:+.2f} dB with it"}
             return False

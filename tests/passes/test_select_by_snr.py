@@ -214,7 +214,8 @@ def test_float_outputs_kept_by_calibrate_score_like_a_second_float_run():
 
 
 def test_a_clearly_worse_variant_stops_scoring_early():
-    """Positive weights: symmetric (scored second) is far worse than asymmetric and stops at 8 feeds."""
+    """Positive weights: symmetric (scored second) is far worse than asymmetric: after 8 feeds each
+    the race is decided, and only the loser is marked dropped."""
     config = {**PER_TENSOR, "activation_type": "uint16"}
     positive = (np.random.default_rng(2).random((64, 32)) + 0.5).astype(np.float32)
     samples = {}
@@ -223,5 +224,5 @@ def test_a_clearly_worse_variant_stops_scoring_early():
         select(model, normal_feeds(), config, ",".join(o for o in ("fused_nodes=0", stop) if o))
         report = model.report[NAME]
         assert report["chosen"] == "weights asymmetric" and report["samples"] == 16
-        samples[stop] = [v["samples"] for v in report["variants"]]
-    assert samples == {"": [16, 8], "early_stop=0": [16, 16]}
+        samples[stop] = [(v["samples"], v.get("dropped", False)) for v in report["variants"]]
+    assert samples == {"": [(8, False), (8, True)], "early_stop=0": [(16, False), (16, False)]}
