@@ -114,7 +114,7 @@ def test_run_quantizes_and_reports_the_selection_and_the_snr(example, tmp_path, 
     assert data["accuracy"]["snr_db"] > 30 and "output SNR vs float" in err
 
 
-def test_run_says_which_variant_stopped_early(tmp_path, capsys):
+def test_run_says_which_variants_stopped_early(tmp_path, capsys):
     """Sigmoid of N(0, 1) values with one outlier: min/max ranges are far behind percentile ones."""
     from qpasses.testing import model_from_text
 
@@ -128,4 +128,5 @@ def test_run_says_which_variant_stopped_early(tmp_path, capsys):
     code, _, err = _run(capsys, "run", path, "-o", tmp_path / "q.onnx", "--calib", calib)
     assert code == 0, err
     assert "select-by-snr chose ranges percentile" in err
-    assert "ranges minmax" in err and "[clearly behind: stopped after 8]; 32 calibration samples)" in err
+    assert "[clearly ahead after 8], ranges minmax" in err   # the race is decided: the winner stops too
+    assert "[clearly behind: stopped after 8]; 32 calibration samples)" in err
