@@ -196,26 +196,18 @@ class Contender:
                               for k, v in enumerate(values)]
             self.ran = i + 1
 
-    def snr(self, feeds: int | None = None) -> float:
-        """The worst output SNR over the first ``feeds`` feeds (default: all it ran)."""
-        m = self.ran if feeds is None else feeds
-        return float(_worst_snr(self.reference._signal()[:m].sum(0), self.errors[:m].sum(0)))
+    def snr(self) -> float:
+        """The worst output SNR over the feeds it ran."""
+        return float(_worst_snr(self.reference._signal()[:self.ran].sum(0), self.errors[:self.ran].sum(0)))
 
-    def score(self, feeds: int | None = None) -> float:
-        return self.snr(feeds) - self.penalty
+    def score(self) -> float:
+        return self.snr() - self.penalty
 
     def margin(self, other: "Contender", z: float = 0.0) -> float:
         """This score minus ``other``'s over the feeds both ran, plus ``z`` standard errors."""
         m = min(self.ran, other.ran)
         return (_margin(self.reference._signal()[:m], self.errors[:m], other.errors[:m], z)
                 - self.penalty + other.penalty)
-
-    def result(self, best: "Contender | None" = None) -> dict:
-        """{"snr_db", "score", "samples", "margin_db" (against ``best``), "dropped" (if it stopped early)}."""
-        out = {"snr_db": self.snr(), "score": self.score(), "samples": self.ran}
-        if best is not None and best is not self:
-            out["margin_db"] = self.margin(best)
-        return out | ({"dropped": True} if self.dropped else {})
 
     def close(self) -> None:
         """Free the onnxruntime session (the errors stay)."""

@@ -178,7 +178,9 @@ class SelectBySnr(Pass):
             try:
                 contender = reference.contender(self._quantized(model, combo)[0], optimize=fused,
                                                 penalty=sum(v.penalty_db for v in combo))
-                winner = self._duel(reference, best[1], contender) if best else self._duel(reference, contender)
+                if best is None:
+                    contender.advance(MIN_SAMPLES)
+                winner = self._duel(reference, best[1], contender) if best else contender
             except Exception as exc:   # a variant that cannot be built or run is not chosen
                 failed.append({"variant": _label(combo), "error": f"{type(exc).__name__}: {first_line(exc)}"})
                 continue
@@ -207,11 +209,7 @@ class SelectBySnr(Pass):
         model.report[NAME] = report
         return PassResult(model, any(v.changes for v in best[0]) or corrected, {"variants": len(scored)})
 
-    def _duel(self, reference: Reference, best, challenger=None):
-        """The winner of ``best`` against ``challenger`` (alone: ``best`` after its first feeds)."""
-        if challenger is None:
-            best.advance(MIN_SAMPLES)
-            return best
+    def _duel(self, reference: Reference, best, challenger):
         return reference.duel(best, challenger, min_samples=MIN_SAMPLES, z=self.early_stop)
 
     def _bias_correction(self, model: QModel, chosen, reference: Reference, report: dict, fused: bool) -> bool:
@@ -227,8 +225,6 @@ class SelectBySnr(Pass):
             report.setdefault("failed", []).append({"variant": CORRECT_BIAS, "error": error})
             model.report[CORRECT_BIAS] = {"skipped": f"{NAME}: it failed on a copy ({error})"}
             return False
-        finally:
-            chosen.close()
         if contender is None:
             model.report[CORRECT_BIAS] = {"skipped": info.get("skipped", "no layer to correct")}
             return False
