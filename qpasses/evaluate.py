@@ -170,7 +170,9 @@ class Reference:
             challenger.advance(challenger.ran + 1)
             if z > 0 and min_samples <= challenger.ran < n:
                 for loser, winner in ((challenger, best), (best, challenger)):
-                    if loser.margin(winner, z) < 0:
+                    # clearly behind in SNR too: feeds on which both score alike (saturated outputs)
+                    # have no spread, and a penalty alone must not stop a variant then
+                    if loser.margin(winner, z) < 0 and loser.margin(winner, z, penalties=False) < 0:
                         loser.dropped = True
                         return winner
         return challenger if challenger.score() > best.score() else best
@@ -203,11 +205,12 @@ class Contender:
     def score(self) -> float:
         return self.snr() - self.penalty
 
-    def margin(self, other: "Contender", z: float = 0.0) -> float:
-        """This score minus ``other``'s over the feeds both ran, plus ``z`` standard errors."""
+    def margin(self, other: "Contender", z: float = 0.0, penalties: bool = True) -> float:
+        """This score (SNR without ``penalties``) minus ``other``'s over the feeds both ran, plus
+        ``z`` standard errors."""
         m = min(self.ran, other.ran)
-        return (_margin(self.reference._signal()[:m], self.errors[:m], other.errors[:m], z)
-                - self.penalty + other.penalty)
+        handicap = other.penalty - self.penalty if penalties else 0.0
+        return _margin(self.reference._signal()[:m], self.errors[:m], other.errors[:m], z) + handicap
 
     def close(self) -> None:
         """Free the onnxruntime session (the errors stay)."""

@@ -78,13 +78,18 @@ def test_no_early_stop_with_z_0():
     assert contenders[1].margin(contenders[0]) > 25
 
 
-def test_penalties_count_on_both_sides():
+def test_penalties_decide_at_the_end_and_never_stop_a_variant_alone():
     ref = reference()
-    # 0.01 vs 0.012: 1.6 dB apart; a 10 dB penalty on the better one makes it the loser
+    # 0.01 vs 0.012: 1.6 dB apart; a 10 dB penalty on the better one makes it the loser, but only
+    # once every feed ran: it is ahead in SNR
     (worse, better), winner = race(ref, [noisy(0.012), noisy(0.01)], penalties=[0.0, 10.0], min_samples=8)
-    assert winner is worse and better.dropped and better.score() == pytest.approx(better.snr() - 10)
+    assert winner is worse and not better.dropped and better.ran == 32
+    assert better.score() == pytest.approx(better.snr() - 10)
     (better, worse), winner = race(ref, [noisy(0.01), noisy(0.012)], penalties=[10.0, 0.0], min_samples=8)
-    assert winner is worse and better.dropped and worse.margin(better) > 8
+    assert winner is worse and worse.margin(better) > 8 and worse.ran == 32
+    # identical outputs: no spread, and the penalty must not stop either (it settles the tie at the end)
+    (first, second), winner = race(ref, [noisy(0.01), noisy(0.01)], penalties=[0.05, 0.0], min_samples=8)
+    assert winner is second and (first.ran, second.ran) == (32, 32) and not first.dropped
 
 
 def test_a_lone_contender_runs_the_first_block_only():
