@@ -159,8 +159,8 @@ class Reference:
     def duel(self, best: "Contender", challenger: "Contender", *, min_samples: int = 8, z: float = 3.0) -> "Contender":
         """Run ``best`` and ``challenger`` on the same feeds, ``best`` a block of ``min_samples``
         ahead, until one trails the other by more than ``z`` standard errors (paired jackknife over
-        the feeds both ran, penalties counted; checked from ``min_samples`` feeds on; ``z`` = 0:
-        never) or every feed ran. Returns the winner (a tie: ``best``); a loser that stopped early
+        the feeds both ran) both with and without the penalties (checked from ``min_samples`` feeds
+        on; ``z`` = 0: never) or every feed ran. Returns the winner (a tie: ``best``); a loser that stopped early
         is marked ``dropped``. onnxruntime's errors are raised."""
         n = len(self.feeds)
         best.advance(min_samples)
@@ -170,9 +170,9 @@ class Reference:
             challenger.advance(challenger.ran + 1)
             if z > 0 and min_samples <= challenger.ran < n:
                 for loser, winner in ((challenger, best), (best, challenger)):
-                    # clearly behind in SNR too: feeds on which both score alike (saturated outputs)
-                    # have no spread, and a penalty alone must not stop a variant then
-                    if loser.margin(winner, z) < 0 and loser.margin(winner, z, penalties=False) < 0:
+                    # behind with and without the penalties: feeds on which both score alike
+                    # (saturated outputs) have no spread, and a penalty alone must not stop a variant
+                    if loser.margin(winner, z, penalties=False) < min(0.0, loser.penalty - winner.penalty):
                         loser.dropped = True
                         return winner
         return challenger if challenger.score() > best.score() else best
