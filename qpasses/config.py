@@ -4,13 +4,29 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
-from .qtypes import qtype
+from .qtypes import QTYPES, qtype
 
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy", "mse", "pow2")
+
+
+class _Problems(list):
+    """Problems found while checking a config; reported together as one one-line ConfigError."""
+
+    def raise_if_any(self, where: str = "") -> None:
+        if self:
+            exc = ConfigError((f"{where}: " if where else "") + "; ".join(self))
+            exc.problems = list(self)
+            raise exc
+
+    def take(self, exc: ConfigError) -> None:
+        """Add the problems of a ConfigError raised by a nested check."""
+        self.extend(getattr(exc, "problems", None) or [str(exc)])
 
 
 @dataclass
@@ -24,14 +40,23 @@ class CalibrationConfig:
     clip_graph_outputs: bool = False  # clipping methods also clip graph outputs (default: full range)
 
     def __post_init__(self):
+        problems = _Problems()
         self.method = _CALIB_ALIASES.get(str(self.method).lower(), str(self.method).lower())
         if self.method not in CALIBRATION_METHODS:
-            raise ConfigError(f"calibration.method: unknown method '{self.method}' "
-                              f"(expected one of {', '.join(CALIBRATION_METHODS)})")
-        if not 0 < float(self.percentile) <= 100:
-            raise ConfigError(f"calibration.percentile: {self.percentile} is not in (0, 100]")
-        if int(self.num_bins) < 16:
-            raise ConfigError(f"calibration.num_bins: {self.num_bins} is too small (at least 16)")
+            problems.append(f"calibration.method: unknown method '{self.method}' "
+                            f"(expected one of {', '.join(CALIBRATION_METHODS)})")
+        self.percentile = _number(problems, "calibration.percentile", self.percentile,
+                                  lambda v: 0 < v <= 100, "a number in (0, 100]")
+        self.averaging_constant = _number(problems, "calibration.averaging_constant", self.averaging_constant,
+                                          lambda v: 0 <= v <= 1, "a number in [0, 1]")
+        if isinstance(self.num_bins, numbers.Integral) and not isinstance(self.num_bins, bool) \
+                and self.num_bins >= 16:
+            self.num_bins = int(self.num_bins)
+        else:
+            problems.append(f"calibration.num_bins: expected an integer of at least 16, got {self.num_bins!r}")
+        for key in ("moving_average", "symmetric", "clip_graph_outputs"):
+            _boolean(problems, self, key, "calibration.")
+        problems.raise_if_any()
 
 
 def method_given(calibration: CalibrationConfig) -> bool:
@@ -71,22 +96,29 @@ class QuantConfig:
     force_quantize_no_input_check: bool = False   # quantize data-movement ops outside quantized regions
 
     def __post_init__(self):
-        _check_types(self)
-        self.activation_type = _qtype_name("activation_type", self.activation_type)
-        self.weight_type = _qtype_name("weight_type", self.weight_type)
-        self.nodes_to_exclude = list(self.nodes_to_exclude or [])
-        self.op_types_to_quantize = list(self.op_types_to_quantize) if self.op_types_to_quantize else None
-        self.nodes_to_quantize = list(self.nodes_to_quantize) if self.nodes_to_quantize else None
-        if self.weight_symmetric is None:
+        problems = _Problems()
+        _check_types(self, problems)
+        self.activation_type = _qtype_name(problems, "activation_type", self.activation_type)
+        self.weight_type = _qtype_name(problems, "weight_type", self.weight_type)
+        if self.weight_symmetric is None and self.weight_type in QTYPES:
             self.weight_symmetric = qtype(self.weight_type).signed
         if self.scale_type not in ("float32", "float16"):
-            raise ConfigError(f"scale_type: '{self.scale_type}' is not float32 or float16")
+            problems.append(f"scale_type: {self.scale_type!r} is not float32 or float16")
+        if self.minimum_real_range is not None:
+            self.minimum_real_range = _number(problems, "minimum_real_range", self.minimum_real_range,
+                                              lambda v: v >= 0, "a number >= 0 or null")
         if isinstance(self.calibration, dict):
             written = frozenset(self.calibration)
-            self.calibration = _build(CalibrationConfig, self.calibration, "calibration.")
-            self.calibration._given = written
+            self.calibration = _build(CalibrationConfig, self.calibration, "calibration.", problems)
+            if self.calibration is not None:
+                self.calibration._given = written
+        elif not isinstance(self.calibration, CalibrationConfig):
+            problems.append(_not_a_mapping("calibration", self.calibration))
         if not isinstance(self.tensor_overrides, dict):
-            raise ConfigError("tensor_overrides: expected a mapping of tensor name -> list of overrides")
+            problems.append("tensor_overrides: expected a mapping of tensor name -> list of overrides")
+        if not isinstance(self.mixed_precision, dict):
+            problems.append(_not_a_mapping("mixed_precision", self.mixed_precision))
+        problems.raise_if_any()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -111,11 +143,37 @@ class QuantConfig:
         return frozenset(out)
 
 
-def _qtype_name(key: str, value) -> str:
+def _qtype_name(problems: list, key: str, value):
     try:
         return qtype(value).name
     except ConfigError as exc:
-        raise ConfigError(f"{key}: {exc}") from None
+        problems.append(f"{key}: {exc}")
+        return value
+
+
+def _number(problems: list, key: str, value, ok, expected: str):
+    """``value`` as a float when it is a finite real number that passes ``ok``; else a problem."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) \
+            and ok(float(value)):
+        return float(value)
+    problems.append(f"{key}: expected {expected}, got {value!r}")
+    return value
+
+
+def _boolean(problems: list, obj, key: str, prefix: str = "") -> None:
+    value = getattr(obj, key)
+    if type(value).__name__ in ("bool", "bool_"):
+        setattr(obj, key, bool(value))
+    else:
+        problems.append(f"{prefix}{key}: expected true or false, got {value!r}")
+
+
+_MAPPING_EXAMPLES = {"calibration": " such as {method: minmax}", "extra_options": " of onnxruntime option -> value",
+                     "mixed_precision": " of tensor name -> type"}
+
+
+def _not_a_mapping(key: str, value) -> str:
+    return f"{key}: expected a mapping{_MAPPING_EXAMPLES.get(key, '')}, got {value!r}"
 
 
 _BOOL_KEYS = ("per_channel", "activation_symmetric", "activation_restricted_asymmetric", "reduce_range",
@@ -125,25 +183,26 @@ _LIST_KEYS = ("op_types_to_quantize", "nodes_to_quantize", "nodes_to_exclude",
               "op_types_to_exclude_output_quantization")
 
 
-def _check_types(cfg: "QuantConfig") -> None:
-    """One-line errors for values of the wrong kind (a string where a list belongs, ...)."""
+def _check_types(cfg: "QuantConfig", problems: list) -> None:
+    """Values of the wrong kind (a string where a list belongs, ...); lists are normalised."""
     for key in _BOOL_KEYS:
-        value = getattr(cfg, key)
-        if type(value).__name__ not in ("bool", "bool_"):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        setattr(cfg, key, bool(value))
+        _boolean(problems, cfg, key)
     if cfg.weight_symmetric is not None and not isinstance(cfg.weight_symmetric, bool):
-        raise ConfigError(f"weight_symmetric: expected true, false or null, got {cfg.weight_symmetric!r}")
+        problems.append(f"weight_symmetric: expected true, false or null, got {cfg.weight_symmetric!r}")
     for key in _LIST_KEYS:
         value = getattr(cfg, key)
         if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set))
                                   or not all(isinstance(v, str) for v in value)):
-            raise ConfigError(f"{key}: expected a list of names, got {value!r}")
+            problems.append(f"{key}: expected a list of names, got {value!r}")
+        elif key == "nodes_to_exclude":
+            cfg.nodes_to_exclude = list(value or [])
+        elif key in ("op_types_to_quantize", "nodes_to_quantize"):
+            setattr(cfg, key, list(value) if value else None)  # empty: every supported op / node
     if not isinstance(cfg.per_channel_axes, dict) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in cfg.per_channel_axes.values()):
-        raise ConfigError(f"per_channel_axes: expected a mapping of op type -> axis, got {cfg.per_channel_axes!r}")
+        problems.append(f"per_channel_axes: expected a mapping of op type -> axis, got {cfg.per_channel_axes!r}")
     if cfg.target is not None and not isinstance(cfg.target, str):
-        raise ConfigError(f"target: expected a preset name, got {cfg.target!r}")
+        problems.append(f"target: expected a preset name, got {cfg.target!r}")
 
 
 # onnxruntime names (quantize_static arguments and extra_options) -> our keys
@@ -179,17 +238,23 @@ _IGNORED = ("SmoothQuantAlpha", "SmoothQuantFolding", "MatMulConstBOnly")  # no 
 
 
 def load_config(source=None) -> QuantConfig:
-    """A QuantConfig from a dict, a JSON/YAML file path, or None (the defaults)."""
+    """A QuantConfig from a dict, a JSON/YAML file path, or None (the defaults).
+
+    Every entry is checked; all problems are reported together in one ConfigError line.
+    """
     if source is None:
         return QuantConfig()
     if isinstance(source, QuantConfig):
         return source
+    where = "config"
     if isinstance(source, (str, Path)):
-        source = _read_file(Path(source))
+        where, source = str(source), _read_file(Path(source))
     if not isinstance(source, dict):
-        raise ConfigError("config: expected a mapping at the top level")
-    data = _normalise(source)
-    config = _build(QuantConfig, data, "")
+        raise ConfigError(f"{where}: expected a mapping at the top level")
+    problems = _Problems()
+    data = _normalise(source, problems)
+    config = _build(QuantConfig, data, "", problems)
+    problems.raise_if_any(where)
     config._given = frozenset(data)
     if config.target is not None:
         from .targets import apply_target_defaults
@@ -220,19 +285,27 @@ def _read_file(path: Path) -> dict:
     return data if data is not None else {}
 
 
-def _normalise(raw: dict) -> dict:
+def _normalise(raw: dict, problems: list) -> dict:
     """Map onnxruntime spellings onto our keys; flatten ``extra_options``."""
     out: dict = {}
-    items = list(raw.items()) + list((raw.get("extra_options") or {}).items())
-    for key, value in items:
+    extra = raw.get("extra_options")
+    if not isinstance(extra, (dict, type(None))):
+        problems.append(_not_a_mapping("extra_options", extra))
+        extra = None
+    for key, value in list(raw.items()) + list((extra or {}).items()):
         if key == "extra_options":
+            continue
+        if not isinstance(key, str):
+            out[key] = value  # reported by _build
             continue
         if key in _IGNORED or (key in _UNSUPPORTED and not value):
             continue
         if key in _UNSUPPORTED:
-            raise ConfigError(f"config: onnxruntime option '{key}' is not supported by qpasses")
+            problems.append(f"onnxruntime option '{key}' is not supported by qpasses")
+            continue
         if key == "quant_format" and "qoperator" in str(getattr(value, "name", value)).lower():
-            raise ConfigError("config: quant_format QOperator is not supported (qpasses writes QDQ models)")
+            problems.append("quant_format QOperator is not supported (qpasses writes QDQ models)")
+            continue
         if key in _INVERTED:
             key, value = _INVERTED[key], not value
         elif key in ORT_NAMES:
@@ -241,21 +314,35 @@ def _normalise(raw: dict) -> dict:
                 continue
         if key.startswith("calibration."):
             out.setdefault("calibration", {})[key.split(".", 1)[1]] = value
-        elif key == "calibration" and isinstance(value, dict):
-            out.setdefault("calibration", {}).update(value)
+        elif key == "calibration":
+            if isinstance(value, dict):
+                out.setdefault("calibration", {}).update(value)
+            else:
+                problems.append(_not_a_mapping("calibration", value))
         else:
             out[key] = value
     return out
 
 
-def _build(cls, data: dict, prefix: str):
+def _build(cls, data: dict, prefix: str, problems: list):
+    """``cls(**data)`` with unknown keys and bad values added to ``problems`` (None if it cannot be built)."""
     names = [f.name for f in dataclasses.fields(cls)]
-    for key in data:
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-            raise ConfigError(f"config: unknown key '{prefix}{key}'{hint}")
+    known = {}
+    for key, value in data.items():
+        if key in names:
+            known[key] = value
+        else:
+            problems.append(_unknown_key(key, names + (list(ORT_NAMES) if not prefix else []), prefix))
     try:
-        return cls(**data)
-    except TypeError as exc:
-        raise ConfigError(f"config: {exc}") from None
+        return cls(**known)
+    except ConfigError as exc:
+        problems.take(exc)
+        return None
+
+
+def _unknown_key(key, names: list[str], prefix: str) -> str:
+    if not isinstance(key, str):
+        return f"unknown key {key!r} (keys are names)"
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+    hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+    return f"unknown key '{prefix}{key}'{hint}"

@@ -1,5 +1,6 @@
 """Config loading: our keys, onnxruntime spellings (arguments and extra_options), checks, given keys."""
 import json
+import re
 
 import pytest
 from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
@@ -121,3 +122,74 @@ def test_given_keys():
 def test_load_config_passes_a_config_through():
     cfg = QuantConfig(per_channel=True)
     assert load_config(cfg) is cfg
+
+
+def test_every_problem_is_listed_on_one_line():
+    with pytest.raises(ConfigError) as info:
+        load_config({"bogus": 1, "activation_type": "int3", "per_chanel": True,
+                     "calibration": {"percentile": "abc", "num_bins": "many"}})
+    text = str(info.value)
+    assert text.startswith("config: unknown key 'bogus'; unknown key 'per_chanel' (did you mean 'per_channel'?); ")
+    for fragment in ("activation_type: unknown quantized type 'int3'", "calibration.percentile: expected a number",
+                     "calibration.num_bins: expected an integer"):
+        assert fragment in text
+    assert "\n" not in text
+
+
+def test_hand_built_config_lists_every_problem():
+    with pytest.raises(ConfigError, match=r"^per_channel: expected true or false, got 3; weight_type: unknown"):
+        QuantConfig(per_channel=3, weight_type="float")
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    ({"calibration": {"percentile": "abc"}}, "calibration.percentile: expected a number in (0, 100], got 'abc'"),
+    ({"calibration": {"percentile": 0}}, "calibration.percentile: expected a number in (0, 100], got 0"),
+    ({"calibration": {"num_bins": "many"}}, "calibration.num_bins: expected an integer of at least 16, got 'many'"),
+    ({"calibration": {"num_bins": 8}}, "calibration.num_bins: expected an integer of at least 16, got 8"),
+    ({"calibration": {"averaging_constant": "x"}}, "calibration.averaging_constant: expected a number in [0, 1]"),
+    ({"calibration": {"moving_average": "yes"}}, "calibration.moving_average: expected true or false"),
+    ({"minimum_real_range": "abc"}, "minimum_real_range: expected a number >= 0 or null, got 'abc'"),
+    ({"minimum_real_range": float("nan")}, "minimum_real_range: expected a number >= 0 or null, got nan"),
+    ({"minimum_real_range": -0.5}, "minimum_real_range: expected a number >= 0 or null, got -0.5"),
+    ({"calibration": "minmax"}, "calibration: expected a mapping such as {method: minmax}, got 'minmax'"),
+    ({"calibrate_method": "entropy", "calibration": "minmax"}, "calibration: expected a mapping"),
+    ({1: 2}, "unknown key 1 (keys are names)"),
+    ({"extra_options": "abc"}, "extra_options: expected a mapping of onnxruntime option -> value, got 'abc'"),
+    ({"extra_options": ["ActivationSymmetric"]}, "extra_options: expected a mapping"),
+    ({"mixed_precision": "uint16"}, "mixed_precision: expected a mapping of tensor name -> type"),
+    ({"ActivationSymetric": True}, "unknown key 'ActivationSymetric' (did you mean 'ActivationSymmetric'?)"),
+])
+def test_bad_values_are_config_errors(raw, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(raw)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_valid_numbers_are_kept():
+    cfg = load_config({"minimum_real_range": 0, "calibration": {"percentile": 100, "num_bins": 16,
+                                                                "averaging_constant": 1}})
+    assert cfg.minimum_real_range == 0.0 and cfg.calibration.percentile == 100.0
+    assert (cfg.calibration.num_bins, cfg.calibration.averaging_constant) == (16, 1.0)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("1: 2\n", "unknown key 1"),
+    ("calibration: minmax\n", "calibration: expected a mapping"),
+    ("bogus: 1\nactivation_type: int3\nper_chanel: true\n", "unknown key 'bogus'; unknown key 'per_chanel'"),
+    ("calibration: {percentile: abc}\n", "calibration.percentile: expected a number"),
+    ("minimum_real_range: .nan\n", "minimum_real_range: expected a number"),
+    ("extra_options: [1, 2]\n", "extra_options: expected a mapping"),
+])
+def test_yaml_file_problems_exit_2_from_the_cli(tmp_path, capsys, text, fragment):
+    from qpasses.cli import main
+    from qpasses.examples import write_example
+
+    model, _, _ = write_example(tmp_path)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match="^" + re.escape(f"{cfg}: ")):
+        load_config(cfg)
+    code = main(["run", str(model), "-o", str(tmp_path / "out.onnx"), "--config", str(cfg)])
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out.onnx").exists()
