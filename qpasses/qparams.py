@@ -6,8 +6,8 @@ How a range becomes (scale, zero_point), in order:
 1. NaN or infinite bounds make the range *degenerate* (it is replaced by [0, 0]); the range is
    widened to contain 0 (so 0 is exactly representable, as ONNX QDQ needs), then to at least
    ``minimum_real_range`` (``rmax = rmin + minimum_real_range``, as onnxruntime's MinimumRealRange).
-2. Integer limits come from ``QType.limits``: signed symmetric is narrow ([-127, 127] for int8),
-   ``reduce_range`` drops one bit.
+2. Integer limits come from ``QType.limits`` (onnxruntime's get_qmin_qmax_for_qType): symmetric
+   int8/int16 are narrow ([-127, 127]); ``reduce_range`` drops one bit ([-64, 64] for int8).
 3. Zero point: asymmetric -> wherever ``rmin`` lands; symmetric -> 0 (signed) or the midpoint
    (unsigned: 128 for uint8, 32768 for uint16); restricted (unsigned) -> 0 when ``rmin >= 0``, the
    midpoint otherwise (signed types: 0). A fixed zero point gets the smallest scale covering both

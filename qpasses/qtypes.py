@@ -17,6 +17,8 @@ class QType:
     qmax: int
     min_opset: int
     storage: type  # numpy dtype used to hold quantized values before export
+    reduced: tuple[int, int] | None = None  # reduce_range limits (onnxruntime's, symmetric or not)
+    narrow: bool = False  # symmetric quantization drops qmin (int8/int16 only, as in onnxruntime)
 
     @property
     def bits(self) -> int:
@@ -27,24 +29,27 @@ class QType:
         return self.qmin < 0
 
     def limits(self, symmetric: bool = False, reduce_range: bool = False) -> tuple[int, int]:
-        """Integer range used for quantization: narrow for signed symmetric, 1 bit less with reduce_range."""
-        qmin, qmax = self.qmin, self.qmax
+        """Integer range used for quantization, as onnxruntime's get_qmin_qmax_for_qType: with
+        ``reduce_range`` the ``reduced`` limits (whatever ``symmetric``: [-64, 64] for int8), else
+        [-qmax, qmax] for symmetric ``narrow`` types, else the full range."""
         if reduce_range:
-            qmin, qmax = (qmin // 2, qmax // 2) if self.signed else (0, (qmax + 1) // 2 - 1)
-        if symmetric and self.signed:
-            qmin = -qmax
-        return qmin, qmax
+            if self.reduced is None:
+                raise ConfigError(f"reduce_range is not supported for {self.name}")
+            return self.reduced
+        if symmetric and self.narrow:
+            return -self.qmax, self.qmax
+        return self.qmin, self.qmax
 
 
 QTYPES: dict[str, QType] = {
     t.name: t
     for t in (
-        QType("uint8", TensorProto.UINT8, 0, 255, 10, np.uint8),
-        QType("int8", TensorProto.INT8, -128, 127, 10, np.int8),
-        QType("uint16", TensorProto.UINT16, 0, 65535, 21, np.uint16),
-        QType("int16", TensorProto.INT16, -32768, 32767, 21, np.int16),
-        QType("uint4", TensorProto.UINT4, 0, 15, 21, np.uint8),
-        QType("int4", TensorProto.INT4, -8, 7, 21, np.int8),
+        QType("uint8", TensorProto.UINT8, 0, 255, 10, np.uint8, (0, 127)),
+        QType("int8", TensorProto.INT8, -128, 127, 10, np.int8, (-64, 64), narrow=True),
+        QType("uint16", TensorProto.UINT16, 0, 65535, 21, np.uint16, (0, 32767)),
+        QType("int16", TensorProto.INT16, -32768, 32767, 21, np.int16, (-16384, 16384), narrow=True),
+        QType("uint4", TensorProto.UINT4, 0, 15, 21, np.uint8, (0, 7)),
+        QType("int4", TensorProto.INT4, -8, 7, 21, np.int8, (-4, 3)),
         QType("int32", TensorProto.INT32, -(2**31), 2**31 - 1, 10, np.int32),
     )
 }

@@ -57,7 +57,7 @@ def test_restricted_asymmetric_uint8():
 
 def test_reduce_range():
     assert qp(0.0, 1.27, "uint8", reduce_range=True) == (up32(1.27 / 127), 0)
-    assert qp(-0.63, 0.63, "int8", symmetric=True, reduce_range=True) == (up32(0.01), 0)
+    assert qp(-0.64, 0.64, "int8", symmetric=True, reduce_range=True) == (up32(0.01), 0)  # [-64, 64]
 
 
 def test_minimum_real_range():
