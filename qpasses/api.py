@@ -1,7 +1,7 @@
 """Python API: load, run a pipeline, save."""
 from __future__ import annotations
 
-from .config import load_config
+from .context import RunContext
 from .instruments import DumpAfter, Reproducer, TimePasses, VerifyEach
 from .ir import QModel, load
 from .pipeline import PassManager, default_pipeline
@@ -9,22 +9,20 @@ from .pipeline import PassManager, default_pipeline
 
 def run_pipeline(model, passes: str | list | None = None, *, config=None, calibration_data=None,
                  verify_each: str | None = None, dump_after=None, reproducer=None,
-                 time_passes: TimePasses | None = None):
+                 time_passes: TimePasses | None = None, ctx: RunContext | None = None):
     """Run ``passes`` (text or Pass list; default: the default pipeline) on a model.
 
     ``model`` is a path, ModelProto or QModel (edited in place). ``calibration_data`` is a path
     (.npz, folder) or any iterable of ``{input_name: array}`` dicts or a CalibrationDataReader.
+    Give ``ctx`` (a RunContext, instead of config and data) to read the findings afterwards.
     Returns ``(model, records)``.
     """
     if not isinstance(model, QModel):
         model = load(model)
-    model.config = load_config(config) if config is not None or model.config is None else model.config
-    if calibration_data is not None:
-        from .calibration.data import open_data
-
-        model.calibration_data = open_data(calibration_data)
+    if ctx is None:
+        ctx = RunContext(config, calibration_data)
     if passes is None:
-        passes = default_pipeline(quantize=model.calibration_data is not None)
+        passes = default_pipeline(quantize=ctx.calibration_data is not None)
     instruments = []
     if time_passes is not None:
         instruments.append(time_passes)
@@ -35,7 +33,7 @@ def run_pipeline(model, passes: str | list | None = None, *, config=None, calibr
     if reproducer:
         instruments.append(Reproducer(reproducer))
     manager = PassManager(passes, instruments)
-    records = manager.run(model)
+    records = manager.run(model, ctx)
     return model, records
 
 

@@ -1,6 +1,7 @@
 """The `qpasses` command line: run | passes | explain | compare.
 
-Exit codes: 0 success, 2 user error (one line on stderr), 1 internal error.
+Exit codes: 0 success, 2 user error (one line on stderr), 1 internal error. A reader that closes
+stdout early (`qpasses passes | head -1`) ends the command quietly (exit 0).
 """
 from __future__ import annotations
 
@@ -15,6 +16,25 @@ from .errors import PassFailure, QpassesError
 
 
 def main(argv=None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a reader that went away (`qpasses passes | head -1`) shows here
+    except BrokenPipeError:  # stop quietly, as head, grep -q and less expect
+        _drop_stdout()
+        return 0
+
+
+def _drop_stdout() -> None:
+    """Point stdout at devnull so that the interpreter's final flush does not fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _main(argv) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
@@ -32,6 +52,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("qpasses: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        raise
     except Exception as exc:  # an internal error: one line, traceback only on request
         print(f"qpasses: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
         _maybe_traceback(args)
@@ -66,7 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--calib", help="calibration data: .npz, folder of .npz, or ONNX test-data folder")
     run.add_argument("--eval", help="data to measure the output SNR on (default: the calibration data)")
     run.add_argument("--report", help="write a JSON run report here")
-    run.add_argument("--verify-each", choices=("structure", "checker", "ort"), help="check the IR after every pass")
+    run.add_argument("--verify-each", choices=("structure", "checker", "ort", "reload"),
+                     help="check the IR and the model's facts after every pass (reload: also continue "
+                          "from the saved form of the model after each pass)")
     run.add_argument("--dump-after", metavar="DIR", help="save the model after every pass as DIR/NNN_<pass>.onnx")
     run.add_argument("--reproducer", metavar="DIR", help="on failure, save the failing pass's input and the rest of the pipeline")
     run.add_argument("--time-passes", action="store_true", help="print seconds per pass")
@@ -102,6 +126,8 @@ def _version() -> str:
 
 def cmd_run(args) -> int:
     from .api import run_pipeline
+    from .context import RunContext
+    from .decisions import float_reasons
     from .evaluate import compare
     from .instruments import TimePasses
     from .ir import load, save
@@ -121,16 +147,18 @@ def cmd_run(args) -> int:
     timer = TimePasses()
     model = load(src)
     eval_data = _checked_eval_data(args.eval, model) if args.eval else None
-    model, records = run_pipeline(model, args.passes, config=args.config, calibration_data=args.calib,
-                                  verify_each=args.verify_each, dump_after=args.dump_after,
-                                  reproducer=args.reproducer, time_passes=timer)
+    ctx = RunContext(args.config, args.calib)
+    model, records = run_pipeline(model, args.passes, ctx=ctx, verify_each=args.verify_each,
+                                  dump_after=args.dump_after, reproducer=args.reproducer, time_passes=timer)
+    findings = ctx.findings.as_dict()
     save(model, out)
     report = {"input": str(src), "output": str(out),
               "pipeline": ",".join(r.text for r in records),
               "passes": [{"pass": r.text, "modified": r.modified, "seconds": round(r.seconds, 4),
                           "stats": r.stats} for r in records],
-              "facts": sorted(model.facts), "findings": model.report}
-    selected = model.report.get("select-by-snr", {})
+              "facts": sorted(model.facts), "decisions": model.decisions, "findings": findings,
+              "unquantized": [{"tensor": name, **row} for name, row in float_reasons(model).items()]}
+    selected = findings.get("select-by-snr", {})
     if selected.get("variants"):
         total = selected["samples"]
         scores = ", ".join(f"{v['variant']} {_fmt_db(v['snr_db'])}"
@@ -140,7 +168,7 @@ def cmd_run(args) -> int:
         say(f"qpasses: select-by-snr chose {selected['chosen']} ({scores}; "
             f"{total} calibration samples)")
     if "qdq-inserted" in model.facts:
-        data = eval_data or model.calibration_data
+        data = eval_data or ctx.calibration_data
         report["accuracy"] = compare(src, out, data, max_samples=_EVAL_SAMPLES)
         say(f"qpasses: output SNR vs float: {_fmt_db(report['accuracy']['snr_db'])} "
             f"over {report['accuracy']['samples']} samples")

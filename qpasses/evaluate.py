@@ -38,7 +38,7 @@ def session(model, *, optimize: bool = True):
         return session(load(proto), optimize=optimize)
 
 
-def rerun_skip_reason(model: QModel, max_nodes: int, max_weight_mb: float) -> str | None:
+def rerun_skip_reason(model: QModel, data, max_nodes: int, max_weight_mb: float) -> str | None:
     """Why a pass that runs the model again in onnxruntime on the calibration data should stand
     aside (too many nodes or weights for another session, or no data), else None."""
     if len(model.graph.nodes) > max_nodes:
@@ -46,8 +46,8 @@ def rerun_skip_reason(model: QModel, max_nodes: int, max_weight_mb: float) -> st
     weight_mb = constant_bytes(model.graph) / 2**20
     if weight_mb > max_weight_mb:
         return f"{weight_mb:.0f} MB of weights is over max_weight_mb={max_weight_mb:g}"
-    if model.calibration_data is None:
-        return "no calibration data on the model"
+    if data is None:
+        return "no calibration data in this run"
     return None
 
 

@@ -1,6 +1,11 @@
-"""Instruments run around every pass: timing, verification, dumps and a reproducer on failure."""
+"""Instruments run around every pass: timing, verification, dumps and a reproducer on failure.
+
+They see nested pipelines too (a pass running passes on a copy, e.g. select-by-snr's ``then``):
+``ctx.depth`` is 0 for the user's pipeline and more inside a pass.
+"""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -10,46 +15,60 @@ from .verify import verify
 
 
 class Instrument:
-    def before(self, index, p, model: QModel) -> None: ...
-    def after(self, index, p, model: QModel, record) -> None: ...
-    def failed(self, index, p, model: QModel, remaining) -> None: ...
+    def before(self, index, p, model: QModel, ctx) -> None: ...
+    def after(self, index, p, model: QModel, record, ctx) -> None: ...
+    def failed(self, index, p, model: QModel, remaining, ctx) -> None: ...
 
 
 class TimePasses(Instrument):
-    """Collects per-pass wall time; ``table()`` formats it."""
+    """Collects per-pass wall time; ``table()`` formats it (nested passes indented, not in the total)."""
 
     def __init__(self):
-        self.rows: list[tuple[str, float, bool, dict]] = []
+        self.rows: list[tuple[str, float, bool, dict, int]] = []
+        self._pending: list[list] = []   # nested rows wait for their parent's row
 
-    def after(self, index, p, model, record):
-        self.rows.append((record.text, record.seconds, record.modified, record.stats))
+    def after(self, index, p, model, record, ctx):
+        row = (record.text, record.seconds, record.modified, record.stats, ctx.depth)
+        if ctx.depth:
+            self._pending.append(row)
+            return
+        self.rows.append(row)
+        self.rows.extend(self._pending)
+        self._pending = []
 
     def table(self) -> str:
-        total = sum(r[1] for r in self.rows) or 1e-9
+        total = sum(r[1] for r in self.rows if not r[4]) or 1e-9
         lines = [f"{'seconds':>9} {'%':>5}  pass"]
-        for text, sec, modified, stats in self.rows:
+        for text, sec, modified, stats, depth in self.rows:
             extra = " ".join(f"{k}={v}" for k, v in stats.items() if not isinstance(v, (dict, list)))
-            lines.append(f"{sec:9.3f} {100 * sec / total:5.1f}  {text}{'' if modified else ' (no change)'}"
-                         f"{'  ' + extra if extra else ''}")
+            lines.append(f"{sec:9.3f} {100 * sec / total:5.1f}  {'  ' * depth}{'└ ' if depth else ''}{text}"
+                         f"{'' if modified else ' (no change)'}{'  ' + extra if extra else ''}")
         lines.append(f"{total:9.3f} 100.0  total")
         return "\n".join(lines)
 
 
 class VerifyEach(Instrument):
-    """Checks the IR after every pass at the given level (structure, checker or ort)."""
+    """Checks the IR after every pass at the given level (structure, checker, ort or reload), and
+    the model's facts; ``reload`` also replaces the model by its saved form reloaded, so each
+    pass starts from what a saved model holds."""
 
     def __init__(self, level: str):
         self.level = level
 
-    def after(self, index, p, model, record):
+    def after(self, index, p, model, record, ctx):
+        from .facts import check_facts
+
         try:
-            verify(model, self.level)
+            verify(model, "structure" if self.level == "reload" else self.level)
+            check_facts(model)
         except ModelError as exc:
             raise ModelError(f"after pass '{p.name}': {exc}") from None
+        if self.level == "reload":
+            model.reload()
 
 
 class DumpAfter(Instrument):
-    """Saves the model after every pass as ``DIR/NNN_<pass>.onnx``."""
+    """Saves the model after every pass of the user's pipeline as ``DIR/NNN_<pass>.onnx``."""
 
     def __init__(self, directory):
         self.directory = Path(directory)
@@ -58,12 +77,14 @@ class DumpAfter(Instrument):
         except OSError as exc:
             raise ModelError(f"{self.directory}: cannot create the --dump-after folder ({exc.strerror})") from None
 
-    def after(self, index, p, model, record):
-        save(model, self.directory / f"{index + 1:03d}_{p.name}.onnx")
+    def after(self, index, p, model, record, ctx):
+        if not ctx.depth:
+            save(model, self.directory / f"{index + 1:03d}_{p.name}.onnx")
 
 
 class Reproducer(Instrument):
-    """On failure, writes the failing pass's input model and the rest of the pipeline to DIR."""
+    """On failure, writes to DIR the failing pass's input model, the rest of the pipeline, the
+    config and the data references, and the command that replays it."""
 
     def __init__(self, directory):
         self.directory = Path(directory)
@@ -72,15 +93,35 @@ class Reproducer(Instrument):
         if not existing.is_dir():  # refuse now: failing while reporting a failure would hide it
             raise ModelError(f"{self.directory}: cannot create the --reproducer folder ('{existing}' is a file)")
 
-    def before(self, index, p, model):
-        self._snapshot = model.to_proto()
+    def before(self, index, p, model, ctx):
+        if not ctx.depth:
+            self._snapshot = model.to_proto()
 
-    def failed(self, index, p, model, remaining):
+    def failed(self, index, p, model, remaining, ctx):
         from .pipeline import print_pipeline
 
-        self.directory.mkdir(parents=True, exist_ok=True)
-        save(self._snapshot, self.directory / "input.onnx")
-        (self.directory / "pipeline.txt").write_text(print_pipeline(remaining) + "\n")
-        print(f"qpasses: reproducer written to {self.directory} "
-              f"(qpasses run {self.directory / 'input.onnx'} --passes \"$(cat {self.directory / 'pipeline.txt'})\")",
-              file=sys.stderr)
+        if ctx.depth:   # the user's pipeline reports it (a pass may also survive a nested failure)
+            return
+        d = self.directory
+        d.mkdir(parents=True, exist_ok=True)
+        save(self._snapshot, d / "input.onnx")
+        (d / "pipeline.txt").write_text(print_pipeline(remaining) + "\n")
+        (d / "config.json").write_text(json.dumps(given_config(ctx.config), indent=2, default=str) + "\n")
+        command = f"qpasses run {d / 'input.onnx'} -o {d / 'output.onnx'} --config {d / 'config.json'}"
+        if ctx.data_source:
+            command += f" --calib {Path(ctx.data_source).resolve()}"
+        elif ctx.calibration_data is not None:
+            command += " --calib <the calibration data, given as Python objects>"
+        command += f" --passes \"$(cat {d / 'pipeline.txt'})\""
+        (d / "command.txt").write_text(command + "\n")
+        print(f"qpasses: reproducer written to {d} (replay: {command})", file=sys.stderr)
+
+
+def given_config(config) -> dict:
+    """The keys the user wrote, as a config file that loads back to the same config."""
+    out = {key: getattr(config, key) for key in sorted(config.given)}
+    if "calibration" in out:
+        cal = config.calibration
+        written = getattr(cal, "_given", None) or cal.__dict__.keys()
+        out["calibration"] = {k: getattr(cal, k) for k in sorted(written) if not k.startswith("_")}
+    return out

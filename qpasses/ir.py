@@ -28,8 +28,9 @@ from .validate import validate_proto
 FACTS_KEY = "qpasses.facts"
 RANGES_KEY = "qpasses.ranges"
 OBSERVED_KEY = "qpasses.observed"
+DECISIONS_KEY = "qpasses.decisions"
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # bytes of tensor data above which we save with external data
-_OUR_KEYS = (QuantTable.METADATA_KEY, FACTS_KEY, RANGES_KEY, OBSERVED_KEY)
+_OUR_KEYS = (QuantTable.METADATA_KEY, FACTS_KEY, RANGES_KEY, OBSERVED_KEY, DECISIONS_KEY)
 
 
 @contextlib.contextmanager
@@ -53,10 +54,17 @@ def relaxed_gc():
 
 
 class QModel:
-    """A model being compiled: ``graph`` (gs.Graph) plus side tables that gs cannot hold."""
+    """A model being compiled: ``graph`` (gs.Graph) plus side tables that gs cannot hold.
+
+    Everything a later pass reads is saved with the model (``to_proto`` writes it into
+    ``metadata_props``): the quantization table, facts, calibrated and observed ranges, and
+    ``decisions`` (effective settings passes chose, e.g. the calibration method, whether biases
+    were corrected, why tensors stay float). The run's config, data and findings are not here:
+    they are the RunContext's."""
 
     def __init__(self, graph: gs.Graph, *, quant: QuantTable | None = None, facts=(),
-                 ranges: dict | None = None, observed: dict | None = None, ir_version: int = 10, metadata: dict | None = None,
+                 ranges: dict | None = None, observed: dict | None = None, decisions: dict | None = None,
+                 ir_version: int = 10, metadata: dict | None = None,
                  model_fields: dict | None = None, input_order: list[str] | None = None,
                  input_initializers: dict | None = None, base_dir: Path | None = None):
         self.graph = graph
@@ -64,6 +72,7 @@ class QModel:
         self.facts: set[str] = set(facts)
         self.ranges: dict[str, tuple[float, float]] = dict(ranges or {})  # calibrated [rmin, rmax]
         self.observed: dict[str, tuple[float, float]] = dict(observed or {})  # raw min/max seen
+        self.decisions: dict = json.loads(json.dumps(decisions or {}))  # JSON values only
         self.ir_version = ir_version
         self.metadata: dict[str, str] = dict(metadata or {})
         self.model_fields: dict = dict(model_fields or {})  # producer, domain, model_version, doc
@@ -71,10 +80,6 @@ class QModel:
         self.input_initializers: dict[str, onnx.ValueInfoProto] = dict(input_initializers or {})
         self.base_dir = base_dir
         self.generation = 0
-        self.config = None         # QuantConfig, attached by the caller of the pipeline
-        self.calibration_data = None  # an iterable of feeds, attached by the caller
-        self.kept_samples = None   # calibrate: first feeds + float outputs (runner.KeptSamples)
-        self.report: dict = {}     # passes add findings worth showing the user (bias fixes, plans)
         self._cache: dict = {}
 
     # -- cached indexes ------------------------------------------------------------------
@@ -136,6 +141,7 @@ class QModel:
             meta[FACTS_KEY] = json.dumps(sorted(self.facts))
             meta[RANGES_KEY] = _ranges_json(self.ranges)
             meta[OBSERVED_KEY] = _ranges_json(self.observed)
+            meta[DECISIONS_KEY] = json.dumps(self.decisions, sort_keys=True, separators=(",", ":"))
         del proto.metadata_props[:]
         for key in sorted(meta):
             if key in _OUR_KEYS and meta[key] in ("{}", "[]"):
@@ -154,9 +160,15 @@ class QModel:
                 if isinstance(t, gs.Constant) and t.name in weights:
                     t._values = weights[t.name]
                     t.data_location = None   # the copy imported them as (in-memory) external data
-        new.config, new.calibration_data = self.config, self.calibration_data
-        new.report = json.loads(json.dumps(self.report, default=str))
         return new
+
+    def reload(self) -> None:
+        """Become what saving and loading this model gives (``--verify-each reload``)."""
+        fresh = from_proto(self.to_proto(), base_dir=self.base_dir)
+        _own_constants(fresh.graph, self.base_dir or Path("."))
+        generation = self.generation
+        self.__dict__.update(fresh.__dict__)
+        self.generation = generation + 1
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -288,9 +300,11 @@ def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None) -> QMode
     facts = json.loads(meta.pop(FACTS_KEY, "[]"))
     ranges = {k: tuple(v) for k, v in json.loads(meta.pop(RANGES_KEY, "{}")).items()}
     observed = {k: tuple(v) for k, v in json.loads(meta.pop(OBSERVED_KEY, "{}")).items()}
+    decisions = json.loads(meta.pop(DECISIONS_KEY, "{}"))
     fields = {k: getattr(proto, k) for k in ("producer_name", "producer_version", "domain",
                                              "model_version", "doc_string")}
-    return QModel(graph, quant=quant, facts=facts, ranges=ranges, observed=observed, ir_version=proto.ir_version,
+    return QModel(graph, quant=quant, facts=facts, ranges=ranges, observed=observed, decisions=decisions,
+                  ir_version=proto.ir_version,
                   metadata=meta, model_fields=fields, input_order=input_order,
                   input_initializers={k: _copy_value_info(v) for k, v in input_inits.items()},
                   base_dir=base_dir)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from .errors import PassFailure, PipelineError, PreconditionError, QpassesError
+from .context import RunContext
 from .ir import QModel, constant_bytes, relaxed_gc
 from .registry import establishers, get_pass
 
@@ -21,14 +22,17 @@ class PassResult:
 
 
 class Pass:
-    """Base of every pass. Subclasses set ``name``, a docstring, facts, and options as fields."""
+    """Base of every pass. Subclasses set ``name``, a docstring, facts, and options as fields.
+
+    Facts have a safe default: a pass that reports a modification keeps only the facts it declares
+    it ``preserves`` (and adds those it ``establishes``)."""
 
     name: ClassVar[str] = ""
     requires: ClassVar[frozenset] = frozenset()
     establishes: ClassVar[frozenset] = frozenset()
-    invalidates: ClassVar[frozenset] = frozenset()
+    preserves: ClassVar[frozenset] = frozenset()
 
-    def run(self, model: QModel) -> PassResult:  # pragma: no cover - abstract
+    def run(self, model: QModel, ctx: RunContext) -> PassResult:  # pragma: no cover - abstract
         raise NotImplementedError
 
     @classmethod
@@ -67,7 +71,13 @@ def _format_value(value) -> str:
         return "true" if value else "false"
     if isinstance(value, float):
         return repr(value).removesuffix(".0") if value.is_integer() else repr(value)
-    return str(value)
+    text = str(value)
+    if text and not any(c in _SPECIAL for c in text) and text == text.strip():
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+_SPECIAL = frozenset(',{}="\'\\')
 
 
 def _option_type(cls, f: dataclasses.Field):
@@ -95,6 +105,11 @@ def _parse_value(cls, f: dataclasses.Field, text: str):
         raise PipelineError(f"{where}: '{text}' is not a valid {getattr(kind, '__name__', kind)}") from None
     if choices and value not in choices:
         raise PipelineError(f"{where}: '{text}' is not one of {', '.join(map(str, choices))}")
+    if f.metadata.get("pipeline"):   # a nested pipeline: its passes and options must exist
+        try:
+            parse_pipeline(value)
+        except PipelineError as exc:
+            raise PipelineError(f"{where}: {exc}") from None
     return value
 
 
@@ -118,33 +133,80 @@ def make_pass(name: str, **options) -> Pass:
 
 
 def parse_pipeline(text: str) -> list[Pass]:
-    """Parse ``pass,pass{opt=value,opt=value},...`` into pass instances."""
-    passes, i, text = [], 0, text.strip()
-    if not text:
-        raise PipelineError("empty pipeline text")
-    while i < len(text):
-        j = i
-        while j < len(text) and text[j] not in ",{":
-            j += 1
-        name = text[i:j].strip()
+    """Parse ``pass,pass{opt=value,opt="quoted, value"},...`` into pass instances.
+
+    A value is bare text up to ``,`` or ``}``, or quoted with ``"`` or ``'`` (backslash escapes the
+    quote and itself); a nested pipeline (select-by-snr's ``then``) is a quoted value."""
+    return [make_pass(name, **options) for name, options in _Reader(text).pipeline()]
+
+
+class _Reader:
+    """A tiny recursive-descent reader of pipeline text."""
+
+    def __init__(self, text: str):
+        self.text, self.i = text, 0
+
+    def pipeline(self) -> list[tuple[str, dict]]:
+        if not self.text.strip():
+            raise PipelineError("empty pipeline text")
+        items = [self.item()]
+        while self.peek() == ",":
+            self.i += 1
+            items.append(self.item())
+        if self.peek():
+            raise PipelineError(f"pipeline text: expected ',' after '{items[-1][0]}' at column {self.i + 1}")
+        return items
+
+    def peek(self) -> str:
+        while self.i < len(self.text) and self.text[self.i].isspace():
+            self.i += 1
+        return self.text[self.i] if self.i < len(self.text) else ""
+
+    def item(self) -> tuple[str, dict]:
+        name = self.bare(",{}").strip()
         if not name:
-            raise PipelineError(f"pipeline text: missing pass name at column {i + 1}")
-        options = {}
-        if j < len(text) and text[j] == "{":
-            end = text.find("}", j)
-            if end < 0:
-                raise PipelineError(f"pipeline text: unclosed '{{' after '{name}'")
-            for item in filter(None, (s.strip() for s in text[j + 1:end].split(","))):
-                key, eq, value = item.partition("=")
-                if not eq:
-                    raise PipelineError(f"pipeline text: option '{item}' of '{name}' needs key=value")
-                options[key.strip()] = value.strip()
-            j = end + 1
-        passes.append(make_pass(name, **options))
-        if j < len(text) and text[j] != ",":
-            raise PipelineError(f"pipeline text: expected ',' after '{name}' at column {j + 1}")
-        i = j + 1
-    return passes
+            raise PipelineError(f"pipeline text: missing pass name at column {self.i + 1}")
+        options: dict[str, str] = {}
+        if self.peek() == "{":
+            self.i += 1
+            while self.peek() != "}":
+                if not self.peek():
+                    raise PipelineError(f"pipeline text: unclosed '{{' after '{name}'")
+                key = self.bare(",}=").strip()
+                if self.peek() != "=":
+                    if not key:   # an empty item: 'pass{a=1,}'
+                        self.i += self.peek() == ","
+                        continue
+                    raise PipelineError(f"pipeline text: option '{key}' of '{name}' needs key=value")
+                self.i += 1
+                options[key] = self.value()
+                if self.peek() == ",":
+                    self.i += 1
+            self.i += 1
+        return name, options
+
+    def bare(self, stops: str) -> str:
+        start = self.i
+        while self.i < len(self.text) and self.text[self.i] not in stops:
+            if self.text[self.i] in "\"'":
+                raise PipelineError(f"pipeline text: unexpected quote at column {self.i + 1}")
+            self.i += 1
+        return self.text[start:self.i]
+
+    def value(self) -> str:
+        quote = self.peek()
+        if quote not in ("\"", "'"):
+            return self.bare(",}").strip()
+        out, self.i = [], self.i + 1
+        while self.i < len(self.text) and self.text[self.i] != quote:
+            if self.text[self.i] == "\\" and self.i + 1 < len(self.text):
+                self.i += 1
+            out.append(self.text[self.i])
+            self.i += 1
+        if self.i >= len(self.text):
+            raise PipelineError(f"pipeline text: unclosed {quote} in an option value")
+        self.i += 1
+        return "".join(out)
 
 
 def print_pipeline(passes) -> str:
@@ -174,7 +236,8 @@ class PassRecord:
 
 
 class PassManager:
-    """Runs passes in order, checking required facts and running the instruments around each."""
+    """Runs passes in order: checks required facts, applies the facts' safe default, and runs the
+    instruments around each pass (those of ``ctx`` too, so pipelines nested in a pass are seen)."""
 
     def __init__(self, passes, instruments=()):
         self.passes = parse_pipeline(passes) if isinstance(passes, str) else list(passes)
@@ -185,7 +248,11 @@ class PassManager:
         return print_pipeline(self.passes)
 
     @relaxed_gc()
-    def run(self, model: QModel) -> list[PassRecord]:
+    def run(self, model: QModel, ctx: RunContext | None = None) -> list[PassRecord]:
+        ctx = ctx if ctx is not None else RunContext()
+        if self.instruments:   # kept on the context: pipelines nested in a pass run them too
+            ctx.instruments = self.instruments
+        instruments = ctx.instruments
         records: list[PassRecord] = []
         # gs tensors and nodes sit in reference cycles (with their own input/output lists): the
         # weights a pass replaces are freed only by a full collection. Models with big weights
@@ -193,16 +260,16 @@ class PassManager:
         collect = constant_bytes(model.graph) >= COLLECT_BYTES
         for index, p in enumerate(self.passes):
             self._check_requires(p, model, records)
-            for inst in self.instruments:
-                inst.before(index, p, model)
+            for inst in instruments:
+                inst.before(index, p, model, ctx)
             start = time.perf_counter()
             try:
-                result = p.run(model)
+                result = p.run(model, ctx)
             except QpassesError:
-                self._failed(index, p, model)
+                self._failed(instruments, index, p, model, ctx)
                 raise
             except Exception as exc:
-                self._failed(index, p, model)
+                self._failed(instruments, index, p, model, ctx)
                 ran = ", ".join(r.name for r in records) or "none"
                 raise PassFailure(f"pass '{p.name}' failed: {type(exc).__name__}: {exc} "
                                   f"(passes run before it: {ran})") from exc
@@ -210,22 +277,30 @@ class PassManager:
             model = result.model
             if result.modified:
                 model.touch()
-                model.facts -= set(p.invalidates)
+                model.facts &= set(p.preserves)
             model.facts |= set(p.establishes)
             if collect and result.modified:
                 gc.collect()
             record = PassRecord(p.name, p.text(), result.modified, seconds, dict(result.stats))
             records.append(record)
-            for inst in self.instruments:
-                inst.after(index, p, model, record)
+            for inst in instruments:
+                inst.after(index, p, model, record, ctx)
         return records
 
     def _check_requires(self, p: Pass, model: QModel, records) -> None:
         for fact in sorted(p.requires - model.facts):
             by = establishers(fact)
             hint = f"run {' or '.join(repr(n) for n in by)} before it" if by else "no pass establishes it"
-            raise PreconditionError(f"pass '{p.name}' requires fact '{fact}': {hint}")
+            dropped = next((r.name for r in reversed(records) if r.modified), None)
+            why = f" (it was dropped by '{dropped}', which changed the model)" if dropped and any(
+                fact in get_pass(r.name).establishes for r in records) else ""
+            raise PreconditionError(f"pass '{p.name}' requires fact '{fact}'{why}: {hint}")
 
-    def _failed(self, index, p, model) -> None:
-        for inst in self.instruments:
-            inst.failed(index, p, model, self.passes[index:])
+    def _failed(self, instruments, index, p, model, ctx) -> None:
+        for inst in instruments:
+            inst.failed(index, p, model, self.passes[index:], ctx)
+
+
+def run_nested(passes: str, model: QModel, ctx: RunContext) -> list[PassRecord]:
+    """Run a pipeline a pass applies to a copy of the model, with the run's instruments."""
+    return PassManager(passes).run(model, ctx.nested())

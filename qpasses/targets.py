@@ -106,9 +106,8 @@ def _seen_qtype(tq, node_name: str) -> str:
     return tq.qtype
 
 
-def apply_target_rules(model) -> int:
+def apply_target_rules(model, config) -> int:
     """Apply the target's table rules to ``model.quant``; returns the number of entries changed."""
-    config = model.config
     if config is None or not config.target:
         return 0
     target = load_target(config.target)

@@ -6,7 +6,7 @@ import onnx
 from .errors import ModelError
 from .ir import QModel
 
-LEVELS = ("structure", "checker", "ort")
+LEVELS = ("structure", "checker", "ort", "reload")
 
 
 def check_structure(model: QModel) -> None:

@@ -9,6 +9,7 @@ import onnx_graphsurgeon as gs
 
 from ..annotations import Convert, TensorQuant
 from ..config import QuantConfig
+from .. import decisions
 from ..dataflow import dataflow
 from ..ir import QModel
 from ..oprules import ACTIVATION, BIAS, FLOAT, WEIGHT, OpRule, holds, rule_for, weight_axis
@@ -16,7 +17,7 @@ from ..overrides import TensorOverride, validate
 from ..pipeline import Pass, PassResult
 from ..qtypes import qtype
 from ..registry import register
-from ..targets import apply_target_defaults, apply_target_rules, load_target
+from ..targets import apply_target_rules, load_target
 
 _FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 _FLOAT_ONNX = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
@@ -38,7 +39,7 @@ class AnnotateTypes(Pass):
 
     name = "annotate-types"
     establishes = frozenset({"types-annotated"})
-    invalidates = frozenset({"mixed-precision-planned", "qparams-computed", "bias-scales-fixed"})
+    preserves = frozenset({"calibrated"})   # ranges are per tensor: a new table does not change them
     example: ClassVar[str] = """
     g (float[1,3,8,8] x, float[1,4,8,8] s) => (float[1,4,8,8] y) <float[4,3,1,1] w = {1,2,3,4,5,6,7,8,9,10,11,12}, float[4] b = {1,2,3,4}> {
       c = Conv (x, w, b)
@@ -48,8 +49,8 @@ class AnnotateTypes(Pass):
     }"""
     example_prelude: ClassVar[str] = ""
 
-    def run(self, model: QModel) -> PassResult:
-        config = resolve_config(model)
+    def run(self, model: QModel, ctx) -> PassResult:
+        config = ctx.config
         overrides = validate(model, config)
         copies = unshare_biases(model, config, overrides)
         if copies:
@@ -60,26 +61,16 @@ class AnnotateTypes(Pass):
         model.quant.clear()
         for name, tq in entries.items():
             model.quant[name] = tq
-        target_changes = apply_target_rules(model)
+        target_changes = apply_target_rules(model, config)
+        floats_before = model.decisions.pop(decisions.FLOAT, None)   # decided again from the new table
         if planner.report:
-            model.report[self.name] = planner.report
-        else:
-            model.report.pop(self.name, None)
+            ctx.findings.set(self.name, planner.report)
         roles = [tq.role for _, tq in model.quant.items()]
         stats = {"activations": roles.count("activation"), "weights": roles.count("weight"),
                  "biases": roles.count("bias"), **planner.stats, "target_rules": target_changes,
                  "bias_copies": copies}
-        return PassResult(model, bool(copies) or dict(model.quant.items()) != before,
+        return PassResult(model, bool(copies) or dict(model.quant.items()) != before or bool(floats_before),
                           {k: v for k, v in stats.items() if v})
-
-
-def resolve_config(model: QModel) -> QuantConfig:
-    """The model's config with its target preset's defaults applied (attached back to the model)."""
-    config = model.config or QuantConfig()
-    resolved = apply_target_defaults(config)
-    if resolved is not config:
-        model.config = resolved
-    return resolved
 
 
 def selected_nodes(model: QModel, config: QuantConfig) -> list[tuple[gs.Node, OpRule]]:

@@ -6,6 +6,7 @@ from typing import ClassVar
 
 import onnx_graphsurgeon as gs
 
+from ..analysis.ranges import tensors_needing_ranges
 from ..calibration.data import open_data
 from ..calibration.runner import KeptSamples, calibrate_ranges
 from ..calibration.softmax import row_max_probes
@@ -18,39 +19,13 @@ from ..registry import register
 
 
 KEEP_SAMPLES = 32   # feeds kept with the float outputs for select-by-snr (at most 64 MB)
-MAX_POOLS = frozenset({"MaxPool", "GlobalMaxPool"})
-
-
-def max_pooled(model: QModel) -> dict[str, list[str]]:
-    """Tensor -> the MaxPool outputs computed from it: they hold the top of its values, so a clipped
-    range of the tensor clips them far more (compute-qparams widens the tensor's range to theirs)."""
-    def build(m: QModel) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for node in m.graph.nodes:
-            if node.op in MAX_POOLS and node.inputs and node.outputs:
-                out.setdefault(node.inputs[0].name, []).append(node.outputs[0].name)
-        return out
-    return model.cached("max_pooled", build)
-
-
-def tensors_needing_ranges(model: QModel) -> set[str] | None:
-    """Activations whose qparams are computed from a calibrated range, and MaxPool outputs of
-    quantized tensors (None: not annotated yet)."""
-    if "types-annotated" not in model.facts:
-        return None
-    return {name for name, tq in model.quant.items()
-            if tq.role == "activation" and tq.shares is None and not tq.fixed
-            and (tq.rmin is None or tq.rmax is None or tq.convert is not None)} | {
-        pooled for name, outputs in max_pooled(model).items() if name in model.quant for pooled in outputs}
-
-
 @register
 class Calibrate(Pass):
     """Run the float model on calibration data and record a range for every float activation.
 
     Reads: the calibration data (``data`` option, else the data attached to the model), options not
     given come from ``config.calibration``; the activation bit width from ``config.activation_type``.
-    Writes: ``model.report["calibrate"]`` (method, samples, whether the user chose the method),
+    Writes: ``model.decisions["calibration"]`` (the method, whether the user chose it),
     ``model.ranges[t] = (rmin, rmax)`` chosen by the method and ``model.observed[t] =
     (min, max)`` seen, for every float graph input and non-constant float node output, and for a
     tensor read only by Softmax also ``<t>::softmax_row_max``: the range of its row maxima
@@ -58,13 +33,14 @@ class Calibrate(Pass):
     annotate-types, only for the activations whose qparams come from a range (not those that share
     another tensor's qparams (MaxPool outputs are measured), are fixed or have a user range), which keeps onnxruntime's fusions
     (Conv+Relu, ...) in the calibration run and makes it faster.
-    Also ``model.kept_samples``: the first 32 feeds and the float outputs on them (at most 64 MB;
+    Also ``ctx.cache["kept_samples"]``: the first 32 feeds and the float outputs on them (at most 64 MB;
     only when one session runs the whole model), so select-by-snr needs no second float run.
     Invariants: the graph is not changed; memory does not grow with the number of samples.
     """
 
     name: ClassVar[str] = "calibrate"
     establishes: ClassVar[frozenset] = frozenset({"calibrated"})
+    preserves: ClassVar[frozenset] = frozenset({"types-annotated"})
     example: ClassVar[str] = """
         <ir_version: 10, opset_import: ["" : 17]>
         g (float[1, 4] x) => (float[1, 4] y) {
@@ -92,12 +68,12 @@ class Calibrate(Pass):
         merged = {k: (base.__dict__[k] if v in (None, "") else v) for k, v in given.items()}
         return CalibrationConfig(**merged, averaging_constant=base.averaging_constant)
 
-    def run(self, model: QModel) -> PassResult:
-        cal = self.settings(model.config)
-        source = self.data or model.calibration_data
+    def run(self, model: QModel, ctx) -> PassResult:
+        cal = self.settings(ctx.config)
+        source = self.data or ctx.calibration_data
         if source is None or source == "":
             raise CalibrationDataError("calibrate: no calibration data (pass --calib ...)")
-        config = model.config or QuantConfig()
+        config = ctx.config
         only = tensors_needing_ranges(model)
         candidates = only if only is not None else [
             name for name, t in model.tensors().items() if isinstance(t, gs.Variable)]
@@ -109,9 +85,14 @@ class Calibrate(Pass):
                 symmetric=bool(cal.symmetric), moving_average=bool(cal.moving_average),
                 averaging_constant=float(cal.averaging_constant), max_samples=int(self.max_samples),
                 only=None if only is None else only | set(probes), kept=kept)
-        model.kept_samples = kept if kept.feeds else None
-        modified = ranges != model.ranges or observed != model.observed
+        ctx.cache["kept_samples"] = kept if kept.feeds else None
+        # as saved: a resumed run reads the same Python floats
+        ranges = {k: (float(lo), float(hi)) for k, (lo, hi) in ranges.items()}
+        observed = {k: (float(lo), float(hi)) for k, (lo, hi) in observed.items()}
+        decision = {"method": cal.method, "given": bool(self.method) or method_given(config.calibration)}
+        modified = (ranges != model.ranges or observed != model.observed
+                    or model.decisions.get("calibration") != decision)
         model.ranges, model.observed = ranges, observed
-        model.report[self.name] = {"method": cal.method, "samples": samples,
-                                   "method_given": bool(self.method) or method_given(config.calibration)}
+        model.decisions["calibration"] = decision
+        ctx.findings.set(self.name, {"method": cal.method, "samples": samples})
         return PassResult(model, modified, {"tensors": len(ranges), "samples": samples, "method": cal.method})

@@ -30,7 +30,7 @@ class Cleanup(Pass):
     """
 
     name: ClassVar[str] = "cleanup"
-    establishes: ClassVar[frozenset] = frozenset({"clean"})
+    preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated", "qparams-computed", "qdq-inserted"})
     example: ClassVar[str] = """\
 <ir_version: 10, opset_import: ["" : 17]>
 g (float[2] x) => (float[2] y) <float[2] a = {1,2}, float[2] b = {1,2}, float[2] c = {3,4}> {
@@ -40,7 +40,7 @@ g (float[2] x) => (float[2] y) <float[2] a = {1,2}, float[2] b = {1,2}, float[2]
 }"""
     example_prelude: ClassVar[str] = ""
 
-    def run(self, model: QModel) -> PassResult:
+    def run(self, model: QModel, ctx) -> PassResult:
         graph = model.graph
         order = topological_order(graph)
         live_names = {t.name for t in graph.outputs}

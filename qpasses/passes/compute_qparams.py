@@ -7,32 +7,22 @@ from typing import ClassVar
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ..analysis.ranges import max_pooled
 from ..annotations import TensorQuant
 from ..calibration.softmax import NEGLIGIBLE, lower_bound, upper_bound
 from ..config import QuantConfig
+from ..decisions import leave_float
 from ..errors import ModelError
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
 from ..qparams import bias_qparams, compute_qparams, is_finite_range, value_range
 from ..qtypes import qtype
 from ..registry import register
-from .calibrate import max_pooled
 
 CLIPPING_METHODS = ("percentile", "entropy", "mse")
 NAME = "compute-qparams"
 
-# A Conv (weight, bias) + Relu: the docs example of the passes that compute and insert qparams.
-CONV_RELU_EXAMPLE = """
-g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] w = {0.5, -0.25, 0.125, 1.0}, float[2] b = {0.1, -0.2}>
-{
-  c = Conv(x, w, b)
-  y = Relu(c)
-}
-"""
-
-
-def config_of(model: QModel) -> QuantConfig:
-    return model.config if model.config is not None else QuantConfig()
+from . import CONV_RELU_EXAMPLE
 
 
 def qparams_options(tq: TensorQuant, config: QuantConfig, *, symmetric: bool | None = None) -> dict:
@@ -61,17 +51,18 @@ def _fmt(x) -> str:
     return f"{float(x):.6g}"
 
 
-def activation_range(model: QModel, name: str, tq: TensorQuant, qt: str, config: QuantConfig | None = None):
+def activation_range(model: QModel, name: str, tq: TensorQuant, qt: str, config: QuantConfig):
     """(rmin, rmax, source text) for an activation, or None when nothing gives it a range.
 
     The entry's own rmin/rmax win; otherwise the calibrated range, or the observed min/max when
     the calibration method clips and the type is wider than 8 bits or the tensor is a graph output
     (unless ``calibration.clip_graph_outputs``).
     """
-    calibration = (config or config_of(model)).calibration
-    calibrated = model.report.get("calibrate", {})
+    calibration = config.calibration
+    calibrated = model.decisions.get("calibration", {})
     method = calibrated.get("method", calibration.method)  # select-by-snr may change it
-    base, source = model.ranges.get(name), f"calibration ({method}{calibrated.get('chosen', '')})"
+    chosen = f", chosen by {calibrated['chosen_by']} over {calibrated['over']}" if "chosen_by" in calibrated else ""
+    base, source = model.ranges.get(name), f"calibration ({method}{chosen})"
     if method in CLIPPING_METHODS and name in model.observed:
         if qtype(qt).bits > 8:
             base = model.observed[name]
@@ -143,7 +134,7 @@ def weight_range(model: QModel, name: str, tq: TensorQuant):
     return rmin, rmax, f"the weight's values{where}"
 
 
-def entry_range(model: QModel, name: str, tq: TensorQuant, config: QuantConfig | None = None):
+def entry_range(model: QModel, name: str, tq: TensorQuant, config: QuantConfig):
     """(rmin, rmax, source) from a constant weight's values, else the activation range; or None."""
     found = weight_range(model, name, tq) if tq.role == "weight" else None
     return found if found is not None else activation_range(model, name, tq, tq.qtype, config)
@@ -184,8 +175,8 @@ def _key(tq: TensorQuant):
 class _Planner:
     """Computes the new entries; ``dropped`` maps tensors that cannot be quantized to a reason."""
 
-    def __init__(self, model: QModel):
-        self.model, self.table, self.config = model, model.quant, config_of(model)
+    def __init__(self, model: QModel, config: QuantConfig):
+        self.model, self.table, self.config = model, model.quant, config
         self.done: dict[str, TensorQuant] = {}
         self.reasons: dict[str, str] = {}
         self.dropped: dict[str, str] = {}
@@ -348,14 +339,10 @@ def apply_plan(model: QModel, planned: dict, reasons: dict, dropped: dict, pass_
         if _key(new) != _key(model.quant[name]):
             model.quant[name] = new.because(reasons[name]) if name in reasons else new
             changed += 1
-    if dropped:
-        unquantized = {u["tensor"]: u for u in model.report.get("unquantized", [])}
-        for name in sorted(dropped):
-            del model.quant[name]
-            unquantized[name] = {"tensor": name, "reason": dropped[name], "pass": pass_name}
-            changed += 1
-        model.report["unquantized"] = [unquantized[k] for k in sorted(unquantized)]
-    return changed
+    for name in dropped:
+        del model.quant[name]
+    leave_float(model, dropped, pass_name)
+    return changed + len(dropped)
 
 
 @register
@@ -363,12 +350,13 @@ class ComputeQParams(Pass):
     """Compute scale and zero point of every quantized tensor from its range.
 
     Reads: the table, model.ranges / model.observed (activations), constant values (weights),
-    model.config (minimum_real_range, scale_type, calibration.method). An activation's range is
+    the config (minimum_real_range, scale_type, calibration.method) and the calibration method
+    select-by-snr chose (``model.decisions["calibration"]``). An activation's range is
     widened to its MaxPool outputs' ranges and, when only Softmax reads it, to its rows' maxima at
     the top and clipped 20 below the smallest row maximum at the bottom (calibration.softmax).
     Writes: scale/zero_point of every entry not `fixed` (and of its `convert`); biases get
     input_scale * weight_scale; `shares` entries copy their target. Tensors without a finite range
-    (and the entries depending on them) leave the table and are listed in report["unquantized"].
+    (and the entries depending on them) leave the table, with the reason in ``model.decisions["float"]``.
     Invariants: zero points are integers in the type's range; scales are finite, positive and
     representable in the scale type; 0.0 is exactly representable.
     """
@@ -376,12 +364,12 @@ class ComputeQParams(Pass):
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"calibrated", "types-annotated"})
     establishes: ClassVar[frozenset] = frozenset({"qparams-computed"})
-    invalidates: ClassVar[frozenset] = frozenset({"bias-scales-fixed"})
+    preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated"})
     example: ClassVar[str] = CONV_RELU_EXAMPLE
     example_prelude: ClassVar[str] = "calibrate,annotate-types"
 
-    def run(self, model: QModel) -> PassResult:
-        planner = _Planner(model)
+    def run(self, model: QModel, ctx) -> PassResult:
+        planner = _Planner(model, ctx.config)
         planned, reasons, dropped = planner.plan()
         changed = apply_plan(model, planned, reasons, dropped)
         stats = {"changed": changed}

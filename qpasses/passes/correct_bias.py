@@ -20,6 +20,7 @@ from ..qtypes import qtype
 from ..registry import register
 
 NAME = "correct-bias"
+DECISION = "bias_correction"   # model.decisions key: who decided, and whether biases were corrected
 WHY_PREFIX = NAME + ":"
 CORRECTED_OPS = frozenset({"Conv", "ConvTranspose", "Gemm"})
 
@@ -225,7 +226,7 @@ class CorrectBias(Pass):
     the output positions, which one float run per feed measures with two small MatMuls per layer
     (exact for strides, pads, dilations and groups; the first feed's shapes are used, feeds of
     other shapes are skipped). Writes: that shift subtracted from the float bias (insert-qdq quantizes the result),
-    a ``why`` line on the bias, ``model.report["correct-bias"]``. Rounding a weight moves every
+    a ``why`` line on the bias, ``model.decisions["bias_correction"]`` (so a second run does nothing). Rounding a weight moves every
     output by the same amount on average whenever the input's mean is not 0, and filters whose taps
     nearly cancel (ppocr's 3x3 depthwise edge filters on inputs far from 0) turn it into a large
     error: output SNR +2.9 to +17.5 dB at U16/S8 on the benchmark CNNs (tools/bench_correct_bias.py).
@@ -239,13 +240,12 @@ class CorrectBias(Pass):
     then this pass does nothing more.
     Invariants: the graph and the weights are unchanged; only bias values move; nothing is done (it
     says why) without re-readable calibration data or above ``max_nodes`` / ``max_weight_mb``, or
-    when ``model.report["correct-bias"]`` exists (select-by-snr decided).
+    when ``model.decisions["bias_correction"]`` exists (it ran, or select-by-snr decided).
     """
 
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"qparams-computed"})
-    establishes: ClassVar[frozenset] = frozenset({"bias-corrected"})
-    invalidates: ClassVar[frozenset] = frozenset({"bias-scales-fixed"})
+    preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated", "qparams-computed"})
     example: ClassVar[str] = """
         <ir_version: 10, opset_import: ["" : 17]>
         g (float[1, 1, 4, 4] x) => (float[1, 2, 4, 4] y) <float[2, 1, 3, 3] w = {0.31, -0.52, 0.2, -0.45,
@@ -270,21 +270,21 @@ class CorrectBias(Pass):
     max_weight_mb: float = field(default=512.0, metadata={
         "help": "do nothing for models with more weight data than this (the weight errors are added to a copy)"})
 
-    def run(self, model: QModel) -> PassResult:
-        if NAME in model.report:   # select-by-snr already applied it, or scored it worse
+    def run(self, model: QModel, ctx) -> PassResult:
+        if DECISION in model.decisions:   # done already, or select-by-snr decided
             return PassResult(model, False, {"layers": 0})
         if not has_candidates(model):
             return PassResult(model, False, {"layers": 0})
-        skip = rerun_skip_reason(model, self.max_nodes, self.max_weight_mb)
+        skip = rerun_skip_reason(model, ctx.calibration_data, self.max_nodes, self.max_weight_mb)
         if skip:
-            model.report[NAME] = {"skipped": skip}
+            ctx.findings.set(NAME, {"skipped": skip})
             return PassResult(model, False, {"layers": 0})
         targets = find_targets(model, self.activation_bits)
         if not targets:
             return PassResult(model, False, {"layers": 0})
         try:
             base = model.to_proto(metadata=False)
-            feeds = open_data(model.calibration_data).validated(model_inputs(base), self.samples)
+            feeds = open_data(ctx.calibration_data).validated(model_inputs(base), self.samples)
             count, other_shapes, sess, shape_of = 0, 0, None, None
             for feed in feeds:
                 if sess is None:   # the probes are built for the first feed's shapes
@@ -302,15 +302,15 @@ class CorrectBias(Pass):
                     probes[k].append(taps(targets[k].node, value))
                 count += 1
         except CalibrationDataError as exc:
-            model.report[NAME] = {"skipped": f"the calibration data cannot be read again ({exc})"}
+            ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({exc})"})
             return PassResult(model, False, {"layers": 0})
         if not targets:
-            model.report[NAME] = {"skipped": "no layer with known shapes and padding to correct"}
+            ctx.findings.set(NAME, {"skipped": "no layer with known shapes and padding to correct"})
             return PassResult(model, False, {"layers": 0})
         if count < 2:
             where = " in the first one's shapes" if other_shapes else ""
-            model.report[NAME] = {"skipped": f"{count} calibration sample(s) could be read again{where}; "
-                                             f"at least 2 are needed"}
+            ctx.findings.set(NAME, {"skipped": f"{count} calibration sample(s) could be read again{where}; "
+                                             f"at least 2 are needed"})
             return PassResult(model, False, {"layers": 0})
         tensors, kept, channels = model.tensors(), 0, 0
         for t, values in zip(targets, probes):
@@ -328,6 +328,8 @@ class CorrectBias(Pass):
                 f"samples on {int(significant.sum())} of {significant.size} channels (largest "
                 f"{float(np.abs(shift).max(initial=0.0)):.3g}; the others are within "
                 f"{self.significance:g} standard errors of 0)")
-        model.report[NAME] = {"layers": len(targets), "samples": count, "channels": channels,
-                              "channels_corrected": kept} | ({"samples_of_other_shapes": other_shapes} if other_shapes else {})
+        ctx.findings.set(NAME, {"layers": len(targets), "samples": count, "channels": channels,
+                                "channels_corrected": kept}
+                         | ({"samples_of_other_shapes": other_shapes} if other_shapes else {}))
+        model.decisions[DECISION] = {"by": NAME, "applied": True}
         return PassResult(model, True, {"layers": len(targets), "samples": count})

@@ -13,7 +13,7 @@ from ..pipeline import Pass, PassResult
 from ..qparams import bias_min_scale, bias_qparams, compute_qparams
 from ..qtypes import qtype
 from ..registry import register
-from .compute_qparams import bias_reader, config_of, entry_range, qparams_options, scale_read_by
+from .compute_qparams import bias_reader, entry_range, qparams_options, scale_read_by
 
 NAME = "fix-bias-scales"
 
@@ -36,9 +36,8 @@ def _bias_absmax(name: str, values: np.ndarray, channels: int) -> np.ndarray:
     return values.reshape(channels)
 
 
-def plan_bias_fixes(model: QModel) -> dict[str, WeightNeed]:
+def plan_bias_fixes(model: QModel, config) -> dict[str, WeightNeed]:
     """Pure analysis: weight name -> the scales its int32 biases need (only weights that must grow)."""
-    config = config_of(model)
     tensors = model.tensors()
     plan: dict[str, WeightNeed] = {}
     for name in sorted(model.quant):
@@ -64,9 +63,9 @@ def plan_bias_fixes(model: QModel) -> dict[str, WeightNeed]:
     return plan
 
 
-def _raise_weight(model: QModel, weight: str, need: WeightNeed):
+def _raise_weight(model: QModel, weight: str, need: WeightNeed, config):
     """New (scale, zero_point, factor per channel) of a weight, raised only where needed; None if it can't be."""
-    tq, config = model.quant[weight], config_of(model)
+    tq = model.quant[weight]
     found = entry_range(model, weight, tq, config)
     if tq.fixed or found is None:
         return None
@@ -84,15 +83,15 @@ class FixBiasScales(Pass):
     """Raise weight scales so every int32 bias fits without clipping.
 
     Reads: bias entries (derived_from = [input, weight]) and their constant values, weight entries and
-    values, model.config (fix_bias_scales, scale_type; calibration method pow2).
+    values, the config (fix_bias_scales, scale_type; calibration method pow2).
     Writes: raised weight scales (only the channels that need it, zero points re-derived so the
-    weight's range stays covered), the biases' scales, report["bias_fixes"].
+    weight's range stays covered), the biases' scales; the findings' ``bias_fixes``.
     Invariants: every bias scale = input scale * weight scale, and |bias| / scale < 2^31 - 1.
     """
 
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"qparams-computed"})
-    establishes: ClassVar[frozenset] = frozenset({"bias-scales-fixed"})
+    preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated", "qparams-computed"})
     example: ClassVar[str] = """
 g (float[1,2,4,4] x) => (float[1,2,4,4] y)
   <float[2,2,1,1] w = {1e-7, -1e-7, -1e-7, 1e-7}, float[2] b = {5.0, -4.5}>
@@ -104,14 +103,14 @@ g (float[1,2,4,4] x) => (float[1,2,4,4] y)
     enabled: bool = field(default=True, metadata={"help": "raise weight scales when an int32 bias would clip "
                                                           "(also off with config fix_bias_scales: false)"})
 
-    def run(self, model: QModel) -> PassResult:
-        if not self.enabled or not config_of(model).fix_bias_scales:
+    def run(self, model: QModel, ctx) -> PassResult:
+        if not self.enabled or not ctx.config.fix_bias_scales:
             return PassResult(model, False, {"disabled": 1})
-        plan = plan_bias_fixes(model)
+        plan = plan_bias_fixes(model, ctx.config)
         fixes, raised = [], {}
         for weight in sorted(plan):
             need = plan[weight]
-            new = _raise_weight(model, weight, need)
+            new = _raise_weight(model, weight, need, ctx.config)
             if new is None:
                 for bias, _, _ in need.biases:
                     model.quant[bias].because(f"{NAME}: would clip, but weight '{weight}' cannot be rescaled")
@@ -129,21 +128,18 @@ g (float[1,2,4,4] x) => (float[1,2,4,4] y)
             biases = ", ".join(f"'{b}'" for b, _, _ in need.biases)
             model.quant[weight] = model.quant[weight].with_qparams(
                 scale, zp, f"{NAME}: scale x{float(factor.max()):.6g}{where} so the int32 bias {biases} fits")
-        self._rederive(model, raised)
+        self._rederive(model, raised, ctx.config.scale_type)
         if fixes:
-            done = {(f["weight"], f["bias"]): f for f in model.report.get("bias_fixes", [])}
-            done.update({(f["weight"], f["bias"]): f for f in fixes})
-            model.report["bias_fixes"] = [done[k] for k in sorted(done)]
+            ctx.findings.add_rows("bias_fixes", [f | {"key": f"{f['weight']}/{f['bias']}"} for f in fixes], by="key")
         stats = {"weights_rescaled": len(raised), "biases_fixed": len(fixes),
                  "channels_rescaled": int(sum(int((f > 1).sum()) for f in raised.values()))}
         return PassResult(model, bool(raised), stats)
 
     @staticmethod
-    def _rederive(model: QModel, raised: dict) -> None:
+    def _rederive(model: QModel, raised: dict, scale_type: str) -> None:
         """Recompute every bias derived from a raised weight, and copy into entries sharing it."""
         if not raised:
             return
-        scale_type = config_of(model).scale_type
         for name in sorted(model.quant):
             tq = model.quant[name]
             if tq.fixed:

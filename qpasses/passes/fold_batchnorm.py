@@ -32,7 +32,6 @@ class FoldBatchnorm(Pass):
     """
 
     name: ClassVar[str] = "fold-batchnorm"
-    establishes: ClassVar[frozenset] = frozenset({"batchnorm-folded"})
     example: ClassVar[str] = """\
 <ir_version: 10, opset_import: ["" : 17]>
 g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] w = {1,0,0,1}, float[2] scale = {2,1},
@@ -42,7 +41,7 @@ g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] w = {1,0,0,1}, float[
 }"""
     example_prelude: ClassVar[str] = ""
 
-    def run(self, model: QModel) -> PassResult:
+    def run(self, model: QModel, ctx) -> PassResult:
         graph = model.graph
         feedable = overridable_initializers(model)
         outputs = {id(t) for t in graph.outputs}
@@ -64,7 +63,7 @@ g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] w = {1,0,0,1}, float[
             folded.append(bn)
         remove_nodes(graph, folded)
         if skipped:
-            model.report.setdefault(self.name, {}).update({"not_folded": skipped})
+            ctx.findings.update(self.name, {"not_folded": skipped})
         stats = {"folded": len(folded)}
         if skipped:
             stats["not_folded"] = len(skipped)

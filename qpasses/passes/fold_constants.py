@@ -45,7 +45,6 @@ class FoldConstants(Pass):
     """
 
     name: ClassVar[str] = "fold-constants"
-    establishes: ClassVar[frozenset] = frozenset({"constants-folded"})
     example: ClassVar[str] = """\
 <ir_version: 10, opset_import: ["" : 17]>
 g (float[1,4] x) => (float[1,4] y) {
@@ -65,7 +64,7 @@ g (float[1,4] x) => (float[1,4] y) {
                 "constants), unless it is a weight (read as a Conv/Gemm/MatMul/Gather/normalization/RNN "
                 "parameter: quantization needs it constant) or a Constant node's value; 0 = no limit"})
 
-    def run(self, model: QModel) -> PassResult:
+    def run(self, model: QModel, ctx) -> PassResult:
         graph = model.graph
         order = topological_order(graph)
         feedable = overridable_initializers(model)

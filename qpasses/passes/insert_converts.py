@@ -117,7 +117,7 @@ class InsertConverts(Pass):
 
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"qdq-inserted"})
-    establishes: ClassVar[frozenset] = frozenset({"converts-inserted"})
+    preserves: ClassVar[frozenset] = frozenset({"calibrated", "qparams-computed", "qdq-inserted"})
     example: ClassVar[str] = """
 g (float[1,4] x) => (float[1,4] y, float[1,4] z)
 {
@@ -129,7 +129,7 @@ g (float[1,4] x) => (float[1,4] y, float[1,4] z)
     example_prelude: ClassVar[str] = "calibrate,annotate-types,propagate-mixed-precision,compute-qparams,insert-qdq"
     example_config: ClassVar[dict] = {"mixed_precision": {"y": "uint16"}}
 
-    def run(self, model: QModel) -> PassResult:
+    def run(self, model: QModel, ctx) -> PassResult:
         stats = Counter(converts=0, q_nodes=0, dq_nodes=0, readers_moved=0)
         facts = analyse(model)
         steps = plan_converts(model.quant, facts)

@@ -9,6 +9,7 @@ from typing import ClassVar
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ..decisions import leave_float
 from ..errors import ModelError
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
@@ -16,7 +17,7 @@ from ..qdq import (Namer, Placement, QParams, float_types, is_quantized, make_dq
                    min_opset, paused_gc, producer, qparam_constants, quantized_values, redirect,
                    require_opset, scale_dtype)
 from ..registry import register
-from .compute_qparams import CONV_RELU_EXAMPLE
+from . import CONV_RELU_EXAMPLE
 
 NAME = "insert-qdq"
 CLAMPS = ("Relu", "Clip")
@@ -273,14 +274,15 @@ class InsertQDQ(Pass):
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"qparams-computed"})
     establishes: ClassVar[frozenset] = frozenset({"qdq-inserted"})
+    preserves: ClassVar[frozenset] = frozenset({"calibrated", "qparams-computed"})
     example: ClassVar[str] = CONV_RELU_EXAMPLE
     example_prelude: ClassVar[str] = "calibrate,annotate-types,compute-qparams"
 
-    def run(self, model: QModel) -> PassResult:
+    def run(self, model: QModel, ctx) -> PassResult:
         plan = plan_qdq(model.quant, analyse(model))
         stats = Counter(q_nodes=0, dq_nodes=0, weights_quantized=0, biases_quantized=0, merged=0)
         if plan.skipped:
-            _report(model, plan.skipped)
+            leave_float(model, plan.skipped, NAME)
         if not plan.inserts:
             return PassResult(model, False, dict(stats))
         raised = require_opset(model, plan.opset)
@@ -290,10 +292,3 @@ class InsertQDQ(Pass):
             stats.update(apply_plan(model, plan))
         stats["opset_raised_to"] = model.opset if raised else 0
         return PassResult(model, True, dict(stats))
-
-
-def _report(model: QModel, skipped: dict[str, str]) -> None:
-    rows = {r["tensor"]: r for r in model.report.get("unquantized", [])}
-    for name in sorted(skipped):
-        rows[name] = {"tensor": name, "reason": skipped[name], "pass": NAME}
-    model.report["unquantized"] = [rows[k] for k in sorted(rows)]

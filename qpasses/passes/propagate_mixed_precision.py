@@ -5,7 +5,6 @@ from dataclasses import field
 from typing import ClassVar
 
 from ..annotations import Convert, QuantTable
-from ..config import QuantConfig
 from ..dataflow import dataflow
 from ..ir import QModel
 from ..mixed_precision import MixedPrecisionPlan, load_constraints, parse_requests, plan_mixed_precision
@@ -24,7 +23,7 @@ class PropagateMixedPrecision(Pass):
     Reads: config ``mixed_precision`` ({tensor: type | {quant_type, symmetric}}), the dataflow view,
     the quantization table, and ``targets/<config.target>.constraints.json`` when it exists.
     Writes: ``qtype``/``symmetric``/``convert`` of table entries (with ``why`` lines) and
-    ``model.report["mixed_precision_plan"]``; plan entries for tensors the table does not quantize
+    the findings' ``mixed_precision_plan``; plan entries for tensors the table does not quantize
     are skipped and listed under ``skipped``. Table ``shares`` links tie regions together (with
     ``extend_through_shape_ops``); a link left between two types is dropped.
     Invariants: every node's quantized activation inputs and outputs share one type once converts are
@@ -34,7 +33,7 @@ class PropagateMixedPrecision(Pass):
 
     name = "propagate-mixed-precision"
     requires = frozenset({"types-annotated"})
-    establishes = frozenset({"mixed-precision-planned"})
+    preserves = frozenset({"types-annotated", "calibrated"})
     example: ClassVar[str] = """
     g (float[1,8] x) => (float[1,8] y) {
       [sig] a = Sigmoid (x)
@@ -49,8 +48,8 @@ class PropagateMixedPrecision(Pass):
         "help": "grow regions through shape-only ops (Reshape, Transpose, ...) so no convert sits "
                 "between such an op and its input; false gives onnxruntime's plan exactly"})
 
-    def run(self, model: QModel) -> PassResult:
-        config = model.config or QuantConfig()
+    def run(self, model: QModel, ctx) -> PassResult:
+        config = ctx.config
         if not config.mixed_precision:
             return PassResult(model, False, {})
         plan = plan_mixed_precision(
@@ -62,7 +61,7 @@ class PropagateMixedPrecision(Pass):
         changed, skipped = apply_plan(model.quant, plan, prefix=f"{self.name}: ")
         report = plan.to_dict()
         report["skipped"] = skipped
-        model.report["mixed_precision_plan"] = report
+        ctx.findings.set("mixed_precision_plan", report)
         if changed:
             _apply_target_rules(model)
         stats = {"requests": len(config.mixed_precision), "changed": changed, "converts": plan.converts,

@@ -12,12 +12,12 @@ from ..calibration.softmax import ROW_MAX_SUFFIX
 from ..errors import CalibrationDataError, first_line
 from ..evaluate import Reference, rerun_skip_reason
 from ..ir import QModel
-from ..pipeline import Pass, PassManager, PassResult
+from ..pipeline import Pass, PassResult, run_nested
 from ..registry import register
-from .compute_qparams import config_of
-from .correct_bias import NAME as CORRECT_BIAS, corrected_biases, has_candidates
 
 NAME = "select-by-snr"
+CORRECT_BIAS = "correct-bias"
+BIAS_DECISION = "bias_correction"   # model.decisions key correct-bias reads: it does nothing when set
 MIN_SAMPLES = 8
 
 
@@ -33,11 +33,11 @@ class Variant:
     why: tuple[list[str], str] = ([], "")  # table entries it changes and the reason it gives them
 
 
-def range_variants(model: QModel) -> list[Variant]:
+def range_variants(model: QModel, config) -> list[Variant]:
     """The calibrated ranges, or the observed min/max (only when the user did not pick the method)."""
-    info = model.report.get("calibrate", {})
-    method = info.get("method", config_of(model).calibration.method)
-    if info.get("method_given", True) or method == "minmax":
+    info = model.decisions.get("calibration", {})
+    method = info.get("method", config.calibration.method)
+    if info.get("given", True) or method == "minmax":
         return []
     observed = {k: v for k, v in model.observed.items() if not k.endswith(ROW_MAX_SUFFIX)}
     if all(model.ranges.get(k) == v for k, v in observed.items()):
@@ -45,7 +45,7 @@ def range_variants(model: QModel) -> list[Variant]:
 
     def use_minmax(m: QModel) -> None:
         m.ranges = {k: observed.get(k, v) for k, v in m.ranges.items()}
-        m.report.setdefault("calibrate", {}).update(method="minmax", chosen=f", chosen by {NAME} over {method}")
+        m.decisions["calibration"] = {"method": "minmax", "given": False, "chosen_by": NAME, "over": method}
 
     return [Variant("ranges", method, lambda m: None, changes=False), Variant("ranges", "minmax", use_minmax)]
 
@@ -60,10 +60,9 @@ def _gemm_weight(tensor) -> bool:
                                  for n in readers)
 
 
-def asymmetric_weights(model: QModel) -> list[str]:
+def asymmetric_weights(model: QModel, config) -> list[str]:
     """Per-tensor Conv/MatMul/Gemm weights that are asymmetric by default (neither the config nor
     an override asks for it)."""
-    config = config_of(model)
     if "weight_symmetric" in config.given:
         return []
     overridden = {name for name, rows in config.tensor_overrides.items()
@@ -74,9 +73,9 @@ def asymmetric_weights(model: QModel) -> list[str]:
             and tq.convert is None and name not in overridden and _gemm_weight(tensors.get(name))]
 
 
-def weight_variants(model: QModel, penalty_db: float) -> list[Variant]:
+def weight_variants(model: QModel, config, penalty_db: float) -> list[Variant]:
     """Per-tensor weights symmetric (onnxruntime's fastest int8 kernels) or asymmetric."""
-    names = asymmetric_weights(model)
+    names = asymmetric_weights(model, config)
     if not names:
         return []
 
@@ -111,8 +110,8 @@ class SelectBySnr(Pass):
     feeds) both stop and the leader is kept. With ``bias_correction``, the chosen variant is scored
     the same way against itself with correct-bias run after compute-qparams; its corrected biases
     are kept only if it wins. Writes: the chosen variant into ``model.ranges`` / the table (with a
-    ``why`` line), the corrected bias values (or not) and ``model.report["correct-bias"]`` (so the
-    correct-bias pass does nothing more), ``model.report["select-by-snr"]`` (every score).
+    ``why`` line), the corrected bias values (or not) and ``model.decisions["bias_correction"]``
+    (so the correct-bias pass does nothing more); every score goes to the findings.
     Invariants: the graph is not changed (copies share its weight arrays, read-only); nothing is
     done (and it says why) without re-readable calibration data or above ``max_weight_mb`` /
     ``max_nodes``.
@@ -120,7 +119,7 @@ class SelectBySnr(Pass):
 
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"calibrated", "types-annotated"})
-    establishes: ClassVar[frozenset] = frozenset({"variant-selected"})
+    preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated"})
     example: ClassVar[str] = """
         <ir_version: 10, opset_import: ["" : 17]>
         g (float[1, 8] x) => (float[1, 4] y) <float[8, 4] w = {0.9, 0.1, 0.2, 0.3, 0.1, 0.2, 0.3, 0.4,
@@ -156,27 +155,30 @@ class SelectBySnr(Pass):
                 "if they score higher (else correct-bias does nothing); off by default: on the "
                 "benchmark it cost time and chose worse than always correcting (tools/README.md)"})
     then: str = field(default="compute-qparams,fix-bias-scales,insert-qdq,insert-converts", metadata={
-        "help": "the passes that turn a variant into the QDQ model that is scored"})
+        "help": "the passes that turn a variant into the QDQ model that is scored", "pipeline": True})
 
-    def run(self, model: QModel) -> PassResult:
-        axes = [a for a in (range_variants(model), weight_variants(model, self.asymmetric_penalty_db)) if a]
-        bias = self.bias_correction and "compute-qparams" in self.then.split(",") and has_candidates(model)
+    def run(self, model: QModel, ctx) -> PassResult:
+        config = ctx.config
+        axes = [a for a in (range_variants(model, config),
+                            weight_variants(model, config, self.asymmetric_penalty_db)) if a]
+        bias = (self.bias_correction and "compute-qparams" in self.then.split(",")
+                and BIAS_DECISION not in model.decisions and _has_biases(model))
+        kept = ctx.cache.pop("kept_samples", None)   # scored from here on: freed before the rest
         if not axes and not bias:
             return PassResult(model, False, {"variants": 0})
-        skip = rerun_skip_reason(model, self.max_nodes, self.max_weight_mb)
+        skip = rerun_skip_reason(model, ctx.calibration_data, self.max_nodes, self.max_weight_mb)
         if skip:
-            model.report[NAME] = {"skipped": skip}
+            ctx.findings.set(NAME, {"skipped": skip})
             return PassResult(model, False, {"variants": 0})
-        reference = self._reference(model)
-        model.kept_samples = None   # scored from here on: free them before the rest of the pipeline
+        reference = self._reference(model, ctx, kept)
         if reference is None:
-            model.report[NAME] = {"skipped": "the calibration data cannot be read again"}
+            ctx.findings.set(NAME, {"skipped": "the calibration data cannot be read again"})
             return PassResult(model, False, {"variants": 0})
         fused = len(model.graph.nodes) <= self.fused_nodes   # the float graph's size, before Q/DQ
         scored, failed, best = [], [], None   # best: (combo, Contender) of the best variant so far
         for combo in itertools.product(*axes):   # the order is the preference: the first wins ties
             try:
-                contender = reference.contender(self._quantized(model, combo)[0], optimize=fused,
+                contender = reference.contender(self._quantized(model, ctx, combo)[0], optimize=fused,
                                                 penalty=sum(v.penalty_db for v in combo))
                 if best is None:
                     contender.advance(MIN_SAMPLES)
@@ -193,7 +195,7 @@ class SelectBySnr(Pass):
                 contender.close()
         report = {"samples": len(reference.feeds)} | ({"failed": failed} if failed else {})
         if best is None:   # the passes after this one will meet the same problem and say so
-            model.report[NAME] = report | {"skipped": "no variant could be quantized and run"}
+            ctx.findings.set(NAME, report | {"skipped": "no variant could be quantized and run"})
             return PassResult(model, False, {"variants": 0})
         for variant in best[0]:
             variant.apply(model)
@@ -204,72 +206,89 @@ class SelectBySnr(Pass):
                    "variants": [{"variant": _label(c) or "as configured", "snr_db": round(r.snr(), 2),
                                  "penalty_db": round(r.penalty, 2), "samples": r.ran}
                                 | ({"dropped": True} if r.dropped else {}) for c, r in scored]}
-        corrected = self._bias_correction(model, best[1], reference, report, fused) if bias else False
+        decided = self._bias_correction(model, ctx, best[1], reference, report, fused) if bias else False
         best[1].close()
-        model.report[NAME] = report
-        return PassResult(model, any(v.changes for v in best[0]) or corrected, {"variants": len(scored)})
+        ctx.findings.set(NAME, report)
+        return PassResult(model, any(v.changes for v in best[0]) or decided, {"variants": len(scored)})
 
     def _duel(self, reference: Reference, best, challenger):
         return reference.duel(best, challenger, min_samples=MIN_SAMPLES, z=self.early_stop)
 
-    def _bias_correction(self, model: QModel, chosen, reference: Reference, report: dict, fused: bool) -> bool:
+    def _bias_correction(self, model: QModel, ctx, chosen, reference: Reference, report: dict, fused: bool) -> bool:
         """Score the chosen variant with correct-bias against it (``chosen``: its Contender); keep
-        the corrected biases if they win. Either way ``model.report["correct-bias"]`` says what
-        happened, and the pass itself does nothing more."""
+        the corrected biases if they win. Either way ``model.decisions["bias_correction"]`` says
+        what was decided (then the correct-bias pass does nothing more); returns whether it did."""
         try:
-            proto, (info, biases) = self._quantized(model, (), with_correct_bias=True)
+            proto, biases = self._quantized(model, ctx, (), with_correct_bias=True)
             contender = reference.contender(proto, optimize=fused, penalty=chosen.penalty) if biases else None
             winner = self._duel(reference, chosen, contender) if contender else None
         except Exception as exc:   # scored like any variant: a failure is reported, not fatal
             error = f"{type(exc).__name__}: {first_line(exc)}"
             report.setdefault("failed", []).append({"variant": CORRECT_BIAS, "error": error})
-            model.report[CORRECT_BIAS] = {"skipped": f"{NAME}: it failed on a copy ({error})"}
+            ctx.findings.set(CORRECT_BIAS, {"skipped": f"{NAME}: it failed on a copy ({error})"})
             return False
-        if contender is None:
-            model.report[CORRECT_BIAS] = {"skipped": info.get("skipped", "no layer to correct")}
+        if contender is None:   # nothing to correct: correct-bias would find nothing either
             return False
         contender.close()
         gain = contender.margin(chosen)   # over the same feeds, with the same penalty
         applied = winner is contender
         report["bias_correction"] = {"snr_db": round(contender.snr(), 2), "gain_db": round(gain, 2),
                                      "samples": contender.ran, "applied": applied}
+        model.decisions[BIAS_DECISION] = {"by": NAME, "applied": applied, "gain_db": round(gain, 2)}
         if not applied:
-            model.report[CORRECT_BIAS] = {"skipped": f"{NAME} scored the model {gain:+.2f} dB with it"}
-            return False
+            ctx.findings.set(CORRECT_BIAS, {"skipped": f"{NAME} scored the model {gain:+.2f} dB with it"})
+            return True
         tensors = model.tensors()
         for name, (values, why) in biases.items():
             tensors[name].values = values
             model.quant[name].because(why)
-        model.report[CORRECT_BIAS] = info | {"applied_by": NAME, "gain_db": round(gain, 2)}
+        ctx.findings.set(CORRECT_BIAS, {"applied_by": NAME, "biases": len(biases), "gain_db": round(gain, 2)})
         return True
 
-    def _quantized(self, model: QModel, combo, with_correct_bias: bool = False):
+    def _quantized(self, model: QModel, ctx, combo, with_correct_bias: bool = False):
         """(the QDQ model of a copy of ``model`` with ``combo`` applied and ``then`` run, None); with
         ``with_correct_bias``, correct-bias runs right after compute-qparams and the second item is
-        (its report entry, the biases it corrected)."""
+        {bias: (corrected values, why line)}."""
         trial = model.copy(share_weights=True)
         for variant in combo:
             variant.apply(trial)
         then, corrected = self.then.split(","), None
         if with_correct_bias:
             cut = then.index("compute-qparams") + 1
-            PassManager(",".join(then[:cut] + [CORRECT_BIAS])).run(trial)
-            corrected, then = (trial.report.get(CORRECT_BIAS, {}), corrected_biases(trial)), then[cut:]
+            trial.decisions.pop(BIAS_DECISION, None)
+            run_nested(",".join(then[:cut] + [CORRECT_BIAS]), trial, ctx)
+            corrected, then = _changed_biases(model, trial), then[cut:]
         if then:
-            PassManager(",".join(then)).run(trial)
+            run_nested(",".join(then), trial, ctx)
         return trial.to_proto(metadata=False), corrected
 
-    def _reference(self, model: QModel) -> Reference | None:
-        kept = model.kept_samples
+    def _reference(self, model: QModel, ctx, kept) -> Reference | None:
         if kept is not None and kept.feeds:
             per_feed = sum(np.size(v) for v in kept.outputs[0])
             n = min(self.samples, max(MIN_SAMPLES, -(-self.output_values // max(per_feed, 1))), len(kept.feeds))
             if n >= MIN_SAMPLES or not kept.full:   # calibrate kept enough: no second float run
                 return Reference(kept.names, list(kept.feeds[0]), kept.feeds[:n], kept.outputs[:n])
         try:
-            feeds = open_data(model.calibration_data)
+            feeds = open_data(ctx.calibration_data)
             reference = Reference.run(model.to_proto(metadata=False), feeds, self.samples,
                                       enough_values=self.output_values, min_samples=MIN_SAMPLES)
         except CalibrationDataError:
             return None
         return reference if reference.feeds else None
+
+
+def _has_biases(model: QModel) -> bool:
+    return any(tq.role == "bias" for _, tq in model.quant.items())
+
+
+def _changed_biases(model: QModel, trial: QModel) -> dict[str, tuple[np.ndarray, str]]:
+    """{bias: (values, last why line)} of the table's biases whose values differ in ``trial``."""
+    ours, theirs = model.tensors(), trial.tensors()
+    out = {}
+    for name, tq in model.quant.items():
+        if tq.role != "bias" or name not in theirs or not hasattr(theirs[name], "values"):
+            continue
+        new = np.asarray(theirs[name].values)
+        if not np.array_equal(new, np.asarray(ours[name].values)):
+            out[name] = (new, trial.quant[name].why[-1])
+    return out

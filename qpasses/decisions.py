@@ -1,0 +1,19 @@
+"""Decisions saved with the model that more than one pass writes (``QModel.decisions``)."""
+from __future__ import annotations
+
+from .ir import QModel
+
+FLOAT = "float"
+
+
+def leave_float(model: QModel, reasons: dict[str, str], by: str) -> None:
+    """Record why tensors stay float (``explain`` and the report read it from the saved model)."""
+    entries = model.decisions.setdefault(FLOAT, {})
+    for name in sorted(reasons):
+        entries[name] = {"reason": reasons[name], "pass": by}
+    model.decisions[FLOAT] = dict(sorted(entries.items()))
+
+
+def float_reasons(model: QModel) -> dict[str, dict]:
+    """Tensor -> {reason, pass} for every tensor a pass decided to leave float."""
+    return model.decisions.get(FLOAT, {})
