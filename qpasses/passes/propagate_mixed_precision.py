@@ -11,6 +11,7 @@ from ..mixed_precision import MixedPrecisionPlan, load_constraints, parse_reques
 from ..oprules import holds, rule_for
 from ..pipeline import Pass, PassResult
 from ..registry import register
+from ..targets import apply_target_rules
 from .annotate_types import float_tensors  # shared: float32/float16 tensor names, cached per generation
 
 __all__ = ["PropagateMixedPrecision", "apply_plan", "float_tensors", "sharing_nodes"]
@@ -63,7 +64,7 @@ class PropagateMixedPrecision(Pass):
         report["skipped"] = skipped
         ctx.findings.set("mixed_precision_plan", report)
         if changed:
-            _apply_target_rules(model)
+            apply_target_rules(model, config)   # fixed qparams per type, ... after types changed
         stats = {"requests": len(config.mixed_precision), "changed": changed, "converts": plan.converts,
                  "skipped": len(skipped)}
         return PassResult(model, bool(changed), stats)
@@ -109,12 +110,3 @@ def sharing_nodes(model: QModel) -> set[str]:
         if rule is not None and rule.shares and holds(rule.share_if, node):
             out.add(node.name)
     return out
-
-
-def _apply_target_rules(model: QModel) -> None:
-    """Let the target re-apply its rules (fixed qparams per type, ...) after types changed."""
-    try:
-        from ..targets import apply_target_rules
-    except ImportError:
-        return
-    apply_target_rules(model)
