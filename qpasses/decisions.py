@@ -8,6 +8,8 @@ FLOAT = "float"
 
 def leave_float(model: QModel, reasons: dict[str, str], by: str) -> None:
     """Record why tensors stay float (``explain`` and the report read it from the saved model)."""
+    if not reasons:
+        return
     entries = model.decisions.setdefault(FLOAT, {})
     for name in sorted(reasons):
         entries[name] = {"reason": reasons[name], "pass": by}

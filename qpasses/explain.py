@@ -1,22 +1,29 @@
 """Explain a tensor's quantization from the table saved in the model."""
 from __future__ import annotations
 
+from .decisions import float_reasons
 from .errors import QpassesError
 from .ir import QModel
 
 
 def explain_lines(model: QModel, tensor: str | None = None) -> list[str]:
     """Lines describing a tensor's type, scale, zero point and the chain of reasons for them."""
-    if not len(model.quant):
+    floats = float_reasons(model)
+    if not len(model.quant) and not floats:
         raise QpassesError("the model carries no quantization table (was it produced by qpasses?)")
+    if tensor in floats:
+        row = floats[tensor]
+        return [f"{tensor}: left float", f"  1. {row['pass']}: {row['reason']}"]
     names = [tensor] if tensor else sorted(model.quant)
     if tensor and tensor not in model.quant:
         import difflib
 
-        close = difflib.get_close_matches(tensor, list(model.quant), n=1)
+        close = difflib.get_close_matches(tensor, [*model.quant, *floats], n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise QpassesError(f"tensor '{tensor}' is not in the quantization table{hint}")
+        raise QpassesError(f"tensor '{tensor}' is neither quantized nor left float by a pass{hint}")
     lines = []
+    if not tensor and floats:
+        lines += [f"{name}: left float ({row['pass']}: {row['reason']})" for name, row in floats.items()]
     for name in names:
         tq = model.quant[name]
         granularity = f"per-channel axis {tq.axis}" if tq.per_channel else "per-tensor"

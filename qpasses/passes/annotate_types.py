@@ -63,13 +63,15 @@ class AnnotateTypes(Pass):
             model.quant[name] = tq
         target_changes = apply_target_rules(model, config)
         floats_before = model.decisions.pop(decisions.FLOAT, None)   # decided again from the new table
+        decisions.leave_float(model, planner.left_float(), self.name)
         if planner.report:
             ctx.findings.set(self.name, planner.report)
         roles = [tq.role for _, tq in model.quant.items()]
         stats = {"activations": roles.count("activation"), "weights": roles.count("weight"),
                  "biases": roles.count("bias"), **planner.stats, "target_rules": target_changes,
                  "bias_copies": copies}
-        return PassResult(model, bool(copies) or dict(model.quant.items()) != before or bool(floats_before),
+        return PassResult(model, bool(copies) or dict(model.quant.items()) != before
+                          or model.decisions.get(decisions.FLOAT) != floats_before,
                           {k: v for k, v in stats.items() if v})
 
 
@@ -198,6 +200,7 @@ class TypePlanner:
         self.biases: list[tuple[gs.Node, OpRule, int]] = []
         self.stats = {"shared": 0, "merged": 0, "overrides": 0}
         self.report: dict = {}
+        self.float_biases: dict[str, str] = {}
         given = config.given
         defaults = load_target(config.target).defaults if config.target else {}
         self.source = {key: f"target {config.target} default" if key in defaults and key not in given
@@ -218,6 +221,38 @@ class TypePlanner:
         self.merge_removable()
         self.stats["shared"] = sum(tq.shares is not None for tq in self.entries.values())
         return self.entries
+
+    def left_float(self) -> dict[str, str]:
+        """Why each float tensor read or written by a node has no entry (after ``plan``)."""
+        tensors, selected = self.model.tensors(), {node.name for node, _ in self.nodes}
+        out = {}
+        for name in sorted(self.floats - self.entries.keys() - self.qdq_outputs):
+            t = tensors.get(name)
+            nodes = list(t.inputs) + list(t.outputs) if t is not None else []
+            if nodes:
+                out[name] = self.float_biases.get(name) or self._float_reason(nodes, selected)
+        return out
+
+    def _float_reason(self, nodes: list, selected: set[str]) -> str:
+        cfg, opset = self.config, self.model.opset
+        ruled = [n for n in nodes if rule_for(n.op, opset) is not None]
+        if not ruled:
+            ops = ", ".join(sorted({n.op for n in nodes}))
+            return f"no node around it is quantized: qpasses has no quantization rule for {ops}"
+        for n in ruled:
+            if n.name in cfg.nodes_to_exclude:
+                return f"{n.op} '{n.name}' is in the config's nodes_to_exclude"
+        for n in ruled:
+            if n.name not in selected:
+                return (f"{n.op} '{n.name}' is not selected by the config "
+                        f"(op_types_to_quantize / nodes_to_quantize)")
+        for n in ruled:
+            rule = rule_for(n.op, opset)
+            unmet = [n.inputs[i].name for i in rule.needs if i < len(n.inputs) and n.inputs[i].name not in self.entries]
+            if unmet:
+                return f"{n.op} '{n.name}' is quantized only when its input is, and '{unmet[0]}' stays float"
+        n = ruled[0]
+        return f"{n.op} '{n.name}' reads or writes it as a float value (the op rules: a shape, index or float slot)"
 
     def quantizable(self, t) -> bool:
         return bool(t.name) and t.name in self.floats and t.name not in self.qdq_outputs
@@ -396,6 +431,7 @@ class TypePlanner:
             problem, axis = self.bias_problem(node, bias, inp, weight)
             if problem:
                 left_float.append(f"{bias.name} ({node.op} '{node.name}'): {problem}")
+                self.float_biases[bias.name] = f"bias of {node.op} '{node.name}': {problem}"
                 continue
             self._new(bias.name, "bias", TensorQuant(
                 "int32", "bias", symmetric=True, axis=axis, derived_from=[inp, weight],
