@@ -230,10 +230,10 @@ class TypePlanner:
             t = tensors.get(name)
             nodes = list(t.inputs) + list(t.outputs) if t is not None else []
             if nodes:
-                out[name] = self.float_biases.get(name) or self._float_reason(nodes, selected)
+                out[name] = self.float_biases.get(name) or self._float_reason(name, nodes, selected)
         return out
 
-    def _float_reason(self, nodes: list, selected: set[str]) -> str:
+    def _float_reason(self, name: str, nodes: list, selected: set[str]) -> str:
         cfg, opset = self.config, self.model.opset
         ruled = [n for n in nodes if rule_for(n.op, opset) is not None]
         if not ruled:
@@ -249,6 +249,8 @@ class TypePlanner:
         for n in ruled:
             rule = rule_for(n.op, opset)
             unmet = [n.inputs[i].name for i in rule.needs if i < len(n.inputs) and n.inputs[i].name not in self.entries]
+            if unmet == [name]:
+                return f"{n.op} '{n.name}' is quantized only inside a quantized region, and nothing quantized feeds it"
             if unmet:
                 return f"{n.op} '{n.name}' is quantized only when its input is, and '{unmet[0]}' stays float"
         n = ruled[0]

@@ -256,6 +256,7 @@ class CorrectBias(Pass):
         }
     """
     example_prelude: ClassVar[str] = "annotate-types,calibrate,compute-qparams"
+    example_config: ClassVar[dict] = {"activation_type": "uint16"}   # it corrects 16-bit layers by default
 
     samples: int = field(default=32, metadata={"help": "calibration feeds the shifts are averaged over"})
     activation_bits: int = field(default=16, metadata={
