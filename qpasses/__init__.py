@@ -2,6 +2,7 @@
 from .annotations import Convert, QuantTable, TensorQuant
 from .api import quantize, run_pipeline
 from .config import QuantConfig, load_config
+from .context import RunContext
 from .errors import (CalibrationDataError, ConfigError, ModelError, PassFailure, PipelineError,
                      PreconditionError, QpassesError)
 from .ir import QModel, load, save
@@ -12,6 +13,6 @@ __version__ = "0.1.0"
 __all__ = [
     "CalibrationDataError", "ConfigError", "Convert", "ModelError", "Pass", "PassFailure",
     "PassManager", "PassResult", "PipelineError", "PreconditionError", "QModel", "QpassesError",
-    "QuantConfig", "QuantTable", "TensorQuant", "all_passes", "load", "load_config", "parse_pipeline",
+    "QuantConfig", "QuantTable", "RunContext", "TensorQuant", "all_passes", "load", "load_config", "parse_pipeline",
     "print_pipeline", "quantize", "register", "run_pipeline", "save",
 ]
