@@ -216,10 +216,10 @@ def _json_default(value):
 
 
 def cmd_passes(args) -> int:
-    from .registry import all_passes
+    from .registry import in_pipeline_order
 
-    for name, cls in all_passes().items():
-        print(f"{name}: {cls.summary()}")
+    for cls in in_pipeline_order():  # default pipeline order, then the rest by name
+        print(f"{cls.name}: {cls.summary()}")
         for f in cls.options():
             print(f"    {f.name} = {_default_text(f)}  {f.metadata.get('help', '')}".rstrip())
         if cls.requires:

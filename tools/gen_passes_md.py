@@ -26,7 +26,7 @@ import onnx  # noqa: E402
 from qpasses.config import load_config  # noqa: E402
 from qpasses.ir import from_proto  # noqa: E402
 from qpasses.pipeline import QUANTIZE_PIPELINE, PassManager, _default, _format_value  # noqa: E402
-from qpasses.registry import all_passes  # noqa: E402
+from qpasses.registry import in_pipeline_order  # noqa: E402
 from qpasses.testing import parse, random_feed  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "passes.md"
@@ -54,12 +54,8 @@ pass, run with 8 random calibration samples.
 
 
 def ordered_passes() -> list[type]:
-    """Registered passes: those of the default pipeline in its order, then the rest by name."""
-    passes = all_passes()
-    default = list(dict.fromkeys(QUANTIZE_PIPELINE.split(",")))
-    first = [passes[n] for n in default if n in passes]
-    rest = [cls for name, cls in sorted(passes.items()) if name not in default]
-    return first + rest
+    """Registered passes in the order `qpasses passes` lists them (default pipeline first)."""
+    return in_pipeline_order()
 
 
 def docstring_body(cls) -> list[str]:
