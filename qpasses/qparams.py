@@ -2,22 +2,24 @@
 
 Every function is vectorised: ``rmin``/``rmax`` may be arrays (one entry per channel).
 
-How a range becomes (scale, zero_point), in order:
-1. NaN or infinite bounds make the range *degenerate* (it is replaced by [0, 0]); the range is
-   widened to contain 0 (so 0 is exactly representable, as ONNX QDQ needs), then to at least
-   ``minimum_real_range`` (``rmax = rmin + minimum_real_range``, as onnxruntime's MinimumRealRange).
+How a range becomes (scale, zero_point): as onnxruntime's compute_scale_zp, bit for bit for
+float32 scales (``restricted``, ``min_scale``, ``power_of_two`` and float16 scales are qpasses'):
+1. The bounds are float32, as onnxruntime's calibrated ranges and weights are; NaN or infinite
+   bounds make the range *degenerate* ([0, 0]). In float32, the range is widened to contain 0, then
+   to at least ``minimum_real_range`` (``rmax = max(rmax, rmin + minimum_real_range)``), then made
+   symmetric ([-absmax, absmax]) when ``symmetric``.
 2. Integer limits come from ``QType.limits`` (onnxruntime's get_qmin_qmax_for_qType): symmetric
    int8/int16 are narrow ([-127, 127]); ``reduce_range`` drops one bit ([-64, 64] for int8).
-3. Zero point: asymmetric -> wherever ``rmin`` lands; symmetric -> 0 (signed) or the midpoint
-   (unsigned: 128 for uint8, 32768 for uint16); restricted (unsigned) -> 0 when ``rmin >= 0``, the
-   midpoint otherwise (signed types: 0). A fixed zero point gets the smallest scale covering both
-   sides, so nothing clips: [-1, 2] restricted uint8 -> zp 128, scale max(1/128, 2/127).
-4. Scale: raised to ``min_scale`` if given; a zero scale (zero-width or degenerate range) becomes
-   1.0; ``power_of_two`` rounds it UP to a power of two; then it is rounded UP to a value of
-   ``scale_type`` (float32 or float16) and clamped to that type's normal range, so the stored scale
-   is never 0, inf or subnormal and the range is still covered.
-5. The asymmetric zero point is computed from the final scale with round-half-even (as
-   QuantizeLinear rounds), so [rmin, rmax] round-trips within half a step.
+3. Scale, in float64: (rmax - rmin) / (qmax - qmin); restricted quantization fixes the zero point
+   (unsigned: 0 when ``rmin >= 0``, the midpoint otherwise; signed: 0) and takes the smallest scale
+   covering both sides. It is raised to ``min_scale`` if given; below float32's smallest normal
+   value the range is degenerate: scale 1.0 and zero point 0. ``power_of_two`` rounds it UP to a
+   power of two.
+4. Zero point, rounded half to even: symmetric -> the middle of the limits (0, or 128 for uint8,
+   32768 for uint16); asymmetric -> ``qmin - rmin / scale`` with the float64 scale.
+5. The scale is stored as the nearest float32. A float16 scale (``scale_type``) is rounded UP and
+   clamped to float16's normal range instead, and the asymmetric zero point is computed from it, so
+   the range stays covered.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from .qtypes import QType, qtype
 
 SCALE_TYPES = {"float32": np.float32, "float16": np.float16}
 DEGENERATE_SCALE = 1.0
+F32_TINY = float(np.finfo(np.float32).tiny)   # smaller scales are degenerate (onnxruntime)
+F32_MAX = float(np.finfo(np.float32).max)
 INT32_MAX = 2**31 - 1
 BIAS_SAFETY = 1.0 - 2.0**-10  # int32 biases use at most this fraction of the int32 range
 
@@ -68,15 +72,18 @@ def dequantize(q, scale, zero_point, axis: int | None = None) -> np.ndarray:
 
 
 # -- ranges -> (scale, zero_point) ----------------------------------------------------------------
-def prepare_range(rmin, rmax, minimum_real_range: float | None = None):
-    """(rmin, rmax) as float64 arrays: non-finite ranges -> [0, 0], widened to contain 0 and to
-    at least ``minimum_real_range``."""
+def prepare_range(rmin, rmax, minimum_real_range: float | None = None, symmetric: bool = False):
+    """(rmin, rmax) as float32 arrays, in onnxruntime's order: non-finite ranges -> [0, 0], widened
+    to contain 0 and to at least ``minimum_real_range``, then [-absmax, absmax] if ``symmetric``."""
     lo, hi = np.broadcast_arrays(np.asarray(rmin, np.float64), np.asarray(rmax, np.float64))
     bad = ~(np.isfinite(lo) & np.isfinite(hi))
-    lo = np.minimum(np.where(bad, 0.0, lo), 0.0)
-    hi = np.maximum(np.where(bad, 0.0, hi), 0.0)
+    lo, hi = (np.clip(np.where(bad, 0.0, b), -F32_MAX, F32_MAX).astype(np.float32) for b in (lo, hi))
+    lo, hi = np.minimum(lo, np.float32(0)), np.maximum(hi, np.float32(0))
     if minimum_real_range:
-        hi = np.maximum(hi, lo + float(minimum_real_range))
+        hi = np.maximum(hi, lo + np.float32(minimum_real_range))
+    if symmetric:
+        absmax = np.maximum(-lo, hi)
+        lo, hi = -absmax, absmax
     return lo, hi
 
 
@@ -117,41 +124,38 @@ def compute_qparams(rmin, rmax, qt: QType | str, *, symmetric: bool = False, red
     the zero point is re-derived so the range stays covered.
     """
     qt = qtype(qt)
-    lo, hi = prepare_range(rmin, rmax, minimum_real_range)
     qmin, qmax = qt.limits(symmetric, reduce_range)
-    if symmetric:
-        absmax = np.maximum(-lo, hi)
-        lo, hi = -absmax, absmax
-    fixed_zp = _fixed_zero_point(lo, qt, qmin, qmax, symmetric, restricted)
+    lo, hi = (b.astype(np.float64) for b in prepare_range(rmin, rmax, minimum_real_range, symmetric))
+    fixed_zp = _restricted_zero_point(lo, qt, qmin, qmax) if restricted and not symmetric else None
     if fixed_zp is None:
         scale = (hi - lo) / (qmax - qmin)
     else:
         below = fixed_zp - qmin
-        neg = np.where(below > 0, -lo / np.maximum(below, 1), 0.0)
-        scale = np.maximum(neg, hi / (qmax - fixed_zp))
+        scale = np.maximum(np.where(below > 0, -lo / np.maximum(below, 1), 0.0), hi / (qmax - fixed_zp))
     if min_scale is not None:
-        scale = np.maximum(scale, np.asarray(min_scale, np.float64))
-    scale = np.where(scale > 0, scale, DEGENERATE_SCALE)
+        scale = np.maximum(scale, fit_scale(min_scale, scale_type))
+    degenerate = ~(scale >= F32_TINY)   # as onnxruntime: scale 1, zero point 0
+    scale = np.where(degenerate, DEGENERATE_SCALE, scale)
     if power_of_two:
         scale = round_up_pow2(scale)
-    scale = fit_scale(scale, scale_type)
-    if fixed_zp is None:
-        zp = np.where(hi > lo, np.rint(qmin - lo / scale), np.clip(0, qmin, qmax))
-        zp = np.clip(zp, qmin, qmax)
+    if scale_type == "float32":
+        stored = np.asarray(np.minimum(scale, F32_MAX).astype(np.float32), np.float64)
     else:
-        zp = np.broadcast_to(fixed_zp, scale.shape)
-    return scale, np.asarray(zp, np.int64)
-
-
-def _fixed_zero_point(lo, qt: QType, qmin: int, qmax: int, symmetric: bool, restricted: bool):
-    """The zero point forced by symmetric/restricted quantization (None: asymmetric, computed)."""
+        stored = scale = fit_scale(scale, scale_type)
     if symmetric:
-        return np.full(lo.shape, 0 if qt.signed else midpoint(qmin, qmax), np.int64)
-    if restricted:
-        if qt.signed:
-            return np.zeros(lo.shape, np.int64)
-        return np.where(lo < 0, midpoint(qmin, qmax), qmin).astype(np.int64)
-    return None
+        zp = np.full(scale.shape, np.round((qmin + qmax) / 2.0))
+    elif fixed_zp is not None:
+        zp = fixed_zp
+    else:
+        zp = np.clip(np.rint(qmin - lo / scale), qmin, qmax)
+    return stored, np.where(degenerate, 0, zp).astype(np.int64)
+
+
+def _restricted_zero_point(lo, qt: QType, qmin: int, qmax: int):
+    """Restricted asymmetric zero point: unsigned -> qmin if ``lo >= 0`` else the midpoint; signed -> 0."""
+    if qt.signed:
+        return np.zeros(lo.shape, np.int64)
+    return np.where(lo < 0, midpoint(qmin, qmax), qmin).astype(np.int64)
 
 
 def value_range(values, axis: int | None = None):

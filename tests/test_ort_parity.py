@@ -1,9 +1,13 @@
 """Parity with onnxruntime's quantizer where users compare: each check runs onnxruntime's own code."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from onnxruntime.quantization.quant_utils import get_qmin_qmax_for_qType
+from hypothesis import given, settings, strategies as st
+from onnxruntime.quantization.quant_utils import (compute_data_quant_params, compute_scale_zp,
+                                                  get_qmin_qmax_for_qType)
 
+from qpasses.qparams import compute_qparams, value_range
 from qpasses.qtypes import qtype
 
 TYPES = ["uint8", "int8", "uint16", "int16", "uint4", "int4"]
@@ -21,3 +25,75 @@ def test_limits_match_onnxruntime(name, symmetric, reduce_range):
 
 def test_reduce_range_symmetric_int8_is_minus_64_to_64():
     assert qtype("int8").limits(symmetric=True, reduce_range=True) == (-64, 64)
+
+
+# -- scale and zero point: onnxruntime's compute_scale_zp, bit for bit -------------------------------
+def ort_qparams(rmin, rmax, name, symmetric=False, reduce_range=False, minimum_real_range=None):
+    """(float32 scale, int zero point) from onnxruntime for float32 bounds."""
+    qmin, qmax = get_qmin_qmax_for_qType(qtype(name).onnx_type, reduce_range=reduce_range, symmetric=symmetric)
+    zp, scale = compute_scale_zp(np.array(rmin, np.float32), np.array(rmax, np.float32), qmin, qmax,
+                                 symmetric, minimum_real_range)
+    return np.float32(scale), int(zp)
+
+
+def ours(rmin, rmax, name, **kw):
+    scale, zp = compute_qparams(rmin, rmax, name, **kw)
+    assert np.float32(scale) == scale   # a float32 value, held as float64
+    return np.float32(scale), int(zp)
+
+
+def same_bits(a: np.float32, b: np.float32) -> bool:
+    return np.float32(a).view(np.uint32) == np.float32(b).view(np.uint32)
+
+
+@pytest.mark.parametrize("rmin, rmax, name, kw", [
+    (-2.0, 2.0, "uint8", {}),                       # 127.5 -> 128 (qpasses gave 127)
+    (-1.0, 3.0, "uint8", {}),
+    (-0.75, 0.25, "int8", {}),
+    (-1.0, 1.0, "uint8", {"symmetric": True}),      # zero point 128, scale 2/255
+    (-3.0, 1.0, "int4", {"symmetric": True}),       # [-8, 7]: zero point round(-0.5) = 0
+    (-1.0, 1.0, "int8", {"symmetric": True, "reduce_range": True}),   # [-64, 64]
+    (0.0, 0.0, "uint8", {"symmetric": True}),       # degenerate: scale 1, zero point 0
+    (0.0, 1e-37, "int16", {}),                      # scale below float32's tiny: degenerate
+    (0.0, 1e-6, "uint8", {"minimum_real_range": 1e-4}),
+])
+def test_known_cases_match_onnxruntime(rmin, rmax, name, kw):
+    expected = ort_qparams(rmin, rmax, name, **kw)
+    got = ours(rmin, rmax, name, **kw)
+    assert same_bits(got[0], expected[0]) and got[1] == expected[1], (got, expected)
+
+
+def test_uint8_weights_spanning_minus_2_to_2_get_zero_point_128():
+    assert ours(-2.0, 2.0, "uint8") == ort_qparams(-2.0, 2.0, "uint8") == (np.float32(4 / 255), 128)
+
+
+bound = st.one_of(
+    st.floats(width=32, allow_nan=False, allow_infinity=False),            # any float32, subnormals too
+    st.floats(-1e4, 1e4, width=32),
+    st.integers(-4096, 4096).map(lambda k: k / 16),                       # zero points on .5 ties
+    st.sampled_from([0.0, -0.0, 1e-38, -1e-45, 3.4e38, -3.4e38]),
+)
+
+
+@settings(deadline=None, derandomize=True, max_examples=1500)
+@given(bound, bound, st.sampled_from(TYPES), st.booleans(), st.booleans(),
+       st.sampled_from([None, 0.0, 1e-4, 0.01, 1.0]))
+def test_compute_scale_zp_bit_for_bit(a, b, name, symmetric, reduce_range, minimum_real_range):
+    rmin, rmax = float(np.float32(min(a, b))), float(np.float32(max(a, b)))
+    kw = {"symmetric": symmetric, "reduce_range": reduce_range, "minimum_real_range": minimum_real_range}
+    with np.errstate(over="ignore"):   # onnxruntime's float32 arithmetic may overflow near 3.4e38
+        expected = ort_qparams(rmin, rmax, name, **kw)
+    got = ours(rmin, rmax, name, **kw)
+    assert same_bits(got[0], expected[0]) and got[1] == expected[1], (got, expected)
+
+
+@pytest.mark.parametrize("name, symmetric", [("int8", True), ("uint8", False), ("int4", True), ("uint16", False)])
+def test_per_channel_weights_match_compute_data_quant_params(name, symmetric):
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((6, 3, 3, 3)) * rng.random((6, 1, 1, 1))).astype(np.float32)
+    w[2] = 0.0   # an all-zero channel
+    lo, hi = value_range(w, axis=0)
+    scales, zps = compute_qparams(lo, hi, name, symmetric=symmetric)
+    for c in range(w.shape[0]):
+        zp, scale = compute_data_quant_params(w[c].ravel(), qtype(name).onnx_type, symmetric)
+        assert same_bits(np.float32(scales[c]), np.float32(scale)) and int(zps[c]) == int(zp)

@@ -17,6 +17,11 @@ def up32(x):
     return float(np.nextafter(f, np.float32(np.inf)) if float(f) < x else f)
 
 
+def f32(x):
+    """The nearest float32 (scales are stored so, as onnxruntime stores them; ranges are float32)."""
+    return float(np.float32(x))
+
+
 def qp(rmin, rmax, qt="uint8", **kw):
     scale, zp = compute_qparams(rmin, rmax, qt, **kw)
     return float(scale), int(zp)
@@ -24,9 +29,10 @@ def qp(rmin, rmax, qt="uint8", **kw):
 
 # -- exact cases --------------------------------------------------------------------------------
 def test_asymmetric_uint8():
-    assert qp(0.0, 12.75) == (up32(0.05), 0)
+    assert qp(0.0, 12.75) == (f32(0.05), 0)
     scale, zp = qp(-1.0, 3.0)
-    assert scale == up32(4.0 / 255) and zp == 64  # 255/4 = 63.75 -> 64
+    assert scale == f32(4.0 / 255) and zp == 64  # 255/4 = 63.75 -> 64
+    assert qp(-2.0, 2.0) == (f32(4.0 / 255), 128)  # 127.5 -> 128 (half even, from the float64 scale)
 
 
 def test_asymmetric_range_widened_to_contain_zero():
@@ -36,34 +42,34 @@ def test_asymmetric_range_widened_to_contain_zero():
 
 
 def test_symmetric_signed_is_narrow_with_zero_zp():
-    assert qp(-0.5, 1.27, "int8", symmetric=True) == (up32(1.27 / 127), 0)
-    assert qp(-2.0, 1.0, "int16", symmetric=True) == (up32(2.0 / 32767), 0)
+    assert qp(-0.5, 1.27, "int8", symmetric=True) == (f32(f32(1.27) / 127), 0)
+    assert qp(-2.0, 1.0, "int16", symmetric=True) == (f32(2.0 / 32767), 0)
 
 
 def test_symmetric_unsigned_zero_point_is_midpoint():
-    assert qp(-1.0, 1.0, "uint8", symmetric=True) == (up32(1 / 127), 128)
-    assert qp(0.0, 3.0, "uint16", symmetric=True) == (up32(3 / 32767), 32768)
+    assert qp(-1.0, 1.0, "uint8", symmetric=True) == (f32(2 / 255), 128)
+    assert qp(0.0, 3.0, "uint16", symmetric=True) == (f32(6 / 65535), 32768)
     assert midpoint(0, 255) == 128 and midpoint(0, 65535) == 32768 and midpoint(0, 15) == 8
 
 
 def test_restricted_asymmetric_uint8():
-    assert qp(0.0, 2.0, restricted=True) == (up32(2 / 255), 0)
-    assert qp(0.5, 2.0, restricted=True) == (up32(2 / 255), 0)
-    assert qp(-1.0, 2.0, restricted=True) == (up32(max(1 / 128, 2 / 127)), 128)
-    assert qp(-3.0, 0.5, restricted=True) == (up32(3 / 128), 128)
+    assert qp(0.0, 2.0, restricted=True) == (f32(2 / 255), 0)
+    assert qp(0.5, 2.0, restricted=True) == (f32(2 / 255), 0)
+    assert qp(-1.0, 2.0, restricted=True) == (f32(max(1 / 128, 2 / 127)), 128)
+    assert qp(-3.0, 0.5, restricted=True) == (f32(3 / 128), 128)
     scale, zp = qp(0.0, 0.0, restricted=True)
     assert zp == 0 and np.isfinite(scale) and scale > 0
 
 
 def test_reduce_range():
-    assert qp(0.0, 1.27, "uint8", reduce_range=True) == (up32(1.27 / 127), 0)
-    assert qp(-0.64, 0.64, "int8", symmetric=True, reduce_range=True) == (up32(0.01), 0)  # [-64, 64]
+    assert qp(0.0, 1.27, "uint8", reduce_range=True) == (f32(f32(1.27) / 127), 0)
+    assert qp(-0.5, 0.5, "int8", symmetric=True, reduce_range=True) == (f32(1 / 128), 0)  # [-64, 64]
 
 
 def test_minimum_real_range():
-    assert qp(0.0, 1e-6, minimum_real_range=1e-4) == (up32(1e-4 / 255), 0)
+    assert qp(0.0, 1e-6, minimum_real_range=1e-4) == (f32(f32(1e-4) / 255), 0)
     assert qp(0.0, 1.0, minimum_real_range=1e-4) == qp(0.0, 1.0)
-    assert qp(0.0, 0.0, minimum_real_range=0.255)[0] == up32(0.001)
+    assert qp(0.0, 0.0, minimum_real_range=0.255)[0] == f32(f32(0.255) / 255)
 
 
 def test_power_of_two_rounds_up():
@@ -83,12 +89,11 @@ def test_float16_scales_are_representable_and_normal():
                                   [np.finfo(np.float32).tiny, np.finfo(np.float32).tiny, np.finfo(np.float32).max])
 
 
-def test_degenerate_ranges_get_scale_one():
-    for rmin, rmax in [(0.0, 0.0), (np.nan, 1.0), (-np.inf, 2.0), (0.0, np.inf), (np.nan, np.nan)]:
+def test_degenerate_ranges_get_scale_one_and_zero_point_zero():
+    """As onnxruntime: also symmetric uint8, and ranges whose scale would be below float32's tiny."""
+    for rmin, rmax in [(0.0, 0.0), (np.nan, 1.0), (-np.inf, 2.0), (0.0, np.inf), (np.nan, np.nan), (0.0, 1e-37)]:
         for qt, sym in [("uint8", False), ("int8", False), ("int8", True), ("uint8", True)]:
-            scale, zp = qp(rmin, rmax, qt, symmetric=sym)
-            assert scale == 1.0
-            assert zp == (128 if (sym and qt == "uint8") else 0)
+            assert qp(rmin, rmax, qt, symmetric=sym) == (1.0, 0)
     assert prepare_range(np.nan, 3.0)[1] == 0.0
 
 
@@ -183,6 +188,8 @@ def test_zero_exact_zero_point_in_range_scale_valid(a, b, m):
     assert float(dequantize(quantize(0.0, scale, zp, qt), scale, zp)) == 0.0
     dt = np.float16 if m["scale_type"] == "float16" else np.float32
     assert np.isfinite(scale) and scale >= np.finfo(dt).tiny and float(dt(scale)) == float(scale)
+    if (float(scale), int(zp)) == (1.0, 0):   # degenerate (or a legitimate scale 1 with zero point 0)
+        return
     if m["symmetric"]:
         assert int(zp) == (0 if qt.signed else midpoint(*qt.limits(True, m["reduce_range"])))
     elif m["restricted"] and not qt.signed:

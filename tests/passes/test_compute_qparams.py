@@ -66,7 +66,7 @@ def test_conv_per_tensor():
     assert qparams(m, "x") == expected(-1.0, 3.0, "uint8")
     assert qparams(m, "c") == expected(-2.0, 5.0, "uint8")
     assert qparams(m, "w") == expected(-0.25, 1.0, "int8", symmetric=True)
-    assert m.quant["w"].scale == [float(fit_scale(1.0 / 127))] and m.quant["w"].zero_point == [0]
+    assert m.quant["w"].scale == [float(np.float32(1.0 / 127))] and m.quant["w"].zero_point == [0]
     assert m.quant["b"].scale == [float(fit_scale(m.quant["x"].scale[0] * m.quant["w"].scale[0]))]
     assert m.quant["b"].zero_point == [0] and m.quant["b"].axis is None
     assert m.quant["y"].scale == m.quant["r"].scale == m.quant["c"].scale
