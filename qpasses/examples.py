@@ -1,11 +1,14 @@
 """A bundled example: a small float CNN and calibration data, so `qpasses run` needs no user data."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+from .errors import QpassesError
 
 
 def example_model(seed: int = 0) -> onnx.ModelProto:
@@ -65,11 +68,29 @@ def example_data(samples: int = 32, seed: int = 1) -> dict[str, np.ndarray]:
 
 
 def write_example(folder) -> tuple[Path, Path, Path]:
-    """Write model.onnx, calib.npz and eval.npz into ``folder``; returns their paths."""
+    """Write model.onnx, calib.npz and eval.npz into ``folder``; returns their paths.
+
+    Refuses to overwrite any of them; a folder that cannot be written is a one-line error.
+    """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    model_path, calib_path, eval_path = folder / "model.onnx", folder / "calib.npz", folder / "eval.npz"
-    onnx.save(example_model(), model_path)
-    np.savez(calib_path, **example_data(32, seed=1))
-    np.savez(eval_path, **example_data(16, seed=2))
+    if folder.exists() and not folder.is_dir():
+        raise QpassesError(f"{folder}: is not a folder")
+    paths = model_path, calib_path, eval_path = folder / "model.onnx", folder / "calib.npz", folder / "eval.npz"
+    present = [p.name for p in paths if p.exists() or p.is_symlink()]
+    if present:
+        raise QpassesError(f"{folder}: {', '.join(present)} already there; remove them or choose another folder")
+    written = []
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for path, write in ((model_path, lambda p: onnx.save(example_model(), p)),
+                            (calib_path, lambda p: np.savez(p, **example_data(32, seed=1))),
+                            (eval_path, lambda p: np.savez(p, **example_data(16, seed=2)))):
+            written.append(path)
+            write(path)
+    except OSError as exc:
+        for path in written:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        where = exc.filename or folder
+        raise QpassesError(f"{where}: cannot write the example ({exc.strerror or exc})") from None
     return model_path, calib_path, eval_path
