@@ -1,10 +1,13 @@
 """Python API: load, run a pipeline, save."""
 from __future__ import annotations
 
+import sys
+
 from .context import RunContext
 from .instruments import DumpAfter, Reproducer, TimePasses, VerifyEach
 from .ir import QModel, load
 from .pipeline import PassManager, default_pipeline
+from .upgrade import quantizes, upgrade_opset
 
 
 def run_pipeline(model, passes: str | list | None = None, *, config=None, calibration_data=None,
@@ -33,6 +36,11 @@ def run_pipeline(model, passes: str | list | None = None, *, config=None, calibr
     if reproducer:
         instruments.append(Reproducer(reproducer))
     manager = PassManager(passes, instruments)
+    # a quantizing pipeline upgrades opset < 10 to 11, as onnxruntime's quantizer does (upgrade.py)
+    upgraded = upgrade_opset(model) if quantizes(p.name for p in manager.passes) else None
+    if upgraded is not None:
+        model, notice = upgraded
+        print(notice, file=sys.stderr)
     records = manager.run(model, ctx)
     return model, records
 

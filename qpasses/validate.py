@@ -9,7 +9,7 @@ from onnx import helper
 
 from .errors import ModelError
 
-MIN_OPSET = 10
+MIN_OPSET = 7   # onnxruntime runs opset 7 and newer; quantizing pipelines upgrade below 10 (upgrade.py)
 _FIXED_SIZE = {t: np.dtype(helper.tensor_dtype_to_np_dtype(t)).itemsize
                for t in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
                          onnx.TensorProto.BFLOAT16, onnx.TensorProto.INT8, onnx.TensorProto.UINT8,
@@ -82,7 +82,7 @@ def _check_opset(proto: onnx.ModelProto) -> None:
     if not default:
         raise ModelError("model imports no default-domain opset")
     if default[0] < MIN_OPSET:
-        raise ModelError(f"opset {default[0]} is too old: qpasses needs opset {MIN_OPSET} or newer "
+        raise ModelError(f"opset {default[0]} is too old: onnxruntime runs opset {MIN_OPSET} or newer "
                          f"(upgrade with onnx.version_converter)")
     newest = max_ort_opset()
     if default[0] > newest:

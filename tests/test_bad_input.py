@@ -266,7 +266,7 @@ BAD = [
     ("initializer values", lambda d, o: run(d, edited(mlp(), _short_float_data)), "initializer 'w': 10 values"),
     ("sparse initializer", lambda d, o: run(d, edited(mlp(), _sparse)), "initializer 's' is sparse"),
     ("initializer bytes", lambda d, o: run(d, edited(mlp(), _bad_bytes)), "initializer 'w'"),
-    ("opset 9", lambda d, o: run(d, mlp(opset=9)), "opset 9 is too old"),
+    ("opset 6", lambda d, o: run(d, mlp(opset=6)), "opset 6 is too old"),
     ("opset 99", lambda d, o: run(d, mlp(opset=99)), "opset 99"),
     ("no default opset", lambda d, o: run(d, edited(mlp(), lambda m: m.opset_import.__delitem__(0))),
      "no default-domain opset"),

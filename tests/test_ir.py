@@ -148,9 +148,10 @@ def test_truncated_model_is_refused(tmp_path):
         load(path)
 
 
-def test_old_opset_is_refused():
-    with pytest.raises(ModelError, match="opset 9 is too old"):
-        from_proto(parse("agraph (float[2] x) => (float[2] y) { y = Relu(x) }", opset=9))
+def test_opset_older_than_onnxruntime_runs_is_refused():
+    with pytest.raises(ModelError, match="opset 6 is too old: onnxruntime runs opset 7 or newer"):
+        from_proto(parse("agraph (float[2] x) => (float[2] y) { y = Relu(x) }", opset=6))
+    assert from_proto(parse("agraph (float[2] x) => (float[2] y) { y = Relu(x) }", opset=9)).opset == 9
 
 
 def test_copy_is_deep():

@@ -1,14 +1,24 @@
 """Parity with onnxruntime's quantizer where users compare: each check runs onnxruntime's own code."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 from hypothesis import given, settings, strategies as st
+from onnxruntime.quantization import QuantType
 from onnxruntime.quantization.quant_utils import (compute_data_quant_params, compute_scale_zp,
-                                                  get_qmin_qmax_for_qType)
+                                                  get_qmin_qmax_for_qType, update_opset_version)
 
+import qpasses
+from qpasses.ir import load
+from qpasses.pipeline import default_pipeline, parse_pipeline
 from qpasses.qparams import compute_qparams, value_range
 from qpasses.qtypes import qtype
+from qpasses.testing import parse
+from qpasses.upgrade import upgrade_opset
 
 TYPES = ["uint8", "int8", "uint16", "int16", "uint4", "int4"]
 
@@ -75,7 +85,7 @@ bound = st.one_of(
 )
 
 
-@settings(deadline=None, derandomize=True, max_examples=1500)
+@settings(deadline=None, derandomize=True, max_examples=500)
 @given(bound, bound, st.sampled_from(TYPES), st.booleans(), st.booleans(),
        st.sampled_from([None, 0.0, 1e-4, 0.01, 1.0]))
 def test_compute_scale_zp_bit_for_bit(a, b, name, symmetric, reduce_range, minimum_real_range):
@@ -97,3 +107,70 @@ def test_per_channel_weights_match_compute_data_quant_params(name, symmetric):
     for c in range(w.shape[0]):
         zp, scale = compute_data_quant_params(w[c].ravel(), qtype(name).onnx_type, symmetric)
         assert same_bits(np.float32(scales[c]), np.float32(scale)) and int(zps[c]) == int(zp)
+
+
+# -- models below opset 10: upgraded to 11 as onnxruntime's quantize_static does ----------------------
+LIGHT_RESNET50 = os.path.join(os.path.dirname(onnx.__file__), "backend/test/data/light/light_resnet50.onnx")
+NOTICE = "upgraded from opset 9 to 11 as onnxruntime's quantizer does"
+
+OPSET9 = """
+g (float[1,2,6,6] x) => (float[1,2,6,6] y)
+  <float[2,2,3,3] w = {0.1,-0.2,0.3,0.4,-0.5,0.6,0.7,-0.8,0.9,0.1,0.2,-0.3,0.4,0.5,-0.6,0.7,0.8,0.9,
+                       -0.1,0.2,0.3,-0.4,0.5,0.6,-0.7,0.8,0.9,0.1,-0.2,0.3,0.4,-0.5,0.6,0.7,-0.8,0.9},
+   float[2] s = {1.5, 0.5}, float[2] b = {0.1, -0.2}, float[2] m = {0, 0.3}, float[2] v = {1, 2}> {
+  c = Conv <pads = [1, 1, 1, 1]> (x, w)
+  n = BatchNormalization (c, s, b, m, v)
+  r = Relu (n)
+  y = Sum (r, x)
+}"""
+
+
+def _feeds(shape, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal(shape).astype(np.float32)} for _ in range(n)]
+
+
+def _check_quantized(model, feed):
+    proto = model.to_proto()
+    onnx.checker.check_model(proto, full_check=True)
+    assert proto.opset_import[0].version >= 11
+    assert any(n.op_type == "QuantizeLinear" for n in proto.graph.node)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert np.all(np.isfinite(session.run(None, feed)[0]))
+
+
+def test_upgrade_gives_the_opset_and_ops_of_onnxruntimes_update_opset_version():
+    proto = onnx.load(LIGHT_RESNET50)
+    expected = update_opset_version(proto, QuantType.QUInt8)
+    upgraded, notice = upgrade_opset(proto)
+    assert proto.opset_import[0].version == 9   # the caller's proto is not modified
+    assert [(o.domain, o.version) for o in upgraded.opset_import] == \
+        [(o.domain, o.version) for o in expected.opset_import] == [("", 11)]
+    assert [n.op_type for n in upgraded.graph.node] == [n.op_type for n in expected.graph.node]
+    assert NOTICE in notice and notice.startswith("qpasses: note: ")
+    assert upgrade_opset(expected) is None and upgrade_opset(load(expected)) is None
+
+
+def test_small_opset9_model_quantizes_with_a_notice(capsys):
+    feeds = _feeds((1, 2, 6, 6), 4)
+    model = qpasses.quantize(parse(OPSET9, opset=9), feeds)
+    assert capsys.readouterr().err.count(NOTICE) == 1
+    _check_quantized(model, feeds[0])
+
+
+def test_folding_only_pipeline_keeps_opset9_without_notice(capsys):
+    model, _ = qpasses.run_pipeline(parse(OPSET9, opset=9))
+    assert model.opset == 9 and "BatchNormalization" not in {n.op for n in model.graph.nodes}
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("config", [
+    {"calibration": {"method": "minmax"}, "per_channel": True},
+    pytest.param(None, marks=pytest.mark.slow),          # the default config: select-by-snr scores variants
+])
+def test_light_resnet50_opset9_quantizes_end_to_end(config, capsys):
+    feeds = [{"gpu_0/data_0": f["x"]} for f in _feeds((1, 3, 224, 224), 2 if config is None else 1)]
+    model, records = qpasses.run_pipeline(LIGHT_RESNET50, calibration_data=feeds, config=config)
+    assert capsys.readouterr().err.count(NOTICE) == 1
+    assert [r.name for r in records] == [p.name for p in parse_pipeline(default_pipeline(quantize=True))]
+    _check_quantized(model, feeds[0])
