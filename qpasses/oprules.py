@@ -85,6 +85,7 @@ RULES: dict[str, OpRule] = {
     "InstanceNormalization": OpRule((A, W(), B)),
     # element-wise and n-ary ops: every data input is an activation
     "Add": OpRule((A, A)),
+    "Sum": OpRule((), rest=A),    # n-ary Add (residuals of opset-9 ResNets): every input, like Add's
     "Sub": OpRule((A, A)),
     "Mul": OpRule((A, A)),
     "Div": OpRule((A, A)),
