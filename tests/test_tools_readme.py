@@ -1,0 +1,27 @@
+"""tools/README.md names no machine-specific paths: the README's venv and ../shared/corpus instead."""
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = (ROOT / "tools" / "README.md").read_text()
+
+
+def test_no_absolute_machine_paths():
+    assert not re.findall(r"(?<![\w.~])/(?:tmp|work|root|home|Users)/\S*", TEXT)
+
+
+def test_setup_uses_the_readme_venv_and_the_shared_corpus_script():
+    assert ". .venv/bin/activate" in TEXT and ". .venv/bin/activate" in (ROOT / "README.md").read_text()
+    assert "bash ../shared/corpus/make_corpus.sh ~/.cache/qp-corpus" in TEXT
+
+
+def test_every_tools_command_names_an_existing_script():
+    scripts = re.findall(r"^python (tools/\S+\.py)", TEXT, re.M)
+    assert scripts and all((ROOT / s).is_file() for s in scripts)
+
+
+@pytest.mark.skipif(not (ROOT.parent / "shared" / "corpus").is_dir(), reason="no shared corpus folder beside the checkout")
+def test_corpus_script_is_where_the_readme_says():
+    assert (ROOT.parent / "shared" / "corpus" / "make_corpus.sh").is_file()
