@@ -7,7 +7,8 @@ Long runs: ``python tools/fuzz.py N``. Crashes found by fuzzing stay below as re
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from qpasses.strategies import FuzzCase, cases, run_case, snr_floor
+from fuzzgen.cases import FuzzCase, cases
+from fuzzgen.outcome import run_case, snr_floor
 from qpasses.testing import parse, random_feed
 
 

@@ -1,4 +1,4 @@
-"""Long fuzz runs of the default pipeline on random models (qpasses.strategies).
+"""Long fuzz runs of the default pipeline on random models (tests/fuzzgen).
 
     python tools/fuzz.py 2000                    # 2000 examples, random seed
     python tools/fuzz.py 500 --seed 7 --out crashes/
@@ -27,7 +27,9 @@ import numpy as np
 import onnx
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 
-from qpasses.strategies import FuzzCase, cases, no_floor_reasons, run_case
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the fuzz generators
+from fuzzgen.cases import FuzzCase, cases  # noqa: E402
+from fuzzgen.outcome import no_floor_reasons, run_case  # noqa: E402
 
 
 class _Crash(Exception):
