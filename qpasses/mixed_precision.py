@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Collection, Iterable, Mapping
 
+import networkx as nx
+
 from . import oprules
 from .dataflow import Dataflow
 from .errors import ConfigError
@@ -204,18 +206,13 @@ class _Index:
 
 def _tie_groups(ix: _Index, rules: Mapping[str, list], sharing: Collection[str],
                 ties: Iterable[tuple[str, str]]) -> dict[int, list[int]]:
-    """Union-find over sites tied by op rules: site -> every site of its group (sorted)."""
-    parent: dict[int, int] = {}
-
-    def root(x: int) -> int:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+    """Sites tied by op rules, as connected components: site -> every site of its group (sorted;
+    the members of a group share one list)."""
+    tied = nx.Graph()
 
     def tie(a: int | None, b: int | None) -> None:
         if a is not None and b is not None:
-            parent[root(a)] = root(b)
+            tied.add_edge(a, b)
 
     for name, node in ix.flow.node_id.items():
         node_rules = list(rules.get(ix.flow.op(node), ()))
@@ -235,9 +232,10 @@ def _tie_groups(ix: _Index, rules: Mapping[str, list], sharing: Collection[str],
         if a in ix.flow.producer and b in ix.flow.producer:
             tie(ix.site(a), ix.site(b))
     groups: dict[int, list[int]] = {}
-    for x in sorted(parent):
-        groups.setdefault(root(x), []).append(x)
-    return {x: groups[root(x)] for x in parent}
+    for component in nx.connected_components(tied):
+        members = sorted(component)
+        groups.update(dict.fromkeys(members, members))
+    return groups
 
 
 @dataclass

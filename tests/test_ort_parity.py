@@ -8,16 +8,21 @@ import onnx
 import onnxruntime as ort
 import pytest
 from hypothesis import given, settings, strategies as st
-from onnxruntime.quantization import QuantType
+from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+from onnxruntime.quantization.execution_providers.qnn.mixed_precision_overrides_utils import (
+    MixedPrecisionTensorQuantOverridesFixer,
+)
+from onnxruntime.quantization.tensor_quant_overrides import TensorQuantOverridesHelper
 from onnxruntime.quantization.quant_utils import (compute_data_quant_params, compute_scale_zp,
                                                   get_qmin_qmax_for_qType, update_opset_version)
 
 import qpasses
+from example_graphs import ORT_PR_20028
 from qpasses.ir import load
 from qpasses.pipeline import default_pipeline, parse_pipeline
 from qpasses.qparams import compute_qparams, value_range
 from qpasses.qtypes import qtype
-from qpasses.testing import parse
+from qpasses.testing import parse, random_feed
 from qpasses.upgrade import upgrade_opset
 
 TYPES = ["uint8", "int8", "uint16", "int16", "uint4", "int4"]
@@ -174,3 +179,72 @@ def test_light_resnet50_opset9_quantizes_end_to_end(config, capsys):
     assert capsys.readouterr().err.count(NOTICE) == 1
     assert [r.name for r in records] == [p.name for p in parse_pipeline(default_pipeline(quantize=True))]
     _check_quantized(model, feeds[0])
+
+
+# -- mixed precision: the same tensors at 16 bit as onnxruntime's quantize_static ---------------------
+INT16 = {"quant_type": "int16", "symmetric": True}
+ORT_INT16 = {"quant_type": QuantType.QInt16, "symmetric": True}
+SIXTEEN_BIT = (onnx.TensorProto.INT16, onnx.TensorProto.UINT16)
+
+
+class _Reader(CalibrationDataReader):
+    def __init__(self, feeds):
+        self.feeds = iter(feeds)
+
+    def get_next(self):
+        return next(self.feeds, None)
+
+
+def _q_types(proto: onnx.ModelProto) -> dict[str, int]:
+    """{tensor, or '<tensor>_convert': zero-point type} of every QuantizeLinear, from the output
+    names qpasses ('<x>_quantized') and onnxruntime ('<x>_QuantizeLinear_Output') give them."""
+    zero_points = {t.name: t.data_type for t in proto.graph.initializer}
+    return {n.output[0].removesuffix("_QuantizeLinear_Output").removesuffix("_quantized"): zero_points[n.input[2]]
+            for n in proto.graph.node if n.op_type == "QuantizeLinear"}
+
+
+def _sixteen_bit(proto: onnx.ModelProto) -> set[str]:
+    return {name for name, t in _q_types(proto).items() if t in SIXTEEN_BIT}
+
+
+def _ort_quantized(model, feeds, overrides, tmp_path) -> onnx.ModelProto:
+    onnx.save(model, tmp_path / "float.onnx")
+    quantize_static(tmp_path / "float.onnx", tmp_path / "ort.onnx", _Reader(feeds), quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                    extra_options={"TensorQuantOverrides": overrides})
+    return onnx.load(tmp_path / "ort.onnx")
+
+
+@pytest.fixture(scope="module")
+def example():
+    model = parse(ORT_PR_20028, opset=21)
+    return model, [random_feed(model, seed) for seed in range(8)]
+
+
+def test_tensor_overrides_put_the_same_tensors_at_16_bit_as_quantize_static(example, tmp_path):
+    """A reader of a 16-bit tensor (the Mul reading op4_out) keeps the default type for its output."""
+    model, feeds = example
+    ours = qpasses.quantize(model, feeds, {"activation_type": "int8", "tensor_overrides": {"op4_out": [INT16]}})
+    ort_model = _ort_quantized(model, feeds, {"op4_out": [ORT_INT16]}, tmp_path)
+    assert _sixteen_bit(ours.to_proto()) == _sixteen_bit(ort_model) == {"op4_out"}
+
+
+def test_mixed_precision_regions_match_quantize_static_with_onnxruntimes_fixer(example, tmp_path):
+    """onnxruntime's MixedPrecisionTensorQuantOverridesFixer computes the requested tensor's producer
+    and readers in 16 bit (the Mul's output too, converted back to int8 for the Relu reading it);
+    propagate-mixed-precision{extend_through_shape_ops=false} gives the same Q/DQ types."""
+    model, feeds = example
+    helper = TensorQuantOverridesHelper({"op4_out": [dict(ORT_INT16)]})
+    fixer = MixedPrecisionTensorQuantOverridesFixer.create_from_model(helper, model, QuantType.QInt8)
+    fixer.apply(QuantType.QInt8, False)
+    ort_model = _ort_quantized(model, feeds, helper.get_dict(), tmp_path)
+    config = {"activation_type": "int8", "mixed_precision": {"op4_out": INT16}}
+    passes = default_pipeline(quantize=True).replace(
+        "propagate-mixed-precision", "propagate-mixed-precision{extend_through_shape_ops=false}")
+    ours = qpasses.run_pipeline(model, passes, config=config, calibration_data=feeds)[0]
+    assert _q_types(ours.to_proto()) == _q_types(ort_model)
+    assert _sixteen_bit(ort_model) == {"op2_out_convert", "op3_out_convert", "op4_out", "op5_out"}
+    # by default the region also takes the Relu that shares the Mul's qparams, and says why
+    default = qpasses.quantize(model, feeds, config)
+    assert _sixteen_bit(default.to_proto()) == _sixteen_bit(ort_model) | {"output_0"}
+    assert any("region of 'op4_out'" in line and "tied to op5" in line for line in default.quant["output_0"].why)
