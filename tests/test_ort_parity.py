@@ -12,18 +12,19 @@ from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantTy
 from onnxruntime.quantization.execution_providers.qnn.mixed_precision_overrides_utils import (
     MixedPrecisionTensorQuantOverridesFixer,
 )
-from onnxruntime.quantization.tensor_quant_overrides import TensorQuantOverridesHelper
 from onnxruntime.quantization.quant_utils import (compute_data_quant_params, compute_scale_zp,
                                                   get_qmin_qmax_for_qType, update_opset_version)
+from onnxruntime.quantization.tensor_quant_overrides import TensorQuantOverridesHelper
 
 import qpasses
-from example_graphs import ORT_PR_20028
 from qpasses.ir import load
 from qpasses.pipeline import default_pipeline, parse_pipeline
 from qpasses.qparams import compute_qparams, value_range
 from qpasses.qtypes import qtype
 from qpasses.testing import parse, random_feed
 from qpasses.upgrade import upgrade_opset
+
+from example_graphs import ORT_PR_20028
 
 TYPES = ["uint8", "int8", "uint16", "int16", "uint4", "int4"]
 
@@ -34,8 +35,8 @@ TYPES = ["uint8", "int8", "uint16", "int16", "uint4", "int4"]
 @pytest.mark.parametrize("name", TYPES)
 def test_limits_match_onnxruntime(name, symmetric, reduce_range):
     qt = qtype(name)
-    ort = get_qmin_qmax_for_qType(qt.onnx_type, reduce_range=reduce_range, symmetric=symmetric)
-    assert qt.limits(symmetric, reduce_range) == (int(ort[0]), int(ort[1]))
+    expected = get_qmin_qmax_for_qType(qt.onnx_type, reduce_range=reduce_range, symmetric=symmetric)
+    assert qt.limits(symmetric, reduce_range) == (int(expected[0]), int(expected[1]))
 
 
 def test_reduce_range_symmetric_int8_is_minus_64_to_64():
