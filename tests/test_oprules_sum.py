@@ -1,4 +1,4 @@
-"""Sum (the n-ary Add of opset-9 ResNet residuals, once upgraded to opset 10+) is quantized like Add."""
+"""Sum (the n-ary Add of opset-9 ResNet residuals) is quantized like Add."""
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -55,7 +55,7 @@ def test_every_sum_input_is_an_activation():
 
 
 @pytest.mark.parametrize("kind", [two_inputs, residual], ids=["two-inputs", "residual"])
-@pytest.mark.parametrize("opset", [10, 13])
+@pytest.mark.parametrize("opset", [9, 10, 13])
 def test_two_input_sum_gets_qdq_like_add(kind, opset, tmp_path):
     config = {"calibration": {"method": "minmax"}, "weight_symmetric": True}
     out = {}
