@@ -87,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--config", help="quantization config (JSON or YAML)")
     run.add_argument("--calib", help="calibration data: .npz, folder of .npz, or ONNX test-data folder")
     run.add_argument("--eval", help="data to measure the output SNR on (default: the calibration data)")
+    run.add_argument("--metric", help=_METRIC_HELP)
     run.add_argument("--report", help="write a JSON run report here")
     run.add_argument("--verify-each", choices=("structure", "checker", "ort", "reload"),
                      help="check the IR and the model's facts after every pass (reload: also continue "
@@ -114,8 +115,13 @@ def _parser() -> argparse.ArgumentParser:
     cmp_.add_argument("float_model")
     cmp_.add_argument("quant_model")
     cmp_.add_argument("--data", required=True, help="input data (.npz, folder)")
+    cmp_.add_argument("--metric", help=_METRIC_HELP)
     cmp_.set_defaults(func=cmd_compare)
     return p
+
+
+_METRIC_HELP = ("objective per output component: snr (default), cosine, top1, or module:function "
+                "(metric(float_outputs, quant_outputs) -> float, higher is better)")
 
 
 def _version() -> str:
@@ -131,6 +137,7 @@ def cmd_run(args) -> int:
     from .evaluate import compare
     from .instruments import TimePasses
     from .ir import load, save
+    from .objective import MetricError, parse_metric
 
     src, out = Path(args.model), Path(args.output)
     if args.quiet:
@@ -143,6 +150,7 @@ def cmd_run(args) -> int:
             raise QpassesError(f"{path}: output folder '{path.parent}' {state}")
         if path is not None and path.is_dir():
             raise QpassesError(f"{path}: is a folder; give the output file's path")
+    objective = parse_metric(args.metric)  # a bad spec stops here, before anything is written
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     timer = TimePasses()
     model = load(src)
@@ -151,6 +159,8 @@ def cmd_run(args) -> int:
     model, records = run_pipeline(model, args.passes, ctx=ctx, verify_each=args.verify_each,
                                   dump_after=args.dump_after, reproducer=args.reproducer, time_passes=timer)
     findings = ctx.findings.as_dict()
+    data_file = out.with_name(out.name + ".data")
+    had_data_file = data_file.exists()
     save(model, out)
     report = {"input": str(src), "output": str(out),
               "pipeline": ",".join(r.text for r in records),
@@ -169,15 +179,47 @@ def cmd_run(args) -> int:
             f"{total} calibration samples)")
     if "qdq-inserted" in model.facts:
         data = eval_data or ctx.calibration_data
-        report["accuracy"] = compare(src, out, data, max_samples=_EVAL_SAMPLES)
+        try:
+            report["accuracy"] = compare(src, out, data, max_samples=_EVAL_SAMPLES, objective=objective)
+        except MetricError:  # the user's metric failed: a user error, so no output is left behind
+            out.unlink(missing_ok=True)
+            if not had_data_file:
+                data_file.unlink(missing_ok=True)
+            raise
+        report["objective"] = report["accuracy"].pop("objective", None)
         say(f"qpasses: output SNR vs float: {_fmt_db(report['accuracy']['snr_db'])} "
             f"over {report['accuracy']['samples']} samples")
+        for line in _objective_lines(objective, report["accuracy"], report["objective"], always=False):
+            say(f"qpasses: {line}")
     if args.time_passes and not args.quiet:
         print(timer.table(), file=sys.stderr)
     if args.report:
         _write_json(Path(args.report), report)
     say(f"qpasses: wrote {out}")
     return 0
+
+
+def _objective_lines(objective, accuracy: dict, summary: dict | None, *, always: bool) -> list[str]:
+    """One line per output component (in the objective's metric; for a user metric, the SNR of
+    split outputs), then the overall objective. The component lines appear when an output is split
+    or the metric is not snr (otherwise the per-output SNR says it all); the overall line then, for
+    a user metric, or ``always``."""
+    if not summary:
+        return []
+    split = any(len(names) > 1 for names in summary["outputs"].values())
+    per_component = split or (objective.builtin and objective.metric != "snr")
+    if not (per_component or always or not objective.builtin):
+        return []
+    scores = summary["components"] if objective.builtin else accuracy.get("components", {})
+    show = objective if objective.builtin else objective.with_metric("snr")
+    lines = []
+    for name, value in scores.items() if per_component else ():
+        where = summary["slices"].get(name)
+        lines.append(f"  {name}: {show.format(value)}" + (f" ({where})" if where else ""))
+    overall = f"objective: {objective.format(summary['overall'])}"
+    if objective.builtin and scores:
+        overall += f" (worst component {min(scores, key=scores.get)})"
+    return lines + [overall]
 
 
 def _checked_eval_data(source, model):
@@ -263,11 +305,15 @@ def cmd_compare(args) -> int:
     from .calibration.data import open_data
     from .evaluate import compare
     from .ir import load
+    from .objective import parse_metric
 
+    objective = parse_metric(args.metric)
     models = [load(path) for path in (args.float_model, args.quant_model)]  # one-line errors naming the file
-    result = compare(*models, open_data(args.data))
+    result = compare(*models, open_data(args.data), objective=objective)
     for name, row in result["outputs"].items():
         print(f"{name}: SNR {_fmt_db(row['snr_db'])}, max abs error {row['max_abs_error']:.6g}")
+    for line in _objective_lines(objective, result, result.get("objective"), always=True):
+        print(line.strip() if line.startswith("  ") else line)
     print(f"samples: {result['samples']}")
     return 0
 

@@ -101,8 +101,11 @@ class Reference:
         self.names, self.inputs, self.feeds = list(names), sorted(inputs), list(feeds)
         self.outputs = {n: np.concatenate([np.ravel(o[i]).astype(np.float64) for o in outputs])
                         if outputs else np.zeros(0) for i, n in enumerate(self.names)}
-        # per output, where each feed's values start and end in self.outputs
+        # per output, where each feed's values start and end in self.outputs, their shapes and dtype
         self.bounds = [np.cumsum([0] + [np.size(o[i]) for o in outputs]) for i in range(len(self.names))]
+        self.shapes = [[np.shape(o[i]) for o in outputs] for i in range(len(self.names))]
+        self.dtypes = [np.asarray(outputs[0][i]).dtype if outputs else np.dtype(np.float64)
+                       for i in range(len(self.names))]
         self._signal_cache: np.ndarray | None = None
 
     @classmethod
@@ -124,8 +127,12 @@ class Reference:
                 break
         return cls(names, [i.name for i in ref_sess.get_inputs()], kept, outs)
 
-    def score(self, test_model, *, optimize: bool = True) -> dict:
-        """Run ``test_model`` on the kept feeds: per output SNR and max abs error, and the worst SNR."""
+    def score(self, test_model, *, optimize: bool = True, objective=None) -> dict:
+        """Run ``test_model`` on the kept feeds: per output SNR and max abs error, and the worst SNR.
+
+        With an ``objective`` (qpasses.objective.Objective, its components bound to the reference
+        model), also ``components`` (the SNR of every output component) and ``objective`` (its
+        summary: metric, overall, per-component scores)."""
         test_sess = session(test_model, optimize=optimize)
         _check_same_signature(self.inputs, self.names, test_sess)
         runs = [test_sess.run(self.names, feed) for feed in self.feeds]
@@ -136,8 +143,19 @@ class Reference:
             r = self.outputs[n]
             t = np.concatenate([np.ravel(run[i]).astype(np.float64) for run in runs])
             out[n] = {"snr_db": snr_db(r, t), "max_abs_error": float(np.max(np.abs(r - t))) if r.size else 0.0}
-        return {"samples": len(self.feeds), "outputs": out,
-                "snr_db": min((v["snr_db"] for v in out.values()), default=math.inf)}
+        result = {"samples": len(self.feeds), "outputs": out,
+                  "snr_db": min((v["snr_db"] for v in out.values()), default=math.inf)}
+        if objective is not None:
+            result["objective"] = objective.summary(self.runs(native=not objective.builtin), runs, self.names)
+            result["components"] = (dict(result["objective"]["components"]) if objective.metric == "snr" else
+                                    objective.with_metric("snr").scores_from_runs(self.runs(), runs, self.names))
+        return result
+
+    def runs(self, *, native: bool = False) -> list[list[np.ndarray]]:
+        """The reference outputs per feed, in the order of ``names``, shaped as the model returned
+        them: float64 views, or (``native``) copies in the model's dtypes."""
+        return [[(self._feed_output(k, i).astype(self.dtypes[k]) if native else self._feed_output(k, i))
+                 .reshape(self.shapes[k][i]) for k in range(len(self.names))] for i in range(len(self.feeds))]
 
     def _feed_output(self, k: int, i: int) -> np.ndarray:
         """Output ``k``'s reference values on feed ``i``."""
@@ -238,6 +256,11 @@ def _margin(signal: np.ndarray, errors: np.ndarray, best: np.ndarray, z: float) 
     return float(full - best_full) + z * math.sqrt((n - 1) / n * float(np.sum((diff - diff.mean()) ** 2)))
 
 
-def compare(reference_model, test_model, feeds, max_samples: int | None = None) -> dict:
-    """Run both models on every feed; per output: SNR over all samples and max abs error."""
-    return Reference.run(reference_model, feeds, max_samples).score(test_model)
+def compare(reference_model, test_model, feeds, max_samples: int | None = None, *, objective=None) -> dict:
+    """Run both models on every feed; per output: SNR over all samples and max abs error. With an
+    ``objective`` (qpasses.objective.Objective; its output components are taken from
+    ``reference_model`` unless it has them), also per-component SNR and the objective (see
+    Reference.score)."""
+    if objective is not None and objective.components is None:
+        objective = objective.for_model(reference_model)
+    return Reference.run(reference_model, feeds, max_samples).score(test_model, objective=objective)
