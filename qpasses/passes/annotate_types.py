@@ -4,9 +4,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
+from ..analysis.dtypes import FLOAT_DTYPES, float_tensors
 from ..annotations import Convert, TensorQuant
 from ..config import QuantConfig
 from .. import decisions
@@ -19,8 +19,6 @@ from ..qtypes import qtype
 from ..registry import register
 from ..targets import apply_target_rules, load_target
 
-_FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
-_FLOAT_ONNX = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
 _QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 _OWN_QPARAM_KEYS = {"quant_type", "scale", "zero_point", "symmetric", "rmin", "rmax"}
 
@@ -90,7 +88,7 @@ def selected_nodes(model: QModel, config: QuantConfig) -> list[tuple[gs.Node, Op
 
 
 def _is_float_constant(t) -> bool:
-    return isinstance(t, gs.Constant) and np.dtype(t.values.dtype) in _FLOAT_DTYPES
+    return isinstance(t, gs.Constant) and np.dtype(t.values.dtype) in FLOAT_DTYPES
 
 
 def unshare_biases(model: QModel, config: QuantConfig, overrides: dict) -> int:
@@ -119,71 +117,6 @@ def _unique(base: str, taken: set[str]) -> str:
         name, n = f"{base}_{n}", n + 1
     taken.add(name)
     return name
-
-
-# ops (outside the rule table) whose output 0 has the dtype of input 0
-_SAME_DTYPE_OPS = frozenset({"Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Erf", "Gelu", "Elu", "Selu",
-                             "Softplus", "Floor", "Ceil", "Round", "Sin", "Cos", "Pow", "Dropout", "CumSum",
-                             "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL2"})
-
-
-def float_tensors(model: QModel) -> set[str]:
-    """Names of float32/float16 tensors (cached per generation).
-
-    Dtypes come from the graph, then from the op rules (outputs of rule ops, and of ops like Neg,
-    have their data input's dtype); ONNX shape inference runs only if a tensor read or written by a
-    rule op is still unknown (it exports the whole model, which is slow on big graphs).
-    """
-    def build(m: QModel) -> set[str]:
-        is_float: dict[str, bool] = {}
-        for name, tensor in m.tensors().items():
-            if tensor.dtype is not None:
-                try:
-                    is_float[name] = np.dtype(tensor.dtype) in _FLOAT_DTYPES
-                except TypeError:
-                    is_float[name] = False
-        if _propagate_dtypes(m, is_float):
-            try:
-                graph = onnx.shape_inference.infer_shapes(m.to_proto()).graph
-                for vi in list(graph.value_info) + list(graph.output):
-                    elem = vi.type.tensor_type.elem_type
-                    if elem and vi.name not in is_float:
-                        is_float[vi.name] = elem in _FLOAT_ONNX
-            except Exception:  # inference is best effort: what stays unknown is not quantized
-                pass
-            _propagate_dtypes(m, is_float)
-        return {name for name, flag in is_float.items() if flag}
-
-    return model.cached("annotate-types.floats", build)
-
-
-def _propagate_dtypes(model: QModel, is_float: dict[str, bool]) -> bool:
-    """Fill unknown dtypes from data inputs (graph order); True if a rule op's tensor stays unknown."""
-    missing = False
-    for node in model.graph.nodes:
-        rule = rule_for(node.op)
-        if node.op == "Cast":
-            if node.outputs and node.outputs[0].name not in is_float:
-                is_float[node.outputs[0].name] = node.attrs.get("to") in _FLOAT_ONNX
-            continue
-        if rule is None and node.op not in _SAME_DTYPE_OPS:
-            continue
-        data = next((t for i, t in enumerate(node.inputs)
-                     if t.name and (rule is None or rule.slot(i).kind != FLOAT)), None)
-        if data is None:
-            continue
-        outputs = (0,) if rule is None else rule.outputs
-        indices = range(len(node.outputs)) if outputs is None else outputs
-        for i in indices:
-            if i < len(node.outputs) and node.outputs[i].name and node.outputs[i].name not in is_float \
-                    and data.name in is_float:
-                is_float[node.outputs[i].name] = is_float[data.name]
-        if rule is not None:
-            missing = missing or any(t.name and t.name not in is_float for i, t in enumerate(node.inputs)
-                                     if rule.slot(i).kind != FLOAT)
-            missing = missing or any(node.outputs[i].name not in is_float for i in indices
-                                     if i < len(node.outputs) and node.outputs[i].name)
-    return missing
 
 
 class TypePlanner:

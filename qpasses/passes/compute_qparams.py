@@ -5,165 +5,21 @@ from dataclasses import replace
 from typing import ClassVar
 
 import numpy as np
-import onnx_graphsurgeon as gs
 
-from ..analysis.ranges import max_pooled
+from ..analysis.derivations import bias_axis, bias_reader, describe_options, qparams_options, scale_read_by
+from ..analysis.ranges import activation_range, entry_range, fmt as _fmt, weight_range
 from ..annotations import TensorQuant
-from ..calibration.softmax import NEGLIGIBLE, lower_bound, upper_bound
 from ..config import QuantConfig
 from ..decisions import leave_float
 from ..errors import ModelError
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
-from ..qparams import bias_qparams, compute_qparams, is_finite_range, value_range
+from ..qparams import bias_qparams, compute_qparams, is_finite_range
 from ..qtypes import qtype
 from ..registry import register
-
-CLIPPING_METHODS = ("percentile", "entropy", "mse")
-NAME = "compute-qparams"
-
 from . import CONV_RELU_EXAMPLE
 
-
-def qparams_options(tq: TensorQuant, config: QuantConfig, *, symmetric: bool | None = None) -> dict:
-    """Keyword options of qparams.compute_qparams for a table entry under a config."""
-    return {
-        "symmetric": tq.symmetric if symmetric is None else symmetric,
-        "reduce_range": tq.reduce_range,
-        "restricted": tq.restricted,
-        "minimum_real_range": config.minimum_real_range,
-        "power_of_two": config.calibration.method == "pow2",
-        "scale_type": config.scale_type,
-    }
-
-
-def describe_options(qt: str, opts: dict) -> str:
-    """Short text for a ``why`` line: 'int8 symmetric, pow2'."""
-    mode = "symmetric" if opts["symmetric"] else "restricted" if opts["restricted"] else "asymmetric"
-    extra = [name for name, on in (("reduce-range", opts["reduce_range"]), ("pow2", opts["power_of_two"]),
-                                   ("float16 scale", opts["scale_type"] == "float16")) if on]
-    if opts["minimum_real_range"]:
-        extra.append(f"minimum range {opts['minimum_real_range']:g}")
-    return ", ".join([f"{qt} {mode}"] + extra)
-
-
-def _fmt(x) -> str:
-    return f"{float(x):.6g}"
-
-
-def activation_range(model: QModel, name: str, tq: TensorQuant, qt: str, config: QuantConfig):
-    """(rmin, rmax, source text) for an activation, or None when nothing gives it a range.
-
-    The entry's own rmin/rmax win; otherwise the calibrated range, or the observed min/max when
-    the calibration method clips and the type is wider than 8 bits or the tensor is a graph output
-    (unless ``calibration.clip_graph_outputs``).
-    """
-    calibration = config.calibration
-    calibrated = model.decisions.get("calibration", {})
-    method = calibrated.get("method", calibration.method)  # select-by-snr may change it
-    chosen = f", chosen by {calibrated['chosen_by']} over {calibrated['over']}" if "chosen_by" in calibrated else ""
-    base, source = model.ranges.get(name), f"calibration ({method}{chosen})"
-    if method in CLIPPING_METHODS and name in model.observed:
-        if qtype(qt).bits > 8:
-            base = model.observed[name]
-            source = f"observed min/max ({qt} is wider than 8 bits: the {method} range would waste precision)"
-        elif not calibration.clip_graph_outputs and name in _graph_outputs(model):
-            base = model.observed[name]
-            source = "observed min/max (a graph output: clipping it would show directly in the result)"
-    if tq.rmin is not None and tq.rmax is not None:
-        return float(tq.rmin), float(tq.rmax), "the entry's rmin/rmax"
-    if base is None:
-        return None
-    for pooled in _max_pool_outputs(model).get(name, ()):   # it holds the top values: clip them less
-        lo, hi = model.ranges[pooled]
-        if lo < base[0] or hi > base[1]:
-            base = (min(base[0], lo), max(base[1], hi))
-            source += f", widened to the range of its max-pooled '{pooled}'"
-    rmin = float(base[0]) if tq.rmin is None else float(tq.rmin)
-    rmax = float(base[1]) if tq.rmax is None else float(tq.rmax)
-    if tq.rmin is not None or tq.rmax is not None:
-        source += " with a bound from the entry"
-    top = upper_bound(model, name) if tq.rmax is None else None
-    if top is not None and top > rmax:
-        rmax = top
-        source += (f", upper end raised to {_fmt(top)}: read only by Softmax, whose row maxima reach it "
-                   f"(each decides its row's probabilities)")
-    softmax = lower_bound(model, name) if tq.rmin is None else None
-    if softmax is not None and softmax[0] > rmin:
-        rmin = min(softmax[0], rmax)
-        source += (f", lower end raised to {_fmt(rmin)}: read only by Softmax, whose smallest row maximum "
-                   f"was {_fmt(softmax[1])} (values {NEGLIGIBLE:g} below a row's maximum vanish)")
-    return rmin, rmax, source
-
-
-def _max_pool_outputs(model: QModel) -> dict[str, list[str]]:
-    """Tensor -> the calibrated MaxPool outputs computed from it (through tensors sharing its qparams)."""
-    def root(m: QModel, name: str) -> str:
-        seen = {name}
-        while name in m.quant and m.quant[name].shares is not None and m.quant[name].shares not in seen:
-            name = m.quant[name].shares
-            seen.add(name)
-        return name
-
-    def build(m: QModel) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for name, outputs in max_pooled(m).items():
-            out.setdefault(root(m, name), []).extend(o for o in outputs if o in m.ranges)
-        return out
-    return model.cached("max_pool_outputs", build)
-
-
-def _graph_outputs(model: QModel) -> set[str]:
-    return model.cached("graph_output_names", lambda m: {t.name for t in m.graph.outputs})
-
-
-def weight_range(model: QModel, name: str, tq: TensorQuant):
-    """(rmin, rmax, source) of a constant weight, per channel along ``tq.axis``; None if not constant."""
-    tensor = model.tensors().get(name)
-    if not isinstance(tensor, gs.Constant):
-        return None
-    values = np.asarray(tensor.values)
-    if tq.axis is not None and not -values.ndim <= tq.axis < values.ndim:
-        raise ModelError(f"weight '{name}': axis {tq.axis} is out of range for shape {list(values.shape)}")
-    rmin, rmax = value_range(values, tq.axis)
-    if tq.rmin is not None:
-        rmin = np.full_like(rmin, float(tq.rmin))
-    if tq.rmax is not None:
-        rmax = np.full_like(rmax, float(tq.rmax))
-    where = "" if tq.axis is None else f" per channel (axis {tq.axis}, {np.size(rmin)} channels)"
-    return rmin, rmax, f"the weight's values{where}"
-
-
-def entry_range(model: QModel, name: str, tq: TensorQuant, config: QuantConfig):
-    """(rmin, rmax, source) from a constant weight's values, else the activation range; or None."""
-    found = weight_range(model, name, tq) if tq.role == "weight" else None
-    return found if found is not None else activation_range(model, name, tq, tq.qtype, config)
-
-
-def bias_reader(model: QModel, bias: str) -> str | None:
-    """The node that reads a bias constant (annotate-types gives every bias a single reader)."""
-    tensor = model.tensors().get(bias)
-    return tensor.outputs[0].name if tensor is not None and tensor.outputs else None
-
-
-def scale_read_by(entry: TensorQuant, node: str | None) -> list[float] | None:
-    """The scale ``node`` actually reads a tensor with: its convert's when ``node`` receives the convert."""
-    conv = entry.convert
-    if conv is not None and conv.scale and node is not None and (not conv.recv_nodes or node in conv.recv_nodes):
-        return conv.scale
-    return entry.scale
-
-
-def bias_axis(model: QModel, name: str, channels: int) -> int | None:
-    """Axis of a per-channel bias with ``channels`` values: (N) -> 0, (1, N) -> 1."""
-    if channels <= 1:
-        return None
-    tensor = model.tensors().get(name)
-    shape = list(getattr(tensor, "shape", None) or [channels])
-    for axis in range(len(shape) - 1, -1, -1):
-        if shape[axis] == channels:
-            return axis
-    raise ModelError(f"bias '{name}': shape {shape} has no axis of size {channels} (the weight's channels)")
+NAME = "compute-qparams"
 
 
 def _key(tq: TensorQuant):

@@ -7,13 +7,14 @@ from typing import ClassVar
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ..analysis.derivations import bias_reader, qparams_options, scale_read_by
+from ..analysis.ranges import entry_range
 from ..errors import ModelError
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
 from ..qparams import bias_min_scale, bias_qparams, compute_qparams
 from ..qtypes import qtype
 from ..registry import register
-from .compute_qparams import bias_reader, entry_range, qparams_options, scale_read_by
 
 NAME = "fix-bias-scales"
 

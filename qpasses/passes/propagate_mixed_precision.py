@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import field
 from typing import ClassVar
 
+from ..analysis.dtypes import float_tensors
 from ..annotations import Convert, QuantTable
 from ..dataflow import dataflow
 from ..ir import QModel
@@ -12,7 +13,6 @@ from ..oprules import holds, rule_for
 from ..pipeline import Pass, PassResult
 from ..registry import register
 from ..targets import apply_target_rules
-from .annotate_types import float_tensors  # shared: float32/float16 tensor names, cached per generation
 
 __all__ = ["PropagateMixedPrecision", "apply_plan", "float_tensors", "sharing_nodes"]
 
