@@ -7,12 +7,12 @@ from typing import ClassVar
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..analysis.derivations import bias_reader, qparams_options, scale_read_by
+from ..analysis.derivations import bias_reader, qparams_options, rederive, scale_read_by
 from ..analysis.ranges import entry_range
 from ..errors import ModelError
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
-from ..qparams import bias_min_scale, bias_qparams, compute_qparams
+from ..qparams import bias_min_scale, compute_qparams
 from ..qtypes import qtype
 from ..registry import register
 
@@ -129,28 +129,10 @@ g (float[1,2,4,4] x) => (float[1,2,4,4] y)
             biases = ", ".join(f"'{b}'" for b, _, _ in need.biases)
             model.quant[weight] = model.quant[weight].with_qparams(
                 scale, zp, f"{NAME}: scale x{float(factor.max()):.6g}{where} so the int32 bias {biases} fits")
-        self._rederive(model, raised, ctx.config.scale_type)
+        for name, new in rederive(model, ctx.config, set(raised), NAME).items():   # whole chains
+            model.quant[name] = new
         if fixes:
             ctx.findings.add_rows("bias_fixes", [f | {"key": f"{f['weight']}/{f['bias']}"} for f in fixes], by="key")
         stats = {"weights_rescaled": len(raised), "biases_fixed": len(fixes),
                  "channels_rescaled": int(sum(int((f > 1).sum()) for f in raised.values()))}
         return PassResult(model, bool(raised), stats)
-
-    @staticmethod
-    def _rederive(model: QModel, raised: dict, scale_type: str) -> None:
-        """Recompute every bias derived from a raised weight, and copy into entries sharing it."""
-        if not raised:
-            return
-        for name in sorted(model.quant):
-            tq = model.quant[name]
-            if tq.fixed:
-                continue
-            if tq.role == "bias" and tq.derived_from and tq.derived_from[1] in raised:
-                inp, weight = (model.quant[n] for n in tq.derived_from)
-                scale, zp = bias_qparams(scale_read_by(inp, bias_reader(model, name)), weight.scale, scale_type)
-                model.quant[name] = tq.with_qparams(
-                    scale, zp, f"{NAME}: scale = scale('{tq.derived_from[0]}') * raised scale('{tq.derived_from[1]}')")
-            elif tq.shares in raised:
-                src = model.quant[tq.shares]
-                model.quant[name] = tq.with_qparams(src.scale, src.zero_point,
-                                                    f"{NAME}: qparams shared with raised '{tq.shares}'")
