@@ -1,4 +1,5 @@
-"""Helpers for tests: tiny models from ONNX text, random feeds, running in onnxruntime."""
+"""Helpers for tests: tiny models from ONNX text, random feeds, running in onnxruntime, running
+passes with a RunContext."""
 from __future__ import annotations
 
 import numpy as np
@@ -57,3 +58,20 @@ def assert_same_outputs(before, after, feed, rtol: float = 1e-6, atol: float = 1
     """Both models give the same outputs on ``feed`` (max abs diff <= atol + rtol*|ref|)."""
     for ref, got in zip(run(before, feed), run(after, feed), strict=True):
         np.testing.assert_allclose(got, ref, rtol=rtol, atol=atol)
+
+
+def run_pass(p, model: QModel, config=None, data=None, *, ctx=None):
+    """``p.run(model, ctx)`` with ``ctx`` or a new ``RunContext(config, data)``: one pass on its own
+    (no PassManager, so no fact checks). Give a ``ctx`` to read its findings afterwards."""
+    from .context import RunContext
+
+    return p.run(model, ctx if ctx is not None else RunContext(config, data))
+
+
+def run_passes(passes, model: QModel, config=None, data=None, *, ctx=None, instruments=()):
+    """``PassManager(passes, instruments).run(model, ctx)`` with ``ctx`` or a new
+    ``RunContext(config, data)``; returns the records."""
+    from .context import RunContext
+    from .pipeline import PassManager
+
+    return PassManager(passes, instruments).run(model, ctx if ctx is not None else RunContext(config, data))

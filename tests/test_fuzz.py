@@ -90,7 +90,7 @@ def test_run_case_tells_errors_from_crashes(monkeypatch):
     assert error.status == "error" and error.kind.startswith("ConfigError")
     from qpasses.passes.insert_qdq import InsertQDQ
 
-    def broken(self, model):
+    def broken(self, model, ctx):
         raise ValueError("boom")
 
     monkeypatch.setattr(InsertQDQ, "run", broken)

@@ -41,7 +41,7 @@ def test_pass_without_example_or_with_broken_example(gen):
         name: ClassVar[str] = "test-no-example"
         level: int = 3
 
-        def run(self, model):
+        def run(self, model, ctx):
             return PassResult(model, False)
 
     @register
@@ -50,7 +50,7 @@ def test_pass_without_example_or_with_broken_example(gen):
         name: ClassVar[str] = "test-broken-example"
         example: ClassVar[str] = "g (float[2] x) => (float[2] y) { y = Relu (x) }"
 
-        def run(self, model):
+        def run(self, model, ctx):
             raise RuntimeError("boom")
 
     try:

@@ -30,7 +30,7 @@ def toy_passes():
         label: str = "x"
         flag: bool = False
 
-        def run(self, model):
+        def run(self, model, ctx):
             return PassResult(model, False, {"level": self.level})
 
     @register
@@ -39,7 +39,7 @@ def toy_passes():
         name = "test-needs-mark"
         requires: ClassVar = frozenset({"marked"})
 
-        def run(self, model):
+        def run(self, model, ctx):
             return PassResult(model, False)
 
     @register
@@ -47,7 +47,7 @@ def toy_passes():
         """Always fails."""
         name = "test-boom"
 
-        def run(self, model):
+        def run(self, model, ctx):
             model.graph.nodes[0].op = "Broken"
             raise ZeroDivisionError("boom")
 

@@ -7,7 +7,7 @@ from qpasses.api import quantize
 from qpasses.calibration.softmax import NEGLIGIBLE, ROW_MAX_SUFFIX
 from qpasses.evaluate import snr_db
 from qpasses.pipeline import PassManager
-from qpasses.testing import model_from_text, parse, run
+from qpasses.testing import model_from_text, parse, run, run_passes
 from qpasses.verify import check_onnx
 
 # attention-like scores plus an additive padding mask (0 or -10000 per key)
@@ -35,8 +35,7 @@ CONFIG = {"activation_type": "uint8", "weight_type": "int8", "per_channel": Fals
 
 def _calibrated(text=MASKED, opset=17, feeds=None):
     model = model_from_text(text, opset=opset)
-    model.calibration_data = feeds or _feeds(8)
-    PassManager("annotate-types,calibrate").run(model)
+    run_passes("annotate-types,calibrate", model, data=feeds or _feeds(8))
     return model
 
 
@@ -44,8 +43,7 @@ def test_row_maximum_measured_and_graph_untouched():
     model = model_from_text(MASKED)
     before = onnx.printer.to_text(model.to_proto().graph)
     feeds = _feeds(8)
-    model.calibration_data = feeds
-    PassManager("annotate-types,calibrate").run(model)
+    run_passes("annotate-types,calibrate", model, data=feeds)
     assert onnx.printer.to_text(model.to_proto().graph) == before   # the probe node is gone again
     check_onnx(model)
     lo, hi = model.ranges["masked" + ROW_MAX_SUFFIX]
@@ -88,9 +86,9 @@ def test_not_applied_when_another_op_reads_the_tensor():
 @pytest.mark.parametrize("opset", [11, 18])
 def test_old_softmax_axes_and_reduce_axes_input(opset):
     text = MASKED.replace("Softmax <axis = -1>", "Softmax <axis = 2>")
-    model = _calibrated(text, opset=opset)
+    feeds = _feeds(8)
+    model = _calibrated(text, opset=opset, feeds=feeds)
     lo, _ = model.ranges["masked" + ROW_MAX_SUFFIX]
-    feeds = model.calibration_data
     assert lo == pytest.approx(min((f["scores"] + f["mask"]).max(axis=-1).min() for f in feeds), abs=1e-3)
 
 
@@ -114,9 +112,7 @@ def _logits(n, seed=0):
 
 def test_upper_end_raised_to_the_row_maxima():
     model = model_from_text(WIDE)
-    model.calibration_data = _logits(16)
-    model.config = None
-    PassManager("annotate-types,calibrate{method=percentile,percentile=99.9},compute-qparams").run(model)
+    run_passes("annotate-types,calibrate{method=percentile,percentile=99.9},compute-qparams", model, data=_logits(16))
     top = model.ranges["logits" + ROW_MAX_SUFFIX][1]
     assert model.ranges["logits"][1] < 6 < 8 < top      # the percentile cut every winner
     tq = model.quant["logits"]

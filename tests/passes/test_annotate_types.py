@@ -2,19 +2,25 @@
 import numpy as np
 import pytest
 
-from qpasses.config import QuantConfig, load_config
+from qpasses.config import QuantConfig
+from qpasses.context import RunContext
+from qpasses.decisions import float_reasons
 from qpasses.errors import ConfigError, PreconditionError
 from qpasses.passes.annotate_types import AnnotateTypes
-from qpasses.pipeline import PassManager
-from qpasses.testing import assert_same_outputs, model_from_text, random_feed
+from qpasses.testing import assert_same_outputs, model_from_text, random_feed, run_pass, run_passes
 from qpasses.verify import check_onnx
 
 
-def annotate(text, opset=17, **cfg):
+def annotate_with_findings(text, opset=17, **cfg):
+    """(model, result, findings) of annotate-types run with the config ``cfg``."""
     model = model_from_text(text, opset=opset)
-    model.config = load_config(cfg)
-    result = AnnotateTypes().run(model)
-    return model, result
+    ctx = RunContext(cfg)
+    result = AnnotateTypes().run(model, ctx)
+    return model, result, ctx.findings.as_dict()
+
+
+def annotate(text, opset=17, **cfg):
+    return annotate_with_findings(text, opset, **cfg)[:2]
 
 
 def roles(model):
@@ -125,7 +131,8 @@ def test_op_family_rules(name):
     text, expected = FAMILIES[name]
     model, result = annotate(text, opset=18, per_channel=True)
     assert roles(model) == expected
-    assert result.modified is bool(expected)
+    # modified exactly when something is saved: table entries, or why tensors stay float
+    assert result.modified is (bool(expected) or bool(float_reasons(model)))
 
 
 def test_per_tensor_weights_asymmetric_unless_told():
@@ -213,10 +220,10 @@ def test_bias_needs_quantize_bias():
 
 def test_bias_incompatible_with_per_channel_weight_stays_float():
     # group=2 ConvTranspose: weight [2, 2, 1, 1] axis 1 has 2 channels, the bias has 4
-    model, _ = annotate("""g (float[1,2,4,4] x) => (float[1,4,4,4] y) <float[2,2,1,1] w = {1,2,3,4}, float[4] b = {1,2,3,4}>
+    model, _, findings = annotate_with_findings("""g (float[1,2,4,4] x) => (float[1,4,4,4] y) <float[2,2,1,1] w = {1,2,3,4}, float[4] b = {1,2,3,4}>
         { y = ConvTranspose<group=2>(x, w, b) }""", per_channel=True)
     assert "b" not in model.quant
-    assert model.report["annotate-types"]["float_biases"] == [
+    assert findings["annotate-types"]["float_biases"] == [
         "b (ConvTranspose 'ConvTranspose_0'): shape [4] does not match the 2 channels of 'w' (axis 1)"]
 
 
@@ -232,13 +239,12 @@ def test_shared_bias_is_copied_per_node():
         [c1] y = Conv(x, w, b)  [c2] z = Conv(x, v, b) }"""
     model = model_from_text(text)
     before = model.copy()
-    model.config = QuantConfig()
-    result = AnnotateTypes().run(model)
+    result = run_pass(AnnotateTypes(), model, QuantConfig())
     assert result.stats["bias_copies"] == 1
     assert model.quant["b_c1"].derived_from == ["x", "w"] and model.quant["b"].derived_from == ["x", "v"]
     check_onnx(model)
     assert_same_outputs(before, model, random_feed(before))
-    assert AnnotateTypes().run(model).modified is False
+    assert run_pass(AnnotateTypes(), model, QuantConfig()).modified is False
 
 
 # -- Relu / Clip merge ------------------------------------------------------------------------------
@@ -275,7 +281,9 @@ def test_relu_or_clip_that_must_not_merge(text, cfg):
 
 def test_relu_on_a_float_graph_input_stays_float():
     model, result = annotate("""g (float[2] x) => (float[2] y) { y = Relu(x) }""")
-    assert len(model.quant) == 0 and result.modified is False
+    assert len(model.quant) == 0 and set(float_reasons(model)) == {"x", "y"}
+    assert result.modified is True                                     # the reasons are saved
+    assert run_pass(AnnotateTypes(), model).modified is False
 
 
 @pytest.mark.parametrize("bounds", ["zero", "zero, six", ", six", "neg"])
@@ -354,8 +362,9 @@ def test_shares_follow_an_overridden_source_type():
 
 
 def test_unused_override_is_reported():
-    model, _ = annotate(FAMILIES["unknown_op_stays_float"][0], tensor_overrides={"e": [{"quant_type": "uint16"}]})
-    assert model.report["annotate-types"]["unused_overrides"] == ["e"]
+    _, _, findings = annotate_with_findings(FAMILIES["unknown_op_stays_float"][0],
+                                            tensor_overrides={"e": [{"quant_type": "uint16"}]})
+    assert findings["annotate-types"]["unused_overrides"] == ["e"]
 
 
 def test_invalid_config_changes_nothing():
@@ -363,9 +372,9 @@ def test_invalid_config_changes_nothing():
         <float[2,2,1,1] w = {1,2,3,4}, float[2] b = {0.5, -1}> { [c1] y = Conv(x, w, b)  [c2] z = Conv(x, w, b) }"""
     model = model_from_text(text)
     before = model.to_proto().SerializeToString()
-    model.config = QuantConfig(tensor_overrides={"yy": [{}], "x": [{"scale": 0.1}]}, nodes_to_exclude=["c3"])
+    config = QuantConfig(tensor_overrides={"yy": [{}], "x": [{"scale": 0.1}]}, nodes_to_exclude=["c3"])
     with pytest.raises(ConfigError) as info:
-        AnnotateTypes().run(model)
+        run_pass(AnnotateTypes(), model, config)
     assert "(3 problems)" in str(info.value)
     assert model.to_proto().SerializeToString() == before and len(model.quant) == 0
 
@@ -374,10 +383,9 @@ def test_invalid_config_changes_nothing():
 def test_idempotent_and_exact_modified():
     model, first = annotate(FAMILIES["conv"][0], per_channel=True)
     table = model.quant.to_json()
-    second = AnnotateTypes().run(model)
+    second = run_pass(AnnotateTypes(), model, {"per_channel": True})
     assert first.modified and not second.modified and model.quant.to_json() == table
-    model.config = load_config({"per_channel": False})
-    assert AnnotateTypes().run(model).modified is True
+    assert run_pass(AnnotateTypes(), model, {"per_channel": False}).modified is True
 
 
 def test_deterministic_table():
@@ -389,7 +397,9 @@ def test_deterministic_table():
 
 def test_no_op_model():
     model, result = annotate(FAMILIES["unknown_op_stays_float"][0])
-    assert result.modified is False and len(model.quant) == 0 and result.stats == {}
+    assert len(model.quant) == 0 and result.stats == {}
+    assert set(float_reasons(model)) == {"x", "e", "y"} and result.modified is True   # the reasons are saved
+    assert run_pass(AnnotateTypes(), model).modified is False
 
 
 def test_table_survives_a_save_round_trip():
@@ -402,37 +412,35 @@ def test_table_survives_a_save_round_trip():
 
 def test_establishes_types_annotated_for_later_passes():
     model = model_from_text(FAMILIES["conv"][0])
-    model.config = QuantConfig(mixed_precision={"y": "uint16"})
+    config = QuantConfig(mixed_precision={"y": "uint16"})
     with pytest.raises(PreconditionError, match="annotate-types"):
-        PassManager("propagate-mixed-precision").run(model)
-    PassManager("annotate-types").run(model)
+        run_passes("propagate-mixed-precision", model, config)
+    run_passes("annotate-types", model, config)
     assert "types-annotated" in model.facts
     check_onnx(model)
 
 
 def test_without_config_uses_defaults():
     model = model_from_text(FAMILIES["conv"][0])
-    assert model.config is None
-    AnnotateTypes().run(model)
-    assert model.quant["w"].qtype == "int8" and model.config is None
+    AnnotateTypes().run(model, RunContext())
+    assert model.quant["w"].qtype == "int8" and not hasattr(model, "config")   # the config is the run's
 
 
 def test_linear_scale():
     # a long chain is annotated with one table entry per tensor and no recursion
     body = "\n".join(f"t{i + 1} = Sigmoid(t{i})" for i in range(2000))
     model = model_from_text(f"g (float[2] t0) => (float[2] t2000) {{ {body} }}")
-    model.config = QuantConfig()
     import time
 
     start = time.perf_counter()
-    AnnotateTypes().run(model)
+    run_pass(AnnotateTypes(), model, QuantConfig())
     assert len(model.quant) == 2001 and time.perf_counter() - start < 10
     assert np.all([model.quant[f"t{i}"].qtype == "uint8" for i in range(2001)])
 
 
 def test_example_runs():
     model = model_from_text(AnnotateTypes.example)
-    assert AnnotateTypes().run(model).modified is True
+    assert run_pass(AnnotateTypes(), model).modified is True
 
 
 MIXED = """g (float[1,2,8,8] x) => (float[1,10] y, float[1,4] v)

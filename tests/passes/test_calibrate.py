@@ -13,7 +13,7 @@ from qpasses.errors import CalibrationDataError, ConfigError, PipelineError
 from qpasses.ir import from_proto
 from qpasses.passes.calibrate import Calibrate
 from qpasses.pipeline import PassManager, parse_pipeline, print_pipeline
-from qpasses.testing import model_from_text, parse, random_feed, run
+from qpasses.testing import model_from_text, parse, random_feed, run, run_pass, run_passes
 from qpasses.verify import check_onnx
 
 METHODS = ("minmax", "percentile", "entropy", "mse", "pow2")
@@ -33,10 +33,8 @@ g (float[N, 4] x, int64[2] shape) => (float[N, 4] y, int64[2] s) {
 FLOATS = ["x", "m", "r", "t", "a", "y"]
 
 
-def _model(config=None):
-    model = model_from_text(TEXT)
-    model.config = config
-    return model
+def _model():
+    return model_from_text(TEXT)
 
 
 def _feeds(n, batch=1, seed=0):
@@ -65,8 +63,7 @@ def test_minmax_ranges_equal_numpy_min_max_of_ort_outputs():
     model = _model()
     proto = model.to_proto()
     feeds = _feeds(6)
-    model.calibration_data = open_data(feeds)
-    result = Calibrate(method="minmax").run(model)
+    result = run_pass(Calibrate(method="minmax"), model, data=open_data(feeds))
     assert result.modified and result.stats == {"tensors": 6, "samples": 6, "method": "minmax"}
     assert list(model.ranges) == FLOATS  # graph order; no constants, no int tensors
     expected = _reference_minmax(proto, feeds, FLOATS)
@@ -88,18 +85,16 @@ def test_streaming_one_batch_equals_many_samples(method):
 
 def test_second_run_not_modified_and_new_data_modifies():
     model = _model()
-    model.calibration_data = _feeds(4)
-    assert Calibrate().run(model).modified
-    assert not Calibrate().run(model).modified
-    model.calibration_data = _feeds(4, seed=9)
-    assert Calibrate().run(model).modified
+    feeds = _feeds(4)
+    assert run_pass(Calibrate(), model, data=feeds).modified
+    assert not run_pass(Calibrate(), model, data=feeds).modified
+    assert run_pass(Calibrate(), model, data=_feeds(4, seed=9)).modified
 
 
 def test_graph_untouched_and_checker_clean():
     model = _model()
     before = onnx.printer.to_text(model.to_proto().graph)
-    model.calibration_data = _feeds(3)
-    PassManager("calibrate{method=entropy}").run(model)
+    run_passes("calibrate{method=entropy}", model, data=_feeds(3))
     assert onnx.printer.to_text(model.to_proto().graph) == before
     assert [i.name for i in model.graph.inputs] == ["x", "shape"]
     assert "calibrated" in model.facts
@@ -112,17 +107,17 @@ def test_no_data_is_a_one_line_error():
 
 
 def test_options_default_to_config_and_override_it():
-    model = _model(load_config({"calibration": {"method": "percentile", "percentile": 90}}))
-    model.calibration_data = _feeds(5)
-    stats = PassManager("calibrate").run(model)[0].stats
+    model = _model()
+    config, feeds = load_config({"calibration": {"method": "percentile", "percentile": 90}}), _feeds(5)
+    stats = run_passes("calibrate", model, config, feeds)[0].stats
     assert stats["method"] == "percentile"
     pct90 = dict(model.ranges)
-    PassManager("calibrate{percentile=100}").run(model)
+    run_passes("calibrate{percentile=100}", model, config, feeds)
     assert model.ranges["m"] == pytest.approx(model.observed["m"])
     assert model.ranges["m"][1] > pct90["m"][1]
-    assert PassManager("calibrate{method=minmax}").run(model)[0].stats["method"] == "minmax"
+    assert run_passes("calibrate{method=minmax}", model, config, feeds)[0].stats["method"] == "minmax"
     with pytest.raises(ConfigError, match="percentile"):
-        PassManager("calibrate{percentile=150}").run(model)
+        run_passes("calibrate{percentile=150}", model, config, feeds)
 
 
 def test_pipeline_text_round_trips():
@@ -143,25 +138,24 @@ def test_max_samples_and_data_option(tmp_path):
 
 
 def test_symmetric_and_moving_average():
-    model = _model(QuantConfig(calibration={"method": "minmax", "moving_average": True,
-                                                "averaging_constant": 0.5}))
-    model.calibration_data = _feeds(3)
-    Calibrate().run(model)
+    model = _model()
+    config = QuantConfig(calibration={"method": "minmax", "moving_average": True, "averaging_constant": 0.5})
+    run_pass(Calibrate(), model, config, _feeds(3))
     raw = model.observed["m"]
     per_sample = [_reference_minmax(model.to_proto(), [f], ["m"])["m"] for f in _feeds(3)]
     lo = per_sample[0][0]
     for s in per_sample[1:]:
         lo += 0.5 * (s[0] - lo)
     assert model.ranges["m"][0] == pytest.approx(lo) and model.ranges["m"][0] > raw[0]
-    Calibrate(symmetric=True, moving_average=False).run(model)
+    run_pass(Calibrate(symmetric=True, moving_average=False), model, config, _feeds(3))
     assert model.ranges["m"] == (-max(map(abs, raw)), max(map(abs, raw)))
 
 
 def test_bad_sample_names_source_and_index():
     model = _model()
-    model.calibration_data = _feeds(2) + [{"x": np.zeros((1, 5), np.float32), "shape": np.array([1, 4])}]
+    feeds = _feeds(2) + [{"x": np.zeros((1, 5), np.float32), "shape": np.array([1, 4])}]
     with pytest.raises(CalibrationDataError, match=r"sample 2: input 'x' has shape \(1, 5\)"):
-        PassManager("calibrate").run(model)
+        run_passes("calibrate", model, data=feeds)
 
 
 def test_subgraph_tensors_and_float16_and_double():
@@ -193,8 +187,7 @@ def test_progress_bar_writes_carriage_returns():
 
 def test_example_runs():
     model = from_proto(parse(Calibrate.example))
-    model.calibration_data = [random_feed(model, seed=s) for s in range(8)]
-    result = Calibrate().run(model)
+    result = run_pass(Calibrate(), model, data=[random_feed(model, seed=s) for s in range(8)])
     assert result.modified and set(model.ranges) == {"x", "h", "y"}
     assert model.ranges["h"][0] == 0.0
 
@@ -228,14 +221,12 @@ def test_after_annotate_types_only_range_sourced_activations_are_measured():
         y = Reshape(t, shape)
     }
     """)
-    model.config = QuantConfig()
-    PassManager("annotate-types").run(model)
+    run_passes("annotate-types", model, QuantConfig())
     needed = {n for n, tq in model.quant.items() if tq.role == "activation" and tq.shares is None}
     sharing = {n for n, tq in model.quant.items() if tq.shares is not None}
     assert needed == {"x", "r", "t"} and sharing == {"m", "y"}  # m merged into Relu, y reshapes t
     feeds = [{"x": f["x"]} for f in _feeds(4)]
-    model.calibration_data = feeds
-    PassManager("calibrate").run(model)
+    run_passes("calibrate", model, QuantConfig(), feeds)
     assert set(model.ranges) == needed
     reference = _reference_minmax(model.to_proto(), feeds, sorted(needed))
     for name in needed:

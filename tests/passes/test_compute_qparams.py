@@ -5,6 +5,8 @@ import pytest
 
 from qpasses.annotations import Convert, QuantTable, TensorQuant
 from qpasses.config import CalibrationConfig, QuantConfig
+from qpasses.context import RunContext
+from qpasses.decisions import float_reasons
 from qpasses.errors import PassFailure, PreconditionError
 from qpasses.ir import from_proto
 from qpasses.passes.compute_qparams import ComputeQParams
@@ -32,10 +34,9 @@ g (float[3,4] x) => (float[3,2] y) <float[4,2] w = {0.5, -0.25, 0.125, 1.0, 2.0,
 """
 
 
-def conv_model(per_channel=False, weight_type="int8", symmetric=True, config=None):
+def conv_model(per_channel=False, weight_type="int8", symmetric=True):
     m = model_from_text(CONV)
     m.facts |= {"calibrated", "types-annotated"}
-    m.config = config
     m.ranges = {"x": (-1.0, 3.0), "c": (-2.0, 5.0), "r": (-2.0, 5.0), "y": (-2.0, 5.0)}
     m.quant["x"] = TensorQuant("uint8")
     m.quant["w"] = TensorQuant(weight_type, role="weight", symmetric=symmetric, axis=0 if per_channel else None)
@@ -46,8 +47,8 @@ def conv_model(per_channel=False, weight_type="int8", symmetric=True, config=Non
     return m
 
 
-def run(m):
-    return ComputeQParams().run(m)
+def run(m, config=None):
+    return ComputeQParams().run(m, RunContext(config))
 
 
 def qparams(m, name):
@@ -126,11 +127,12 @@ def test_activation_without_range_is_unquantized_with_dependents():
     result = run(m)
     assert "x" not in m.quant and "b" not in m.quant and "c" not in m.quant
     assert "r" not in m.quant and "y" not in m.quant and "w" in m.quant
-    report = {u["tensor"]: u["reason"] for u in m.report["unquantized"]}
+    report = {name: u["reason"] for name, u in float_reasons(m).items()}
     assert report["x"] == "no calibrated range"
     assert report["b"] == "derived from 'x', which is not quantized"
     assert report["r"] == "shares qparams with 'c', which is not quantized"
-    assert [u["tensor"] for u in m.report["unquantized"]] == sorted(report)
+    assert list(float_reasons(m)) == sorted(report)
+    assert {u["pass"] for u in float_reasons(m).values()} == {"compute-qparams"}
     assert result.stats["unquantized"] == 5
     assert run(m).modified is False
 
@@ -140,7 +142,7 @@ def test_non_finite_range_is_unquantized():
     m.ranges["c"] = (-np.inf, 5.0)
     run(m)
     assert "c" not in m.quant
-    assert "not finite" in {u["tensor"]: u["reason"] for u in m.report["unquantized"]}["c"]
+    assert "not finite" in float_reasons(m)["c"]["reason"]
 
 
 def test_entry_range_overrides_calibration():
@@ -156,10 +158,10 @@ def test_entry_range_overrides_calibration():
 @pytest.mark.parametrize("method, qt, source", [("percentile", "uint16", "observed"), ("entropy", "int16", "observed"),
                                                 ("percentile", "uint8", "ranges"), ("minmax", "uint16", "ranges")])
 def test_wide_types_use_observed_range_when_calibration_clips(method, qt, source):
-    m = conv_model(config=QuantConfig(calibration=CalibrationConfig(method=method)))
+    m = conv_model()
     m.observed = {"c": (-20.0, 50.0)}
     m.quant["c"].qtype = qt
-    run(m)
+    run(m, QuantConfig(calibration=CalibrationConfig(method=method)))
     rng = (-20.0, 50.0) if source == "observed" else (-2.0, 5.0)
     assert qparams(m, "c") == expected(*rng, qt)
     assert ("observed min/max" in m.quant["c"].why[-1]) == (source == "observed")
@@ -167,10 +169,10 @@ def test_wide_types_use_observed_range_when_calibration_clips(method, qt, source
 
 def test_config_pow2_fp16_minimum_range_and_restricted():
     config = QuantConfig(calibration=CalibrationConfig(method="pow2"), scale_type="float16", minimum_real_range=1e-3)
-    m = conv_model(config=config)
+    m = conv_model()
     m.quant["c"].restricted = True
     m.ranges["x"] = (0.0, 1e-6)
-    run(m)
+    run(m, config)
     opts = {"power_of_two": True, "scale_type": "float16", "minimum_real_range": 1e-3}
     assert qparams(m, "x") == expected(0.0, 1e-6, "uint8", **opts)
     assert qparams(m, "c") == expected(-2.0, 5.0, "uint8", restricted=True, **opts)
@@ -224,7 +226,7 @@ def test_empty_table_is_noop():
     m = model_from_text(CONV)
     m.facts |= {"calibrated", "types-annotated"}
     result = run(m)
-    assert result.modified is False and len(m.quant) == 0 and "unquantized" not in m.report
+    assert result.modified is False and len(m.quant) == 0 and "float" not in m.decisions
 
 
 def test_precondition():
@@ -251,11 +253,10 @@ def test_clipping_methods_keep_the_full_range_of_graph_outputs():
     def model(clip):
         m = model_from_text(GEMM)
         m.facts |= {"calibrated", "types-annotated"}
-        m.config = QuantConfig(calibration=CalibrationConfig(method="entropy", clip_graph_outputs=clip))
         m.ranges = {"x": (-1.0, 1.0), "y": (-1.0, 1.0)}
         m.observed = {"x": (-4.0, 4.0), "y": (-4.0, 4.0)}
         m.quant["x"], m.quant["y"] = TensorQuant("uint8"), TensorQuant("uint8")
-        run(m)
+        run(m, QuantConfig(calibration=CalibrationConfig(method="entropy", clip_graph_outputs=clip)))
         return m
 
     full, clipped = model(False), model(True)
@@ -276,7 +277,7 @@ g (float[1,1,4,4] x) => (float[1,1,2,2] y) {
 def test_range_of_a_max_pooled_tensor_covers_the_pooled_values():
     """MaxPool keeps the top of its input: a percentile range of the input (ppocr_v2_cls: 8.5 of an
     observed 11.6) clips its output far more, so the input's range widens to the output's."""
-    from qpasses.passes.calibrate import tensors_needing_ranges
+    from qpasses.analysis.ranges import tensors_needing_ranges
 
     m = model_from_text(MAXPOOL)
     PassManager("annotate-types").run(m)

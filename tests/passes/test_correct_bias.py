@@ -3,13 +3,13 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qpasses.api import quantize
-from qpasses.config import load_config
+from qpasses.api import run_pipeline
+from qpasses.context import RunContext
 from qpasses.evaluate import snr_db
 from qpasses.ir import from_proto
-from qpasses.pipeline import QUANTIZE_PIPELINE, PassManager
+from qpasses.pipeline import QUANTIZE_PIPELINE
 from qpasses.qparams import dequantize, quantize as quantize_values
-from qpasses.testing import model_from_text, parse, run
+from qpasses.testing import model_from_text, parse, run, run_passes
 from qpasses.verify import check_onnx
 
 # ppocr_v4_rec's pattern: 3x3 depthwise filters whose taps sum to about 0, on inputs far from 0
@@ -52,31 +52,30 @@ def _feeds(shape, n, seed=0, offset=(20.0, -30.0)):
 
 
 def _snr(text, config, passes, feeds, evals):
-    model = model_from_text(text)
-    model.config = None
-    q = quantize(model, feeds, config=config, passes=passes)
+    """(output SNR, quantized model, findings) of ``text`` quantized by ``passes``."""
+    ctx = RunContext(config, feeds)
+    q, _ = run_pipeline(model_from_text(text), passes, ctx=ctx)
     proto = q.to_proto()
     check_onnx(proto)
     ref = np.concatenate([run(parse(text), f)[0].ravel() for f in evals])
     got = np.concatenate([run(proto, f)[0].ravel() for f in evals])
-    return snr_db(ref, got), q
+    return snr_db(ref, got), q, ctx.findings.as_dict()
 
 
 def test_depthwise_a16w8_recovers_the_dc_error():
     feeds, evals = _feeds((1, 2, 8, 8), 8), _feeds((1, 2, 8, 8), 4, seed=1)
-    before, _ = _snr(DEPTHWISE, A16W8, WITHOUT, feeds, evals)
-    after, q = _snr(DEPTHWISE, A16W8, NO_SELECT, feeds, evals)
+    before, _, _ = _snr(DEPTHWISE, A16W8, WITHOUT, feeds, evals)
+    after, q, findings = _snr(DEPTHWISE, A16W8, NO_SELECT, feeds, evals)
     assert after > before + 5, (before, after)   # measured: 37.0 -> 43.5 dB
-    assert q.report["correct-bias"]["layers"] == 1
+    assert findings["correct-bias"]["layers"] == 1
+    assert q.decisions["bias_correction"] == {"by": "correct-bias", "applied": True}
     assert any("correct-bias" in why for why in q.quant["b"].why)
 
 
 def test_shift_is_the_mean_of_the_layer_on_the_weight_error():
     feeds = _feeds((1, 2, 8, 8), 8)
     model = model_from_text(DEPTHWISE)
-    model.calibration_data = feeds
-    model.config = load_config(A16W8)
-    PassManager("annotate-types,calibrate,compute-qparams").run(model)
+    run_passes("annotate-types,calibrate,compute-qparams", model, A16W8, feeds)
     w = np.asarray(model.tensors()["w"].values, np.float64)
     b = np.asarray(model.tensors()["b"].values, np.float64)
     tq = model.quant["w"]
@@ -91,7 +90,7 @@ def test_shift_is_the_mean_of_the_layer_on_the_weight_error():
                 for j in range(3):
                     out[c] += error[c, 0, i, j] * x[c, i:i + 8, j:j + 8]
         shifts.append(out.mean(axis=(1, 2)))
-    PassManager("correct-bias").run(model)
+    run_passes("correct-bias", model, A16W8, feeds)
     corrected = np.asarray(model.tensors()["b"].values, np.float64)
     np.testing.assert_allclose(corrected, b - np.mean(shifts, axis=0), rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(model.tensors()["w"].values, np.float64), w)   # weights kept
@@ -99,25 +98,26 @@ def test_shift_is_the_mean_of_the_layer_on_the_weight_error():
 
 def test_gemm_with_transposed_weight():
     feeds, evals = _feeds((4, 16), 8), _feeds((4, 16), 4, seed=1)
-    before, _ = _snr(GEMM, A16W8, WITHOUT, feeds, evals)
-    after, q = _snr(GEMM, A16W8, NO_SELECT, feeds, evals)
-    assert q.report["correct-bias"]["layers"] == 1
+    before, _, _ = _snr(GEMM, A16W8, WITHOUT, feeds, evals)
+    after, q, findings = _snr(GEMM, A16W8, NO_SELECT, feeds, evals)
+    assert findings["correct-bias"]["layers"] == 1
     assert after > before + 6, (before, after)
 
 
 def test_8_bit_inputs_are_left_alone_by_default():
     feeds = _feeds((1, 2, 8, 8), 4)
-    _, q = _snr(DEPTHWISE, {"activation_type": "uint8", "weight_type": "int8"}, QUANTIZE_PIPELINE, feeds, feeds)
-    assert "correct-bias" not in q.report
+    _, q, findings = _snr(DEPTHWISE, {"activation_type": "uint8", "weight_type": "int8"}, QUANTIZE_PIPELINE, feeds, feeds)
+    assert "correct-bias" not in findings and "bias_correction" not in q.decisions
     assert not any("correct-bias" in why for why in q.quant["b"].why)
 
 
 def test_depthwise_a8w8_improves_when_asked():
     feeds, evals = _feeds((1, 2, 8, 8), 8), _feeds((1, 2, 8, 8), 4, seed=1)
     config = {"activation_type": "uint8", "weight_type": "int8", "per_channel": False}
-    before, _ = _snr(DEPTHWISE, config, WITHOUT, feeds, evals)
-    after, q = _snr(DEPTHWISE, config, NO_SELECT.replace("correct-bias", "correct-bias{activation_bits=8}"), feeds, evals)
-    assert q.report["correct-bias"]["layers"] == 1
+    before, _, _ = _snr(DEPTHWISE, config, WITHOUT, feeds, evals)
+    after, _, findings = _snr(DEPTHWISE, config, NO_SELECT.replace("correct-bias", "correct-bias{activation_bits=8}"),
+                              feeds, evals)
+    assert findings["correct-bias"]["layers"] == 1
     assert after > before + 1, (before, after)
 
 
@@ -125,28 +125,26 @@ def test_depthwise_a8w8_improves_when_asked():
 def test_activation_bits_option(bits, layers):
     feeds = _feeds((1, 2, 8, 8), 4)
     passes = NO_SELECT.replace("correct-bias", f"correct-bias{{activation_bits={bits}}}")
-    _, q = _snr(DEPTHWISE, {"activation_type": "uint8", "weight_type": "int8"}, passes, feeds, feeds)
-    assert q.report.get("correct-bias", {}).get("layers", 0) == layers
+    _, _, findings = _snr(DEPTHWISE, {"activation_type": "uint8", "weight_type": "int8"}, passes, feeds, feeds)
+    assert findings.get("correct-bias", {}).get("layers", 0) == layers
 
 
 def test_one_shot_data_is_skipped_with_a_reason():
     feeds = _feeds((1, 2, 8, 8), 4)
     model = model_from_text(DEPTHWISE)
-    model.config = load_config(A16W8)
-    model.calibration_data = feeds
-    PassManager("annotate-types,calibrate,compute-qparams").run(model)
-    model.calibration_data = iter([])   # a generator that calibrate already used up
+    run_passes("annotate-types,calibrate,compute-qparams", model, A16W8, feeds)
     before = np.asarray(model.tensors()["b"].values).copy()
-    PassManager("correct-bias").run(model)
+    ctx = RunContext(A16W8, iter([]))   # a generator that calibrate already used up
+    run_passes("correct-bias", model, ctx=ctx)
     np.testing.assert_array_equal(np.asarray(model.tensors()["b"].values), before)
-    assert "0 calibration sample(s) could be read again" in model.report["correct-bias"]["skipped"]
+    assert "0 calibration sample(s) could be read again" in ctx.findings.as_dict()["correct-bias"]["skipped"]
 
 
 def test_stands_aside_above_max_nodes():
     feeds = _feeds((1, 2, 8, 8), 4)
     passes = NO_SELECT.replace("correct-bias", "correct-bias{max_nodes=0}")
-    _, q = _snr(DEPTHWISE, A16W8, passes, feeds, feeds)
-    assert q.report["correct-bias"]["skipped"] == "1 nodes is over max_nodes=0"
+    _, _, findings = _snr(DEPTHWISE, A16W8, passes, feeds, feeds)
+    assert findings["correct-bias"]["skipped"] == "1 nodes is over max_nodes=0"
 
 
 def _conv(w: np.ndarray, attrs: dict, op: str = "Conv", x_shape=(1, 4, 9, 9)):
@@ -178,16 +176,16 @@ def test_shift_matches_the_layer_run_on_its_weight_error(op, attrs, w_shape, x_s
     w = rng.standard_normal(w_shape).astype(np.float32)
     model = from_proto(_conv(w, attrs, op, x_shape))
     feeds = [{"x": (rng.standard_normal(x_shape) + 3).astype(np.float32)} for _ in range(4)]
-    model.calibration_data = feeds
-    model.config = load_config({"activation_type": "uint16", "weight_type": "int8", "per_channel": False})
-    PassManager("annotate-types,calibrate,compute-qparams").run(model)
+    config = {"activation_type": "uint16", "weight_type": "int8", "per_channel": False}
+    run_passes("annotate-types,calibrate,compute-qparams", model, config, feeds)
     tq = model.quant["w"]
     error = (dequantize(quantize_values(w, tq.scale, tq.zero_point, tq.qtype), tq.scale, tq.zero_point)
              - w).astype(np.float32)
     spatial = tuple(range(2, len(x_shape)))
     expected = np.mean([run(_conv(error, attrs, op, x_shape), f)[0].mean(axis=(0, *spatial)) for f in feeds], axis=0)
-    PassManager("correct-bias{significance=0}").run(model)
-    assert model.report["correct-bias"]["layers"] == 1
+    ctx = RunContext(config, feeds)
+    run_passes("correct-bias{significance=0}", model, ctx=ctx)
+    assert ctx.findings.as_dict()["correct-bias"]["layers"] == 1
     np.testing.assert_allclose(model.tensors()["b"].values, -expected, rtol=1e-3, atol=1e-6)
 
 
@@ -196,28 +194,27 @@ def test_conv_transpose_with_auto_pad_is_left_alone_and_feeds_of_other_shapes_ar
     config = {"activation_type": "uint16", "weight_type": "int8", "per_channel": False}
     w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
     model = from_proto(_conv(w, {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, "ConvTranspose"))
-    model.calibration_data = [{"x": rng.standard_normal((1, 4, 9, 9)).astype(np.float32)} for _ in range(4)]
-    model.config = load_config(config)
-    PassManager("annotate-types,calibrate,compute-qparams,correct-bias").run(model)
-    assert model.report["correct-bias"] == {"skipped": "no layer with known shapes and padding to correct"}
+    ctx = RunContext(config, [{"x": rng.standard_normal((1, 4, 9, 9)).astype(np.float32)} for _ in range(4)])
+    run_passes("annotate-types,calibrate,compute-qparams,correct-bias", model, ctx=ctx)
+    assert ctx.findings.as_dict()["correct-bias"] == {"skipped": "no layer with known shapes and padding to correct"}
     proto = _conv(rng.standard_normal((6, 4, 3, 3)).astype(np.float32), {"pads": [1, 1, 1, 1]})
     proto.graph.input[0].type.tensor_type.shape.dim[3].dim_param = "width"
     model = from_proto(proto)
-    model.calibration_data = [{"x": rng.standard_normal((1, 4, 9, 9 + (i % 2))).astype(np.float32)} for i in range(6)]
-    model.config = load_config(config)
-    PassManager("annotate-types,calibrate,compute-qparams,correct-bias").run(model)
-    assert model.report["correct-bias"]["samples"] == 3
-    assert model.report["correct-bias"]["samples_of_other_shapes"] == 3
+    ctx = RunContext(config, [{"x": rng.standard_normal((1, 4, 9, 9 + (i % 2))).astype(np.float32)} for i in range(6)])
+    run_passes("annotate-types,calibrate,compute-qparams,correct-bias", model, ctx=ctx)
+    assert ctx.findings.as_dict()["correct-bias"]["samples"] == 3
+    assert ctx.findings.as_dict()["correct-bias"]["samples_of_other_shapes"] == 3
 
 
 def test_select_by_snr_keeps_it_only_when_it_scores_higher():
     feeds, evals = _feeds((1, 2, 8, 8), 16), _feeds((1, 2, 8, 8), 4, seed=1)
-    snr, q = _snr(DEPTHWISE, A16W8, SCORED, feeds, evals)
-    decision = q.report["select-by-snr"]["bias_correction"]
+    snr, q, findings = _snr(DEPTHWISE, A16W8, SCORED, feeds, evals)
+    decision = findings["select-by-snr"]["bias_correction"]
     assert decision["applied"] and decision["gain_db"] > 0
-    assert q.report["correct-bias"]["applied_by"] == "select-by-snr"
+    assert findings["correct-bias"]["applied_by"] == "select-by-snr"
+    assert q.decisions["bias_correction"] == {"by": "select-by-snr", "applied": True, "gain_db": decision["gain_db"]}
     assert sum("correct-bias" in why for why in q.quant["b"].why) == 1   # applied once, not again
-    forced, _ = _snr(DEPTHWISE, A16W8, NO_SELECT, feeds, evals)
+    forced, _, _ = _snr(DEPTHWISE, A16W8, NO_SELECT, feeds, evals)
     assert snr == pytest.approx(forced)
 
 
@@ -226,7 +223,8 @@ def test_select_by_snr_refuses_it_when_it_scores_lower(monkeypatch):
     real = correct_bias.Target.shift
     monkeypatch.setattr(correct_bias.Target, "shift", lambda self, mean: -50 * real(self, mean))  # a wrong shift
     feeds = _feeds((1, 2, 8, 8), 16)
-    _, q = _snr(DEPTHWISE, A16W8, SCORED, feeds, feeds)
-    assert not q.report["select-by-snr"]["bias_correction"]["applied"]
-    assert "scored the model" in q.report["correct-bias"]["skipped"]
+    _, q, findings = _snr(DEPTHWISE, A16W8, SCORED, feeds, feeds)
+    assert not findings["select-by-snr"]["bias_correction"]["applied"]
+    assert q.decisions["bias_correction"]["by"] == "select-by-snr" and not q.decisions["bias_correction"]["applied"]
+    assert "scored the model" in findings["correct-bias"]["skipped"]
     assert not any("correct-bias" in why for why in q.quant["b"].why)

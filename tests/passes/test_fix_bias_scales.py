@@ -6,6 +6,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qpasses.annotations import TensorQuant
 from qpasses.config import QuantConfig, load_config
+from qpasses.context import RunContext
 from qpasses.errors import PreconditionError
 from qpasses.ir import from_proto
 from qpasses.passes.compute_qparams import ComputeQParams
@@ -13,7 +14,7 @@ from qpasses.passes.fix_bias_scales import FixBiasScales, plan_bias_fixes
 from qpasses.pipeline import PassManager
 from qpasses.qparams import INT32_MAX, compute_qparams, dequantize, quantize
 from qpasses.qtypes import qtype
-from qpasses.testing import run as ort_run
+from qpasses.testing import run as ort_run, run_pass
 from qpasses.verify import check_onnx
 
 X_RANGE = (0.0, 12.75)
@@ -29,7 +30,7 @@ def conv_weights(channels: int) -> np.ndarray:
     return w.astype(np.float32)
 
 
-def conv_model(channels=2, per_channel=False, weight_type="int8", symmetric=True, config=None):
+def conv_model(channels=2, per_channel=False, weight_type="int8", symmetric=True):
     """x (1,2,3,3) in [0, 12.75] -> Conv(1x1) -> y; bias [5, -4.5] (+ 0.01 for a third channel)."""
     w = conv_weights(channels)
     b = np.array([5.0, -4.5, 0.01][:channels], np.float32)
@@ -42,7 +43,6 @@ def conv_model(channels=2, per_channel=False, weight_type="int8", symmetric=True
     proto.ir_version = 10
     m = from_proto(proto)
     m.facts |= {"calibrated", "types-annotated"}
-    m.config = config
     x = feed()
     y = float_conv(x, w, b)
     m.ranges = {"x": X_RANGE, "y": (float(y.min()), float(y.max()))}
@@ -103,9 +103,11 @@ def qdq_proto(m) -> onnx.ModelProto:
     return proto
 
 
-def run_passes(m, **fix):
-    ComputeQParams().run(m)
-    return FixBiasScales(**fix).run(m)
+def run_passes(m, config=None, ctx=None, **fix):
+    """compute-qparams then fix-bias-scales{fix} in ``ctx`` (or a new RunContext(config))."""
+    ctx = ctx if ctx is not None else RunContext(config)
+    ComputeQParams().run(m, ctx)
+    return FixBiasScales(**fix).run(m, ctx)
 
 
 def bias_fits(m) -> bool:
@@ -139,9 +141,9 @@ def test_without_fix_the_bias_clips(weight_type, symmetric):
 
 def test_config_switch_and_ort_option_disable_the_fix():
     assert load_config({"QDQDisableWeightAdjustForInt32Bias": True}).fix_bias_scales is False
-    m = conv_model(config=QuantConfig(fix_bias_scales=False))
-    result = run_passes(m)
-    assert result.modified is False and result.stats == {"disabled": 1} and "bias_fixes" not in m.report
+    m, ctx = conv_model(), RunContext(QuantConfig(fix_bias_scales=False))
+    result = run_passes(m, ctx=ctx)
+    assert result.modified is False and result.stats == {"disabled": 1} and "bias_fixes" not in ctx.findings.as_dict()
 
 
 @pytest.mark.parametrize("weight_type, symmetric", WEIGHT_KINDS)
@@ -160,15 +162,16 @@ def test_weight_range_still_covered_and_zero_point_rules(weight_type, symmetric)
 
 
 def test_per_channel_raises_only_channels_that_need_it():
-    m = conv_model(channels=3, per_channel=True)
-    ComputeQParams().run(m)
+    m, ctx = conv_model(channels=3, per_channel=True), RunContext()
+    ComputeQParams().run(m, ctx)
     before = list(m.quant["w"].scale)
-    result = FixBiasScales().run(m)
+    result = FixBiasScales().run(m, ctx)
     after = m.quant["w"].scale
     assert after[2] == before[2] and after[0] > before[0] and after[1] > before[1]
     assert result.stats == {"weights_rescaled": 1, "biases_fixed": 1, "channels_rescaled": 2}
-    (fix,) = m.report["bias_fixes"]
+    (fix,) = ctx.findings.as_dict()["bias_fixes"]
     assert fix["weight"] == "w" and fix["bias"] == "b" and fix["node"] == "conv" and fix["channels"] == [0, 1]
+    assert fix["key"] == "w/b"
     assert fix["factor"] == pytest.approx(max(a / b for a, b in zip(after, before)))
     assert "fix-bias-scales: scale x" in m.quant["w"].why[-1] and "(channels [0, 1])" in m.quant["w"].why[-1]
     assert m.quant["b"].why[-1].startswith("fix-bias-scales: scale = scale('x')")
@@ -177,21 +180,21 @@ def test_per_channel_raises_only_channels_that_need_it():
 
 
 def test_per_tensor_single_factor_and_report():
-    m = conv_model()
-    ComputeQParams().run(m)
+    m, ctx = conv_model(), RunContext()
+    ComputeQParams().run(m, ctx)
     old = m.quant["w"].scale[0]
-    FixBiasScales().run(m)
-    (fix,) = m.report["bias_fixes"]
+    FixBiasScales().run(m, ctx)
+    (fix,) = ctx.findings.as_dict()["bias_fixes"]
     assert fix["channels"] is None and fix["factor"] == pytest.approx(m.quant["w"].scale[0] / old)
     assert fix["factor"] > 50  # 5 / (0.05 * 1e-7 / 127) / 2^31 ~ 59
 
 
 def test_idempotent_noop_and_checker_clean():
-    m = conv_model(per_channel=True, weight_type="uint8", symmetric=False)
-    run_passes(m)
-    table, report = m.quant.to_json(), list(m.report["bias_fixes"])
-    again = FixBiasScales().run(m)
-    assert again.modified is False and m.quant.to_json() == table and m.report["bias_fixes"] == report
+    m, ctx = conv_model(per_channel=True, weight_type="uint8", symmetric=False), RunContext()
+    run_passes(m, ctx=ctx)
+    table, report = m.quant.to_json(), list(ctx.findings.as_dict()["bias_fixes"])
+    again = FixBiasScales().run(m, ctx)
+    assert again.modified is False and m.quant.to_json() == table and ctx.findings.as_dict()["bias_fixes"] == report
     check_onnx(m)
     assert from_proto(m.to_proto()).quant == m.quant
 
@@ -199,18 +202,19 @@ def test_idempotent_noop_and_checker_clean():
 def test_ordinary_model_is_left_alone():
     m = conv_model()
     m.tensors()["w"].values = np.array([0.5, -0.25, 0.125, 1.0], np.float32).reshape(2, 2, 1, 1)
-    ComputeQParams().run(m)
+    ctx = RunContext()
+    ComputeQParams().run(m, ctx)
     table = m.quant.to_json()
-    assert plan_bias_fixes(m) == {}
-    result = FixBiasScales().run(m)
-    assert result.modified is False and m.quant.to_json() == table and "bias_fixes" not in m.report
+    assert plan_bias_fixes(m, ctx.config) == {}
+    result = FixBiasScales().run(m, ctx)
+    assert result.modified is False and m.quant.to_json() == table and "bias_fixes" not in ctx.findings.as_dict()
 
 
 def test_fixed_weight_is_not_rescaled():
     m = conv_model()
-    ComputeQParams().run(m)
+    run_pass(ComputeQParams(), m)
     m.quant["w"].fixed = True
-    result = FixBiasScales().run(m)
+    result = run_pass(FixBiasScales(), m)
     assert result.modified is False and "cannot be rescaled" in m.quant["b"].why[-1]
 
 
@@ -238,10 +242,11 @@ def test_gemm_bias_shapes(weight_type, symmetric, bias_shape, per_channel):
     m.quant["w"] = TensorQuant(weight_type, role="weight", symmetric=symmetric, axis=1 if per_channel else None)
     m.quant["b"] = TensorQuant("int32", role="bias", derived_from=["x", "w"])
     m.quant["b2"] = TensorQuant("int32", role="bias", derived_from=["x", "w"])
-    ComputeQParams().run(m)
+    ctx = RunContext()
+    ComputeQParams().run(m, ctx)
     assert m.quant["b"].axis == ((len(bias_shape) - 1) if per_channel else None)
-    FixBiasScales().run(m)
-    (fix,) = m.report["bias_fixes"]
+    FixBiasScales().run(m, ctx)
+    (fix,) = ctx.findings.as_dict()["bias_fixes"]
     assert fix["node"] == "fc" and fix["channels"] == ([0, 2] if per_channel else None)
     scale = np.asarray(m.quant["b"].scale)
     assert np.all(np.abs(b.reshape(-1)) / scale < INT32_MAX)
@@ -253,13 +258,13 @@ def test_gemm_bias_shapes(weight_type, symmetric, bias_shape, per_channel):
     np.testing.assert_allclose(y[0], [5.0, 0.0, -4.5], atol=0.02)
     if per_channel:
         assert m.quant["w"].scale[1] < m.quant["w"].scale[0]  # the zero-bias channel kept its scale
-    assert FixBiasScales().run(m).modified is False
+    assert run_pass(FixBiasScales(), m).modified is False
 
 
 def test_pow2_and_fp16_scales_stay_valid_after_raise():
     cfg = load_config({"calibration": {"method": "pow2"}, "scale_type": "float16"})
-    m = conv_model(per_channel=True, config=cfg)
-    run_passes(m)
+    m = conv_model(per_channel=True)
+    run_passes(m, cfg)
     for s in m.quant["w"].scale:
         assert np.log2(s) == np.round(np.log2(s)) and np.float16(s) == s
     assert bias_fits(m) and abs(float(simulate(m)[0, 0, 0, 0]) - 5.0) < 0.02
@@ -269,5 +274,6 @@ def test_precondition():
     m = conv_model()
     with pytest.raises(PreconditionError, match="qparams-computed"):
         PassManager([FixBiasScales()]).run(m)
-    PassManager([ComputeQParams(), FixBiasScales()]).run(m)
-    assert {"qparams-computed", "bias-scales-fixed"} <= m.facts
+    records = PassManager([ComputeQParams(), FixBiasScales()]).run(m)
+    # no "bias-scales-fixed" fact any more (no pass read it): the rescaled table keeps the facts
+    assert records[1].modified and {"calibrated", "types-annotated", "qparams-computed"} <= m.facts

@@ -9,7 +9,8 @@ from onnx import TensorProto, helper, numpy_helper
 from qpasses import PassManager
 from qpasses.ir import from_proto
 from qpasses.passes.fold_batchnorm import FoldBatchnorm
-from qpasses.testing import assert_same_outputs, model_from_text, random_feed
+from qpasses.context import RunContext
+from qpasses.testing import assert_same_outputs, model_from_text, random_feed, run_pass
 from qpasses.verify import check_onnx, check_structure
 
 RNG = np.random.default_rng(0)
@@ -50,13 +51,13 @@ def _model(op, x_shape, w_shape, y_shape, bias=True, attrs=None, extra_inputs=()
 
 def _fold_and_check(proto, folded=1, rtol=1e-5):
     m = from_proto(proto)
-    result = FoldBatchnorm().run(m)
+    result = run_pass(FoldBatchnorm(), m)
     assert result.stats["folded"] == folded and result.modified == bool(folded)
     m.touch()
     check_structure(m)
     after = check_onnx(m)
     assert_same_outputs(proto, after, random_feed(proto), rtol=rtol, atol=1e-5)
-    assert not FoldBatchnorm().run(m).modified
+    assert not run_pass(FoldBatchnorm(), m).modified
     return m, after
 
 
@@ -137,20 +138,23 @@ def test_left_alone(variant):
     }[variant].replace("{params}", "float[2] s = {1,2}, float[2] b = {0,1}, float[2] m = {0,0}, float[2] v = {1,1}")
     m = model_from_text(text)
     printed = onnx.printer.to_text(m.to_proto().graph)
-    result = FoldBatchnorm().run(m)
+    ctx = RunContext()
+    result = FoldBatchnorm().run(m, ctx)
     assert result.modified is False and result.stats["folded"] == 0
     assert onnx.printer.to_text(m.to_proto().graph) == printed
     if variant in ("weight-is-input", "bn-param-feedable"):
         assert result.stats["not_folded"] == 1
-        [reason] = m.report["fold-batchnorm"]["not_folded"].values()
+        [reason] = ctx.findings.as_dict()["fold-batchnorm"]["not_folded"].values()
         assert "not a constant" in reason or "not constants" in reason
 
 
 def test_example_and_fact():
     m = model_from_text(FoldBatchnorm.example)
     before = m.to_proto()
+    m.facts |= {"types-annotated", "calibrated"}
     records = PassManager("fold-batchnorm").run(m)
-    assert records[0].modified and "batchnorm-folded" in m.facts
+    # no "batchnorm-folded" fact any more (no pass read it); folding changes weights: no fact survives
+    assert records[0].modified and m.facts == set() and not FoldBatchnorm.establishes
     assert [n.op for n in m.graph.nodes] == ["Conv"]
     assert_same_outputs(before, m.to_proto(), random_feed(before), rtol=1e-6)
 

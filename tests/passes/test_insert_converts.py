@@ -8,7 +8,7 @@ from test_insert_qdq import act_entry, assert_close_to_float, build_table, feeds
 from qpasses import Convert, ModelError, PassManager, PreconditionError, TensorQuant
 from qpasses.passes.insert_converts import InsertConverts, analyse, plan_converts
 from qpasses.qparams import compute_qparams
-from qpasses.testing import model_from_text
+from qpasses.testing import model_from_text, run_pass
 from qpasses.verify import check_onnx
 
 MIXED = """
@@ -32,7 +32,7 @@ def with_convert(body: str, recv: list[str], qt: str = "uint16"):
 
 
 def converts(model):
-    result = InsertConverts().run(model)
+    result = run_pass(InsertConverts(), model)
     model.touch()
     return result
 

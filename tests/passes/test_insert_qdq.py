@@ -17,7 +17,8 @@ from qpasses import ModelError, PassManager, PreconditionError, TensorQuant
 from qpasses.evaluate import session, snr_db
 from qpasses.passes.insert_qdq import InsertQDQ, analyse, plan_qdq
 from qpasses.qparams import bias_qparams, compute_qparams, value_range
-from qpasses.testing import model_from_text, random_feed, run
+from qpasses.decisions import float_reasons
+from qpasses.testing import model_from_text, random_feed, run, run_pass
 from qpasses.verify import check_onnx, check_structure
 
 UPDATE_GOLDEN = bool(os.environ.get("QPASSES_UPDATE_GOLDEN"))
@@ -135,7 +136,7 @@ def ops(model) -> list[str]:
 
 
 def insert(model):
-    result = InsertQDQ().run(model)
+    result = run_pass(InsertQDQ(), model)
     model.touch()
     return result
 
@@ -557,7 +558,7 @@ g (float[2,4] x, float[4] b) => (float[2,4] y) { y = Add(x, b) }""")
     model.quant["b"] = TensorQuant("int32", role="bias", scale=[0.001], zero_point=[0])
     model.facts.add("qparams-computed")
     insert(model)
-    assert [r["tensor"] for r in model.report["unquantized"]] == ["b"]
+    assert list(float_reasons(model)) == ["b"] and float_reasons(model)["b"]["pass"] == "insert-qdq"
     check_onnx(model)
 
 

@@ -11,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from example_graphs import ORT_PR_20028
 from qpasses.annotations import Convert, TensorQuant
 from qpasses.config import QuantConfig, load_config
+from qpasses.context import RunContext
 from qpasses.errors import ConfigError, PreconditionError
 from qpasses.ir import from_proto
 from qpasses.passes.propagate_mixed_precision import PropagateMixedPrecision, float_tensors, sharing_nodes
@@ -33,7 +34,6 @@ g (float[2,4] x) => (float[2,4] y, float[4,2] t) <float[4,4] w = {1,2,3,4,5,6,7,
 def annotate_by_hand(model, config: QuantConfig | None = None):
     """What annotate-types gives: float activations in the activation type, constants in the weight type."""
     config = config or QuantConfig()
-    model.config = config
     for name, tensor in model.tensors().items():
         if name not in float_tensors(model):
             continue
@@ -47,8 +47,10 @@ def annotate_by_hand(model, config: QuantConfig | None = None):
 
 
 def prepared(text, mixed, **config):
+    """(the model annotated by hand, a RunContext with the config that requests ``mixed``)."""
     model = model_from_text(text) if isinstance(text, str) else from_proto(text)
-    return annotate_by_hand(model, QuantConfig(mixed_precision=mixed, **config))
+    ctx = RunContext(QuantConfig(mixed_precision=mixed, **config))
+    return annotate_by_hand(model, ctx.config), ctx
 
 
 def table_types(model):
@@ -68,8 +70,8 @@ def table_types(model):
 
 
 def test_example_table_and_report():
-    model = prepared(EXAMPLE, {"op4_out": "uint16"})
-    result = PropagateMixedPrecision().run(model)
+    model, ctx = prepared(EXAMPLE, {"op4_out": "uint16"})
+    result = PropagateMixedPrecision().run(model, ctx)
     assert result.modified and result.stats == {"requests": 1, "changed": 4, "converts": 3, "skipped": 0}
     q = model.quant
     assert (q["op4_out"].qtype, q["op4_out"].convert) == ("uint16", None)
@@ -82,7 +84,7 @@ def test_example_table_and_report():
     assert q["op2_out"].why[-1] == "propagate-mixed-precision: convert to uint16 for op4"
     assert q["op5_out"].why[-2].startswith("propagate-mixed-precision: pulled into the uint16 region of "
                                            "'op4_out' (output of op5, a consumer of 'op4_out')")
-    report = model.report["mixed_precision_plan"]
+    report = ctx.findings.as_dict()["mixed_precision_plan"]
     assert report["overrides"]["op2_out"] == [{"quant_type": "uint8",
                                                "convert": {"quant_type": "uint16", "recv_nodes": ["op4"]}}]
     assert report["regions"] == {"op4_out": ["op4", "op5"]} and report["skipped"] == []
@@ -90,10 +92,10 @@ def test_example_table_and_report():
 
 
 def test_second_run_is_a_noop():
-    model = prepared(EXAMPLE, {"op4_out": "uint16", "input_0": {"quant_type": "int16", "symmetric": True}})
-    assert PropagateMixedPrecision().run(model).modified
+    model, ctx = prepared(EXAMPLE, {"op4_out": "uint16", "input_0": {"quant_type": "int16", "symmetric": True}})
+    assert PropagateMixedPrecision().run(model, ctx).modified
     table = model.quant.to_json()
-    again = PropagateMixedPrecision().run(model)
+    again = PropagateMixedPrecision().run(model, ctx)
     assert not again.modified and again.stats["changed"] == 0
     assert model.quant.to_json() == table
     assert model.quant["op1_out"].symmetric is True and model.quant["op1_out"].qtype == "int16"
@@ -101,24 +103,23 @@ def test_second_run_is_a_noop():
 
 @pytest.mark.parametrize("config", [None, QuantConfig()])
 def test_no_requests_is_a_noop(config):
-    model = annotate_by_hand(model_from_text(EXAMPLE))
-    model.config = config
+    model, ctx = annotate_by_hand(model_from_text(EXAMPLE)), RunContext(config)
     table = model.quant.to_json()
-    result = PropagateMixedPrecision().run(model)
+    result = PropagateMixedPrecision().run(model, ctx)
     assert not result.modified and result.stats == {}
-    assert model.quant.to_json() == table and "mixed_precision_plan" not in model.report
+    assert model.quant.to_json() == table and "mixed_precision_plan" not in ctx.findings.as_dict()
 
 
 def test_default_type_request_changes_nothing():
-    model = prepared(EXAMPLE, {"op4_out": "uint8"})
-    assert not PropagateMixedPrecision().run(model).modified
-    assert model.report["mixed_precision_plan"]["notes"]
+    model, ctx = prepared(EXAMPLE, {"op4_out": "uint8"})
+    assert not PropagateMixedPrecision().run(model, ctx).modified
+    assert ctx.findings.as_dict()["mixed_precision_plan"]["notes"]
 
 
 def test_graph_inputs_outputs_and_weights():
-    model = prepared(WEIGHTED, {"x": "uint16", "y": "int16"})
+    model, ctx = prepared(WEIGHTED, {"x": "uint16", "y": "int16"})
     weight = model.quant["w"].to_dict()
-    assert PropagateMixedPrecision().run(model).modified
+    assert PropagateMixedPrecision().run(model, ctx).modified
     q = model.quant
     assert q["w"].to_dict() == weight                         # weights keep the weight type
     assert (q["x"].qtype, q["x"].convert) == ("uint16", None)  # requested graph input keeps its type
@@ -131,15 +132,15 @@ def test_graph_inputs_outputs_and_weights():
 
 
 def test_shape_ops_pull_regions_and_the_option_restores_onnxruntime():
-    model = prepared(WEIGHTED, {"b": "int16"})
-    PropagateMixedPrecision().run(model)
+    model, ctx = prepared(WEIGHTED, {"b": "int16"})
+    PropagateMixedPrecision().run(model, ctx)
     q = model.quant
     # b's producer is a Transpose tied to tr, tied to mm: one int16 region from mm to sig.
     assert [q[t].qtype for t in ("x", "a", "t", "b", "y")] == ["uint8", "int16", "int16", "int16", "int16"]
     assert q["x"].convert == Convert("int16", ["mm"])
-    assert model.report["mixed_precision_plan"]["regions"] == {"b": ["back", "mm", "sig", "tr"]}
-    model = prepared(WEIGHTED, {"b": "int16"})
-    PassManager("propagate-mixed-precision{extend_through_shape_ops=false}").run(model)
+    assert ctx.findings.as_dict()["mixed_precision_plan"]["regions"] == {"b": ["back", "mm", "sig", "tr"]}
+    model, ctx = prepared(WEIGHTED, {"b": "int16"})
+    PassManager("propagate-mixed-precision{extend_through_shape_ops=false}").run(model, ctx)
     q = model.quant
     assert [q[t].qtype for t in ("x", "a", "t", "b", "y")] == ["uint8", "uint8", "uint8", "int16", "int16"]
     assert q["t"].convert == Convert("int16", ["back"])   # a convert between back and its input
@@ -161,39 +162,39 @@ def test_target_constraints_apply():
       [p2] b = Sigmoid (x)
       [cat] y = Concat <axis = 1> (a, b)
     }"""
-    model = prepared(text, {"a": "uint16"}, target="qnn")
-    PropagateMixedPrecision().run(model)
+    model, ctx = prepared(text, {"a": "uint16"}, target="qnn")
+    PropagateMixedPrecision().run(model, ctx)
     assert [model.quant[t].qtype for t in ("a", "b", "y")] == ["uint16"] * 3
     assert model.quant["x"].convert == Convert("uint16", ["p1", "p2"])
-    model = prepared(text, {"a": "uint16"})   # no target: only the requested tensor's region
-    PropagateMixedPrecision().run(model)
+    model, ctx = prepared(text, {"a": "uint16"})   # no target: only the requested tensor's region
+    PropagateMixedPrecision().run(model, ctx)
     assert model.quant["b"].convert == Convert("uint16", ["cat"])
 
 
 def test_target_rules_run_after_types_change():
     # qnn fixes a 16-bit Sigmoid output's qparams; the rule must see the new uint16 type.
-    model = prepared(EXAMPLE, {"output_2": "uint16"}, target="qnn")
-    PropagateMixedPrecision().run(model)
+    model, ctx = prepared(EXAMPLE, {"output_2": "uint16"}, target="qnn")
+    PropagateMixedPrecision().run(model, ctx)
     tq = model.quant["output_2"]
     assert tq.qtype == "uint16" and tq.fixed and tq.scale == [1.52587890625e-05] and tq.zero_point == [0]
     assert tq.why[-1].startswith("target qnn: Sigmoid output at uint16 fixed")
 
 
 def test_entries_missing_from_the_table_are_skipped_and_reported():
-    model = prepared(EXAMPLE, {"op4_out": "uint16"})
+    model, ctx = prepared(EXAMPLE, {"op4_out": "uint16"})
     del model.quant["op3_out"]
-    result = PropagateMixedPrecision().run(model)
+    result = PropagateMixedPrecision().run(model, ctx)
     assert result.stats["skipped"] == 1
-    assert model.report["mixed_precision_plan"]["skipped"] == ["op3_out"]
-    assert "op3_out" in model.report["mixed_precision_plan"]["overrides"]
+    assert ctx.findings.as_dict()["mixed_precision_plan"]["skipped"] == ["op3_out"]
+    assert "op3_out" in ctx.findings.as_dict()["mixed_precision_plan"]["overrides"]
     assert "op3_out" not in model.quant
 
 
 def test_requires_types_annotated():
     model = model_from_text(EXAMPLE)
-    model.config = load_config({"mixed_precision": {"op4_out": "uint16"}})
+    ctx = RunContext(load_config({"mixed_precision": {"op4_out": "uint16"}}))
     with pytest.raises(PreconditionError, match="types-annotated"):
-        PassManager("propagate-mixed-precision").run(model)
+        PassManager("propagate-mixed-precision").run(model, ctx)
 
 
 @pytest.mark.parametrize("mixed, match", [
@@ -201,24 +202,26 @@ def test_requires_types_annotated():
     ({"op4_out": "uint16", "op5_out": "int16"}, "'op5_out' is pulled into uint16"),
 ])
 def test_user_errors_are_one_line(mixed, match):
-    model = prepared(EXAMPLE, mixed)
+    model, ctx = prepared(EXAMPLE, mixed)
     with pytest.raises(ConfigError, match=match) as err:
-        PassManager("propagate-mixed-precision").run(model)
+        PassManager("propagate-mixed-precision").run(model, ctx)
     assert "\n" not in str(err.value)
 
 
 def test_graph_is_untouched_and_checker_clean():
-    model = prepared(EXAMPLE, {"op4_out": "uint16"})
+    model, ctx = prepared(EXAMPLE, {"op4_out": "uint16"})
     before = model.to_proto().graph.SerializeToString()
-    PassManager("propagate-mixed-precision").run(model)
+    PassManager("propagate-mixed-precision").run(model, ctx)
     assert model.to_proto().graph.SerializeToString() == before
     check_onnx(model)
-    assert "mixed-precision-planned" in model.facts
+    # no "mixed-precision-planned" fact any more (no pass read it); the new types keep the table's fact
+    assert model.facts == {"types-annotated"}
 
 
 def test_pass_is_registered_with_facts_and_example():
     cls = all_passes()["propagate-mixed-precision"]
-    assert cls.requires == {"types-annotated"} and cls.establishes == {"mixed-precision-planned"}
+    assert cls.requires == {"types-annotated"} and cls.establishes == frozenset()
+    assert cls.preserves == {"types-annotated", "calibrated"}
     parse(cls.example)  # the docs example parses
 
 
@@ -232,20 +235,20 @@ g (float[1,4] x, float[1,4] z) => (float[1,4] y) {
 
 def test_table_shares_links_tie_regions():
     # annotate-types merges the Relu into Add's range: 'a' shares the qparams of 'b'.
-    model = prepared(MERGED_RELU, {"b": "uint16"})
+    model, ctx = prepared(MERGED_RELU, {"b": "uint16"})
     model.quant["a"].shares = "b"
-    PropagateMixedPrecision().run(model)
+    PropagateMixedPrecision().run(model, ctx)
     q = model.quant
     assert [q[t].qtype for t in ("a", "b", "y")] == ["uint16"] * 3
     assert q["a"].shares == "b" and q["a"].convert is None
     assert q["x"].convert == Convert("uint16", ["add"]) and q["z"].convert == Convert("uint16", ["add"])
-    assert model.report["mixed_precision_plan"]["regions"] == {"b": ["add", "relu", "sig"]}
+    assert ctx.findings.as_dict()["mixed_precision_plan"]["regions"] == {"b": ["add", "relu", "sig"]}
 
 
 def test_shares_link_across_types_is_dropped():
-    model = prepared(MERGED_RELU, {"b": "uint16"})
+    model, ctx = prepared(MERGED_RELU, {"b": "uint16"})
     model.quant["a"].shares = "b"
-    PassManager("propagate-mixed-precision{extend_through_shape_ops=false}").run(model)
+    PassManager("propagate-mixed-precision{extend_through_shape_ops=false}").run(model, ctx)
     q = model.quant
     assert (q["a"].qtype, q["a"].convert, q["a"].shares) == ("uint8", Convert("uint16", ["relu"]), None)
     assert q["a"].why[-1] == ("propagate-mixed-precision: no longer shares the qparams of 'b' "
@@ -258,9 +261,8 @@ def test_with_annotate_types_on_the_example_model(request_):
     from qpasses.examples import example_model
 
     model = from_proto(example_model())
-    model.config = QuantConfig(mixed_precision=request_)
-    model.calibration_data = [random_feed(model, seed=s) for s in range(4)]
-    PassManager("fold-constants,fold-batchnorm,cleanup,calibrate,annotate-types,propagate-mixed-precision").run(model)
+    ctx = RunContext(QuantConfig(mixed_precision=request_), [random_feed(model, seed=s) for s in range(4)])
+    PassManager("fold-constants,fold-batchnorm,cleanup,calibrate,annotate-types,propagate-mixed-precision").run(model, ctx)
     name = next(iter(request_))
     assert model.quant[name].qtype == request_[name]
     assert all(len(types) <= 1 for types in table_types(model).values())
@@ -307,8 +309,8 @@ def test_planned_table_quantizes_and_runs_in_onnxruntime(tmp_path):
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
     proto = _cnn()
-    model = prepared(proto, {"f": "uint16"})
-    PropagateMixedPrecision().run(model)
+    model, ctx = prepared(proto, {"f": "uint16"})
+    PropagateMixedPrecision().run(model, ctx)
     q = model.quant
     # reshape shares r's qparams, so relu joins the region: c converts for relu, m converts back
     assert [q[t].qtype for t in ("c", "r", "f", "m", "y")] == ["uint8", "uint16", "uint16", "uint16", "uint8"]

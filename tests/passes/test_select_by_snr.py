@@ -4,6 +4,7 @@ import pytest
 
 from qpasses.api import run_pipeline
 from qpasses.config import load_config
+from qpasses.context import RunContext
 from qpasses.passes.select_by_snr import NAME
 from qpasses.testing import model_from_text
 from qpasses.verify import check_onnx
@@ -52,41 +53,42 @@ def normal_feeds(n=16, size=64):
 
 
 def select(model, data, config=None, options=""):
-    """Calibrate, then run select-by-snr; its PassRecord (model.calibrated_ranges: the ranges before)."""
-    run_pipeline(model, BEFORE, config=config or {}, calibration_data=data)
+    """Calibrate, then run select-by-snr in the same run; (its PassRecord, the run's findings)
+    (model.calibrated_ranges: the ranges before)."""
+    ctx = RunContext(config or {}, data)
+    run_pipeline(model, BEFORE, ctx=ctx)
     model.calibrated_ranges = dict(model.ranges)
-    records = run_pipeline(model, f"{NAME}{{{options}}}" if options else NAME, config=config or {},
-                           calibration_data=data)[1]
-    return records[0]
+    records = run_pipeline(model, f"{NAME}{{{options}}}" if options else NAME, ctx=ctx)[1]
+    return records[0], ctx.findings.as_dict()
 
 
-def quantized_snr(model, data):
+def quantized_snr(model, data, config=None):
     from qpasses.evaluate import compare
 
     reference = model.to_proto(metadata=False)
-    run_pipeline(model, AFTER)
+    run_pipeline(model, AFTER, config=config)
     check_onnx(model.to_proto())
     return compare(reference, model.to_proto(metadata=False), data)["snr_db"]
 
 
 def test_default_method_min_max_wins_when_percentile_clips_the_signal():
     model, data = model_from_text(SCALE), outlier_feeds()
-    record = select(model, data)
-    report = model.report[NAME]
+    record, findings = select(model, data)
+    report = findings[NAME]
     scores = {v["variant"]: v["snr_db"] for v in report["variants"]}
     assert set(scores) == {"ranges percentile", "ranges minmax"}
     assert scores["ranges minmax"] > scores["ranges percentile"] + 6
     assert report["chosen"] == "ranges minmax" and record.modified
     assert model.ranges["x"] == model.observed["x"]
-    assert model.report["calibrate"]["method"] == "minmax"
+    assert model.decisions["calibration"] == {"method": "minmax", "given": False, "chosen_by": NAME, "over": "percentile"}
     assert quantized_snr(model, data) > 18
     assert "calibration (minmax, chosen by select-by-snr over percentile)" in model.quant["x"].why[-1]
 
 
 def test_percentile_kept_when_it_scores_best():
     model, data = model_from_text(SIGMOID), outlier_feeds()
-    record = select(model, data)
-    assert model.report[NAME]["chosen"] == "ranges percentile" and not record.modified
+    record, findings = select(model, data)
+    assert findings[NAME]["chosen"] == "ranges percentile" and not record.modified
     assert model.ranges["x"] != model.observed["x"]
 
 
@@ -94,8 +96,8 @@ def test_percentile_kept_when_it_scores_best():
                                     {"calibration": {"method": "minmax"}}])
 def test_a_method_the_user_chose_is_kept(config):
     model, data = model_from_text(SCALE), outlier_feeds()
-    record = select(model, data, config)
-    assert NAME not in model.report and not record.modified and record.stats == {"variants": 0}
+    record, findings = select(model, data, config)
+    assert NAME not in findings and not record.modified and record.stats == {"variants": 0}
     assert model.ranges == model.calibrated_ranges
 
 
@@ -110,15 +112,15 @@ PER_TENSOR = {"per_channel": False, "calibration": {"method": "minmax"}}
 def test_symmetric_per_tensor_weights_chosen_with_a_latency_penalty_on_asymmetric():
     w = np.random.default_rng(2).standard_normal((64, 32)).astype(np.float32)  # centred: grids tie
     model, data = matmul_model(w), normal_feeds()
-    record = select(model, data, PER_TENSOR, "asymmetric_penalty_db=1")
-    report = model.report[NAME]
+    record, findings = select(model, data, PER_TENSOR, "asymmetric_penalty_db=1")
+    report = findings[NAME]
     assert [v["variant"] for v in report["variants"]] == ["weights asymmetric", "weights symmetric"]
     assert report["variants"][0]["penalty_db"] == 1.0
     assert abs(report["variants"][0]["snr_db"] - report["variants"][1]["snr_db"]) < 1.0
     assert report["chosen"] == "weights symmetric" and record.modified
     assert model.quant["w"].symmetric
     assert any(NAME in line for line in model.quant["w"].why)
-    assert quantized_snr(model, data) > 30
+    assert quantized_snr(model, data, PER_TENSOR) > 30
 
 
 def test_the_more_accurate_weight_grid_wins_by_default():
@@ -127,17 +129,17 @@ def test_the_more_accurate_weight_grid_wins_by_default():
     positive = (rng.random((64, 32)) + 0.5).astype(np.float32)   # a symmetric grid wastes half
     model, data = matmul_model(positive), normal_feeds()
     # Q/DQ as written: onnxruntime 1.32's fused uint16 x int8 MatMul loses most of the difference
-    record = select(model, data, config, "fused_nodes=0")
-    scores = {v["variant"]: v["snr_db"] for v in model.report[NAME]["variants"]}
+    record, findings = select(model, data, config, "fused_nodes=0")
+    scores = {v["variant"]: v["snr_db"] for v in findings[NAME]["variants"]}
     assert scores["weights asymmetric"] > scores["weights symmetric"] + 3
-    assert model.report[NAME]["chosen"] == "weights asymmetric" and not record.modified
+    assert findings[NAME]["chosen"] == "weights asymmetric" and not record.modified
     assert not model.quant["w"].symmetric
     signs = np.where(np.arange(64 * 32).reshape(64, 32) % 7 == 0, -1.0, 1.0).astype(np.float32)
     model = matmul_model(signs)   # +-1: on the symmetric grid exactly, not on the asymmetric one
-    record = select(model, data, config, "fused_nodes=0")
-    scores = {v["variant"]: v["snr_db"] for v in model.report[NAME]["variants"]}
+    record, findings = select(model, data, config, "fused_nodes=0")
+    scores = {v["variant"]: v["snr_db"] for v in findings[NAME]["variants"]}
     assert scores["weights symmetric"] > scores["weights asymmetric"] + 20
-    assert model.report[NAME]["chosen"] == "weights symmetric" and record.modified and model.quant["w"].symmetric
+    assert findings[NAME]["chosen"] == "weights symmetric" and record.modified and model.quant["w"].symmetric
 
 
 @pytest.mark.parametrize("extra", [{"weight_symmetric": False}, {"weight_symmetric": True},
@@ -146,30 +148,35 @@ def test_the_more_accurate_weight_grid_wins_by_default():
 def test_weight_axis_closed_when_the_user_decided(extra):
     w = np.random.default_rng(2).standard_normal((64, 32)).astype(np.float32)
     model = matmul_model(w)
-    select(model, normal_feeds(), {**PER_TENSOR, **extra})
-    assert NAME not in model.report
+    _, findings = select(model, normal_feeds(), {**PER_TENSOR, **extra})
+    assert NAME not in findings
 
 
 def test_stands_aside_without_rereadable_data_or_for_big_models():
+    def findings_of(model, passes, data):
+        ctx = RunContext(None, data)
+        record = run_pipeline(model, passes, ctx=ctx)[1][-1]
+        return ctx.findings.as_dict(), record
+
     model = model_from_text(SCALE)
     feeds = outlier_feeds()
-    run_pipeline(model, f"{BEFORE},{NAME}", calibration_data=iter(feeds))   # one-shot: spent by calibrate,
-    assert model.report[NAME]["chosen"] == "ranges minmax"               # but calibrate kept 16 feeds
+    findings, _ = findings_of(model, f"{BEFORE},{NAME}", iter(feeds))   # one-shot: spent by calibrate,
+    assert findings[NAME]["chosen"] == "ranges minmax"                  # but calibrate kept 16 feeds
     model = model_from_text(SCALE)
     run_pipeline(model, BEFORE, calibration_data=feeds)
-    model.kept_samples = None                                  # as when calibrate could not keep them
-    run_pipeline(model, NAME, calibration_data=iter([]))
-    assert model.report[NAME] == {"skipped": "the calibration data cannot be read again"}
-    record = run_pipeline(model, f"{NAME}{{max_weight_mb=0}}", calibration_data=feeds)[1][0]
-    assert "max_weight_mb=0" in model.report[NAME]["skipped"] and not record.modified
-    run_pipeline(model, f"{NAME}{{max_nodes=0}}", calibration_data=feeds)
-    assert model.report[NAME] == {"skipped": "1 nodes is over max_nodes=0"}
+    # another run: calibrate's kept feeds are not there, as when calibrate could not keep them
+    findings, _ = findings_of(model, NAME, iter([]))
+    assert findings[NAME] == {"skipped": "the calibration data cannot be read again"}
+    findings, record = findings_of(model, f"{NAME}{{max_weight_mb=0}}", feeds)
+    assert "max_weight_mb=0" in findings[NAME]["skipped"] and not record.modified
+    findings, _ = findings_of(model, f"{NAME}{{max_nodes=0}}", feeds)
+    assert findings[NAME] == {"skipped": "1 nodes is over max_nodes=0"}
 
 
 def test_a_variant_that_fails_is_reported_not_fatal():
     model, data = model_from_text(SCALE), outlier_feeds()
-    select(model, data, options="then=insert-qdq")   # insert-qdq needs qparams: every variant fails
-    report = model.report[NAME]
+    _, findings = select(model, data, options="then=insert-qdq")   # insert-qdq needs qparams: every variant fails
+    report = findings[NAME]
     assert report["skipped"] == "no variant could be quantized and run"
     assert [f["variant"] for f in report["failed"]] == ["ranges percentile", "ranges minmax"]
     assert "qparams-computed" in report["failed"][0]["error"]
@@ -181,36 +188,39 @@ def test_big_graphs_are_scored_with_q_dq_as_written():
     reports = []
     for options in ("", "fused_nodes=0"):
         model = model_from_text(SCALE)
-        select(model, outlier_feeds(), options=options)
-        reports.append(model.report[NAME])
+        _, findings = select(model, outlier_feeds(), options=options)
+        reports.append(findings[NAME])
     assert reports[0]["chosen"] == reports[1]["chosen"] == "ranges minmax"
     for fused, plain in zip(reports[0]["variants"], reports[1]["variants"]):
         assert abs(fused["snr_db"] - plain["snr_db"]) < 1.0
 
 
 def test_float_outputs_kept_by_calibrate_score_like_a_second_float_run():
+    def select_with(model, kept, options=""):
+        """select-by-snr's findings in a run whose cache holds ``kept`` (or not)."""
+        ctx = RunContext(None, data)
+        if kept is not None:
+            ctx.cache["kept_samples"] = kept
+        run_pipeline(model, f"{NAME}{{{options}}}" if options else NAME, ctx=ctx)
+        return ctx.findings.as_dict()[NAME]
+
     model, data = model_from_text(SIGMOID), outlier_feeds(40)
-    run_pipeline(model, BEFORE, calibration_data=data)
-    kept = model.kept_samples
+    ctx = RunContext(None, data)
+    run_pipeline(model, BEFORE, ctx=ctx)
+    kept = ctx.cache["kept_samples"]
     assert len(kept.feeds) == 32 and kept.names == ["y"] and kept.outputs[0][0].shape == (1, SIZE)
     scores = []
     for keep in (True, False):
-        trial = model.copy()
-        trial.kept_samples = kept if keep else None
-        run_pipeline(trial, NAME, calibration_data=data)
-        scores.append(trial.report[NAME]["variants"])
+        scores.append(select_with(model.copy(), kept if keep else None)["variants"])
     for a, b in zip(*scores):
         assert a["variant"] == b["variant"] and abs(a["snr_db"] - b["snr_db"]) < 0.01
     kept.feeds, kept.outputs, kept.full = kept.feeds[:2], kept.outputs[:2], True   # out of room at 2
-    model.kept_samples = kept
-    run_pipeline(model, NAME, calibration_data=data)
-    assert model.report[NAME]["samples"] == 32    # too few kept: the float model runs again
+    assert select_with(model, kept)["samples"] == 32    # too few kept: the float model runs again
     for kept_outputs in (True, False):             # big outputs: 8 feeds are enough, both ways
-        model = model_from_text(SIGMOID)
-        run_pipeline(model, BEFORE, calibration_data=data)
-        model.kept_samples = model.kept_samples if kept_outputs else None
-        run_pipeline(model, f"{NAME}{{output_values=10000}}", calibration_data=data)
-        assert model.report[NAME]["samples"] == 8
+        model, ctx = model_from_text(SIGMOID), RunContext(None, data)
+        run_pipeline(model, BEFORE, ctx=ctx)
+        kept = ctx.cache["kept_samples"] if kept_outputs else None
+        assert select_with(model, kept, "output_values=10000")["samples"] == 8
 
 
 def test_a_clearly_worse_variant_stops_scoring_early():
@@ -221,8 +231,8 @@ def test_a_clearly_worse_variant_stops_scoring_early():
     samples = {}
     for stop in ("", "early_stop=0"):
         model = matmul_model(positive)
-        select(model, normal_feeds(), config, ",".join(o for o in ("fused_nodes=0", stop) if o))
-        report = model.report[NAME]
+        _, findings = select(model, normal_feeds(), config, ",".join(o for o in ("fused_nodes=0", stop) if o))
+        report = findings[NAME]
         assert report["chosen"] == "weights asymmetric" and report["samples"] == 16
         samples[stop] = [(v["samples"], v.get("dropped", False)) for v in report["variants"]]
     assert samples == {"": [(8, False), (8, True)], "early_stop=0": [(16, False), (16, False)]}
