@@ -268,8 +268,8 @@ def cmd_passes(args) -> int:
             print(f"    requires: {', '.join(sorted(cls.requires))}")
         if cls.establishes:
             print(f"    establishes: {', '.join(sorted(cls.establishes))}")
-        if cls.invalidates:
-            print(f"    invalidates: {', '.join(sorted(cls.invalidates))}")
+        if cls.preserves:
+            print(f"    preserves: {', '.join(sorted(cls.preserves))}")
     return 0
 
 
