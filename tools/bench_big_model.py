@@ -86,20 +86,23 @@ def child(src: str, dst: str, width: int) -> dict:
     from qpasses.instruments import TimePasses
 
     class PeakPerPass(TimePasses):
-        """Pass times, plus each pass's own peak RSS (VmHWM reset before it)."""
+        """Pass times, plus each pass's own peak RSS (VmHWM reset before it); passes a pass runs
+        on a copy (select-by-snr's ``then``, ctx.depth > 0) count in their parent's peak."""
 
         def __init__(self):
             super().__init__()
             self.peaks: list[float] = []
             self.before_peak = 0.0    # the largest peak of what ran before the passes, or between them
 
-        def before(self, index, p, model):
-            self.before_peak = max(self.before_peak, status_mb("VmHWM"))
-            _reset_peak()
+        def before(self, index, p, model, ctx):
+            if not ctx.depth:
+                self.before_peak = max(self.before_peak, status_mb("VmHWM"))
+                _reset_peak()
 
-        def after(self, index, p, model, record):
-            super().after(index, p, model, record)
-            self.peaks.append(status_mb("VmHWM"))
+        def after(self, index, p, model, record, ctx):
+            super().after(index, p, model, record, ctx)
+            if not ctx.depth:
+                self.peaks.append(status_mb("VmHWM"))
 
     row = {"rss_base_mb": status_mb("VmHWM")}
     timer = PeakPerPass()
@@ -114,7 +117,8 @@ def child(src: str, dst: str, width: int) -> dict:
     qpasses.save(model, dst, external_data=True)
     row["save_s"] = time.perf_counter() - t
     row["total_s"], row["cpu_s"] = time.perf_counter() - start, time.process_time() - cpu
-    row["passes"] = [[text, round(sec, 2), round(peak)] for (text, sec, _, _), peak in zip(timer.rows, timer.peaks)]
+    top = [r for r in timer.rows if not r[4]]   # (text, seconds, modified, stats, depth) of the user's pipeline
+    row["passes"] = [[text, round(sec, 2), round(peak)] for (text, sec, *_), peak in zip(top, timer.peaks, strict=True)]
     row["peak_rss_mb"] = max([status_mb("VmHWM"), timer.before_peak] + timer.peaks)
     return row
 

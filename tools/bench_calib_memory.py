@@ -123,14 +123,14 @@ def child(tool: str, method: str, samples: int, model_path: str) -> dict:
     import qpasses.passes.calibrate  # noqa: F401
 
     if tool == "qpasses":
+        from qpasses.context import RunContext
         from qpasses.ir import load
         from qpasses.passes.calibrate import Calibrate
 
         base, cpu0 = peak_rss_mb(), _cpu_seconds()
         start = time.perf_counter()
         model = load(model_path)
-        model.calibration_data = Reader(samples)
-        result = Calibrate(method=method).run(model)
+        result = Calibrate(method=method).run(model, RunContext(None, Reader(samples)))
         seconds = time.perf_counter() - start
         tensors = result.stats["tensors"]
     elif tool == "ort":

@@ -20,6 +20,7 @@ import models as bench_models  # noqa: E402
 
 import qpasses  # noqa: E402
 from qpasses.api import run_pipeline  # noqa: E402
+from qpasses.context import RunContext  # noqa: E402
 from qpasses.evaluate import session, snr_db  # noqa: E402
 from qpasses.instruments import TimePasses  # noqa: E402
 from qpasses.pipeline import QUANTIZE_PIPELINE  # noqa: E402
@@ -59,12 +60,13 @@ def main() -> None:
             snrs = []
             for passes in (WITHOUT, FORCED, SCORED):
                 timer = TimePasses()
-                q, _ = run_pipeline(qpasses.load(str(bm.path)), passes, config=config,
-                                    calibration_data=bm.samples("calib", args.samples), time_passes=timer)
+                ctx = RunContext(config, bm.samples("calib", args.samples))
+                q, _ = run_pipeline(qpasses.load(str(bm.path)), passes, ctx=ctx, time_passes=timer)
                 snrs.append(output_snr(bm.path, q.to_proto(), evals))
-                if passes == FORCED:
-                    seconds = sum(row[1] for row in timer.rows if row[0].startswith("correct-bias"))
-            decision = q.report.get("select-by-snr", {}).get("bias_correction", {})
+                if passes == FORCED:   # the pipeline's own pass (depth 0), not select-by-snr's trials
+                    seconds = sum(row[1] for row in timer.rows if row[0].startswith("correct-bias") and not row[4])
+            # the last run is SCORED: select-by-snr's findings say what it decided
+            decision = ctx.findings.as_dict().get("select-by-snr", {}).get("bias_correction", {})
             choice = (f"{'kept' if decision['applied'] else 'refused'} ({decision['gain_db']:+.2f} dB on calib)"
                       if decision else "not scored")
             print(f"| {name} | {act} | {snrs[0]:.2f} | {snrs[1]:.2f} | {snrs[1] - snrs[0]:+.2f} | {snrs[2]:.2f} | "

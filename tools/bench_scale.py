@@ -78,6 +78,7 @@ def measure(src: Path, profile: bool = False) -> dict:
 
     import qpasses
     from qpasses import ir
+    from qpasses.context import RunContext
     from qpasses.pipeline import make_pass
 
     spent = {"gs_import": 0.0, "gs_export": 0.0}
@@ -119,7 +120,7 @@ def measure(src: Path, profile: bool = False) -> dict:
             model = qpasses.load(src)
         for name in ("fold-constants", "cleanup"):
             with Clock(name):
-                result = make_pass(name).run(model)
+                result = make_pass(name).run(model, RunContext())
                 model.touch()
             stats[name] = result.stats
         with Clock("save"):

@@ -6,7 +6,8 @@
 One section per registered pass, in default-pipeline order then alphabetically: summary, the rest
 of the docstring (Reads/Writes/Invariants), options, facts, and a before/after example: the pass's
 ``example`` ONNX text is parsed, ``example_prelude`` (a pipeline) is run on it, then the pass, with
-``example_config`` (if any) as the QuantConfig and 8 random feeds (seeds 0..7) as calibration data.
+``example_config`` (if any) as the QuantConfig and 8 random feeds (seeds 0..7) as calibration data
+(one RunContext for the prelude and the pass).
 The output depends only on the code, so it is stable from run to run.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ os.environ.setdefault("QPASSES_NO_PROGRESS", "1")
 
 import onnx  # noqa: E402
 
-from qpasses.config import load_config  # noqa: E402
+from qpasses.context import RunContext  # noqa: E402
 from qpasses.ir import from_proto  # noqa: E402
 from qpasses.pipeline import QUANTIZE_PIPELINE, PassManager, _default, _format_value  # noqa: E402
 from qpasses.registry import in_pipeline_order  # noqa: E402
@@ -42,7 +43,8 @@ A pipeline is a comma-separated list of passes with options in braces, e.g.
 `fold-constants,calibrate{{method=percentile,percentile=99.98}},cleanup`
 (`qpasses run model.onnx -o out.onnx --passes '...'`; `qpasses passes` lists them).
 Each pass declares the facts it **requires** (the pass manager refuses to run it before a pass
-establishes them), **establishes** and **invalidates**.
+establishes them), **establishes** and **preserves** (a pass that changes the model keeps only the
+facts it preserves).
 
 Default pipeline without calibration data: `{base}`
 
@@ -98,7 +100,7 @@ def facts(cls) -> list[str]:
         return ", ".join(f"`{v}`" for v in sorted(values)) or "none"
 
     return [f"- requires: {fmt(cls.requires)}", f"- establishes: {fmt(cls.establishes)}",
-            f"- invalidates: {fmt(cls.invalidates)}"]
+            f"- preserves: {fmt(cls.preserves)}"]
 
 
 def graph_text(model) -> str:
@@ -114,12 +116,11 @@ def run_example(cls) -> list[str]:
     try:
         proto = parse(text)
         model = from_proto(proto)
-        model.config = load_config(getattr(cls, "example_config", None))
-        model.calibration_data = [random_feed(proto, seed=i) for i in range(SAMPLES)]
+        ctx = RunContext(getattr(cls, "example_config", None), [random_feed(proto, seed=i) for i in range(SAMPLES)])
         if prelude:
-            PassManager(prelude).run(model)
+            PassManager(prelude).run(model, ctx)
         before, tables = graph_text(model), side_tables(model)
-        record = PassManager([cls()]).run(model)[0]
+        record = PassManager([cls()]).run(model, ctx)[0]
         after = graph_text(model)
         changed = {k: v for k, v in side_tables(model).items() if v != tables.get(k)}
     except Exception as exc:  # a broken example must not stop the generator
@@ -148,7 +149,8 @@ def side_tables(model) -> dict[str, str]:
         return value
 
     tables = {"Quantization table": json.loads(model.quant.to_json()),
-              "Calibrated ranges": {k: list(v) for k, v in model.ranges.items()}}
+              "Calibrated ranges": {k: list(v) for k, v in model.ranges.items()},
+              "Decisions": model.decisions}
     return {title: "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(rounded(data[k]), sort_keys=True)}"
                                       for k in sorted(data)) + "\n}"
             for title, data in tables.items() if data}
