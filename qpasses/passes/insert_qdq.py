@@ -9,8 +9,9 @@ from typing import ClassVar
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ..analysis.bias_fixes import clipping_biases
 from ..decisions import leave_float
-from ..errors import ModelError
+from ..errors import ModelError, PreconditionError
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
 from ..qdq import (Namer, Placement, QParams, float_types, is_quantized, make_dq, make_q,
@@ -256,6 +257,16 @@ def apply_plan(model: QModel, plan: Plan) -> Counter:
     return counts
 
 
+def refuse_clipping_biases(model: QModel, config) -> None:
+    """A PreconditionError if fix-bias-scales would still raise a weight for an int32 bias that
+    clips (the same rule: analysis.bias_fixes), e.g. compute-qparams or correct-bias ran after it."""
+    clipping = clipping_biases(model, config)
+    if clipping:
+        more = f" (and {len(clipping) - 1} more)" if len(clipping) > 1 else ""
+        raise PreconditionError(f"pass '{NAME}': int32 bias '{clipping[0]}'{more} clips at its scale: run "
+                                f"fix-bias-scales after compute-qparams/correct-bias (or set fix_bias_scales: false)")
+
+
 @register
 class InsertQDQ(Pass):
     """Insert QuantizeLinear/DequantizeLinear for every tensor in the quantization table.
@@ -268,7 +279,9 @@ class InsertQDQ(Pass):
     Raises the default opset when the types need it (per-axis 13, float16 scales 19,
     int16/uint16/int4/uint4 21), rewriting ops with onnx.version_converter if a plain bump is unsafe.
     Invariants: graph inputs/outputs keep names and float types; tensors that already have Q/DQ are
-    left alone, so a second run changes nothing.
+    left alone, so a second run changes nothing. With config ``fix_bias_scales`` (the default) it
+    refuses an int32 bias that fix-bias-scales would still fix (a PreconditionError), so
+    recomputing qparams or correcting biases after fix-bias-scales cannot silently undo it.
     """
 
     name: ClassVar[str] = NAME
@@ -279,6 +292,8 @@ class InsertQDQ(Pass):
     example_prelude: ClassVar[str] = "calibrate,annotate-types,compute-qparams"
 
     def run(self, model: QModel, ctx) -> PassResult:
+        if ctx.config.fix_bias_scales:
+            refuse_clipping_biases(model, ctx.config)
         plan = plan_qdq(model.quant, analyse(model))
         stats = Counter(q_nodes=0, dq_nodes=0, weights_quantized=0, biases_quantized=0, merged=0)
         if plan.skipped:
