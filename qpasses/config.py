@@ -59,6 +59,29 @@ class CalibrationConfig:
         problems.raise_if_any()
 
 
+ACCURACY_METRICS = ("snr", "cosine", "top1")
+ACCURACY_FALLBACKS = ("float", "uint16", "int16")
+
+
+@dataclass
+class AccuracyConfig:
+    """What search-precision aims for: the worst output component's ``metric`` >= ``target``."""
+
+    metric: str = "snr"
+    target: float | None = None    # None: search-precision's own default (12 dB)
+    fallback: str = "float"         # what promoted tensors become
+
+    def __post_init__(self):
+        problems = _Problems()
+        if self.metric not in ACCURACY_METRICS:
+            problems.append(f"accuracy.metric: {self.metric!r} is not one of {', '.join(ACCURACY_METRICS)}")
+        if self.fallback not in ACCURACY_FALLBACKS:
+            problems.append(f"accuracy.fallback: {self.fallback!r} is not one of {', '.join(ACCURACY_FALLBACKS)}")
+        if self.target is not None:
+            self.target = _number(problems, "accuracy.target", self.target, lambda v: True, "a number")
+        problems.raise_if_any()
+
+
 def method_given(calibration: CalibrationConfig) -> bool:
     """Whether the user chose the calibration method (written in a config, or not the default)."""
     written = getattr(calibration, "_given", None)
@@ -81,12 +104,13 @@ class QuantConfig:
     reduce_range: bool = False
     minimum_real_range: float | None = None
     scale_type: str = "float32"                   # or float16
-    op_types_to_quantize: list[str] | None = None  # None: every supported op
+    op_types_to_quantize: list[str] | str | None = None  # None: oprules.DEFAULT_OP_TYPES; "all": every rule
     nodes_to_quantize: list[str] | None = None
     nodes_to_exclude: list[str] = field(default_factory=list)
     quantize_bias: bool = True
     fix_bias_scales: bool = True
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    accuracy: AccuracyConfig = field(default_factory=AccuracyConfig)
     tensor_overrides: dict = field(default_factory=dict)  # onnxruntime TensorQuantOverrides schema
     mixed_precision: dict = field(default_factory=dict)   # tensor -> type or {quant_type, symmetric}
     target: str | None = None                     # preset in qpasses/targets/<target>.json
@@ -114,6 +138,10 @@ class QuantConfig:
                 self.calibration._given = written
         elif not isinstance(self.calibration, CalibrationConfig):
             problems.append(_not_a_mapping("calibration", self.calibration))
+        if isinstance(self.accuracy, dict):
+            self.accuracy = _build(AccuracyConfig, self.accuracy, "accuracy.", problems)
+        elif not isinstance(self.accuracy, AccuracyConfig):
+            problems.append(_not_a_mapping("accuracy", self.accuracy))
         if not isinstance(self.tensor_overrides, dict):
             problems.append("tensor_overrides: expected a mapping of tensor name -> list of overrides")
         if not isinstance(self.mixed_precision, dict):
@@ -191,6 +219,8 @@ def _check_types(cfg: "QuantConfig", problems: list) -> None:
         problems.append(f"weight_symmetric: expected true, false or null, got {cfg.weight_symmetric!r}")
     for key in _LIST_KEYS:
         value = getattr(cfg, key)
+        if key == "op_types_to_quantize" and value == "all":   # every op with a rule (NPU targets)
+            continue
         if value is not None and (isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set))
                                   or not all(isinstance(v, str) for v in value)):
             problems.append(f"{key}: expected a list of names, got {value!r}")

@@ -33,3 +33,7 @@ def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type name when the message is empty)."""
     lines = str(exc).strip().splitlines()
     return lines[0] if lines else type(exc).__name__
+
+
+class TargetNotMet(QpassesError):
+    """--require-target: the accuracy target could not be met (exit 3)."""

@@ -135,6 +135,27 @@ def rule_for(op_type: str, opset: int | None = None) -> OpRule | None:
     return rule
 
 
+# Quantized by default: the weighted ops and the ops that only move, select or pool their input
+# (they keep an int8 chain going between weighted ops). Element-wise arithmetic, normalisations,
+# Concat and activations with their own range stay float unless the config asks for them
+# (op_types_to_quantize: all, or a list): on the benchmark models they cost accuracy (an
+# attention mask or boxes sharing a grid with scores, decomposed LayerNorm and GELU) for little
+# speed on CPU (tools/README.md, "Default op selection").
+NOT_BY_DEFAULT = frozenset({
+    "Add", "Sum", "Sub", "Mul", "Div", "PRelu", "Where", "Concat", "Sigmoid", "Tanh", "LeakyRelu",
+    "HardSigmoid", "HardSwish", "Softmax", "LayerNormalization", "InstanceNormalization"})
+DEFAULT_OP_TYPES = frozenset(RULES) - NOT_BY_DEFAULT
+
+
+def selected_op_types(selection) -> frozenset:
+    """The op types a config's ``op_types_to_quantize`` selects (None: the default set; "all")."""
+    if selection is None:
+        return DEFAULT_OP_TYPES
+    if selection == "all":
+        return frozenset(RULES)
+    return frozenset(selection)
+
+
 def quantizable_op_types() -> list[str]:
     return sorted(RULES)
 

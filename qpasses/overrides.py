@@ -336,7 +336,7 @@ def node_list_problems(model, config, view: _View | None = None) -> list[str]:
             if name not in names:
                 problems.append(f"{key}: no node named '{name}'{_hint(name, view.node_names)}")
     known = set(quantizable_op_types()) | view.op_types
-    for op in config.op_types_to_quantize or ():
+    for op in (config.op_types_to_quantize if config.op_types_to_quantize != "all" else None) or ():
         if op not in known:
             problems.append(f"op_types_to_quantize: '{op}' is neither a quantizable op type nor an op "
                             f"of the model{_hint(op, sorted(known))}")

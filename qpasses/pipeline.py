@@ -215,7 +215,7 @@ def print_pipeline(passes) -> str:
 
 BASE_PIPELINE = "fold-constants,fold-batchnorm,cleanup"
 QUANTIZE_PIPELINE = (BASE_PIPELINE + ",annotate-types,propagate-mixed-precision,calibrate,"
-                     "select-by-snr,compute-qparams,correct-bias,fix-bias-scales,insert-qdq,insert-converts,cleanup")
+                     "select-by-snr,search-precision,compute-qparams,correct-bias,fix-bias-scales,insert-qdq,insert-converts,cleanup")
 
 
 def default_pipeline(quantize: bool) -> str:
@@ -250,7 +250,7 @@ class PassManager:
     @relaxed_gc()
     def run(self, model: QModel, ctx: RunContext | None = None) -> list[PassRecord]:
         ctx = ctx if ctx is not None else RunContext()
-        if self.instruments:   # kept on the context: pipelines nested in a pass run them too
+        if ctx.depth == 0:   # kept on the context: pipelines nested in a pass run them too
             ctx.instruments = self.instruments
         instruments = ctx.instruments
         records: list[PassRecord] = []

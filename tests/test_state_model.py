@@ -227,3 +227,33 @@ def test_findings_are_write_only_for_passes():
             if isinstance(node, ast.Attribute) and (node.attr in ("as_dict", "_data") or (
                     node.attr == "report" and isinstance(node.value, ast.Name) and node.value.id in ("model", "ctx"))):
                 pytest.fail(f"{path.name}:{node.lineno} reads '{node.attr}'")
+
+
+def test_cleanup_forgets_what_it_removes_so_its_facts_hold():
+    from qpasses.testing import parse
+
+    model = from_proto(parse("""
+        g (float[1, 4] x) => (float[1, 4] y) {
+            y = Relu(x)
+            d = Sigmoid(x)
+            e = Identity(d)
+        }"""))
+    config = {"op_types_to_quantize": "all"}
+    rng = np.random.default_rng(0)
+    data = [{"x": rng.normal(size=(1, 4)).astype(np.float32)} for _ in range(4)]
+    model = _run(model, "annotate-types,calibrate,compute-qparams", config, data)
+    assert "d" in model.quant and "d" in model.ranges
+    _run(model, "cleanup", config, data, verify_each="structure")   # checks the facts it keeps
+    assert "d" not in model.quant and "e" not in model.quant and "d" not in model.ranges
+    assert {"types-annotated", "calibrated", "qparams-computed"} <= model.facts
+
+
+def test_instruments_of_one_run_do_not_leak_into_the_next():
+    from qpasses.instruments import TimePasses
+
+    ctx = RunContext({}, _feeds(4))
+    timer = TimePasses()
+    model = from_proto(example_model())
+    PassManager("fold-batchnorm", [timer]).run(model, ctx)
+    PassManager("cleanup").run(model, ctx)
+    assert [row[0] for row in timer.rows] == ["fold-batchnorm"]

@@ -12,7 +12,8 @@ from ..config import QuantConfig
 from .. import decisions
 from ..dataflow import dataflow
 from ..ir import QModel
-from ..oprules import ACTIVATION, BIAS, FLOAT, WEIGHT, OpRule, holds, rule_for, weight_axis
+from ..oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, WEIGHT, OpRule, holds, rule_for, selected_op_types,
+                       weight_axis)
 from ..overrides import TensorOverride, validate
 from ..pipeline import Pass, PassResult
 from ..qtypes import qtype
@@ -75,7 +76,7 @@ class AnnotateTypes(Pass):
 
 def selected_nodes(model: QModel, config: QuantConfig) -> list[tuple[gs.Node, OpRule]]:
     """(node, rule) of the nodes quantized under the config's op/node selection, in graph order."""
-    ops = set(config.op_types_to_quantize or ())
+    ops = selected_op_types(config.op_types_to_quantize)
     only = set(config.nodes_to_quantize or ())
     excluded = set(config.nodes_to_exclude)
     out = []
@@ -169,6 +170,9 @@ class TypePlanner:
     def _float_reason(self, name: str, nodes: list, selected: set[str]) -> str:
         cfg, opset = self.config, self.model.opset
         ruled = [n for n in nodes if rule_for(n.op, opset) is not None]
+            if n.name not in selected and cfg.op_types_to_quantize is None and n.op in NOT_BY_DEFAULT:
+                return (f"{n.op} '{n.name}' stays float by default (an element-wise op: "
+                        f"op_types_to_quantize: all, or a list naming {n.op}, quantizes it)")
         if not ruled:
             ops = ", ".join(sorted({n.op for n in nodes}))
             return f"no node around it is quantized: qpasses has no quantization rule for {ops}"

@@ -61,6 +61,9 @@ class Calibrate(Pass):
     max_samples: int = field(default=0, metadata={"help": "use at most this many samples (0: all)"})
     data: str = field(default="", metadata={"help": "calibration data path (empty: the model's --calib data)"})
 
+    hold_out: int = field(default=0, metadata={
+        "help": "leave the last N samples out of the ranges for search-precision to score on (only "
+                "when the data holds at least 4N samples and says how many; 0: use every sample)"})
     def settings(self, config: QuantConfig | None) -> CalibrationConfig:
         """config.calibration with this pass's explicit options applied (checked like the config)."""
         base = (config or QuantConfig()).calibration
@@ -80,10 +83,14 @@ class Calibrate(Pass):
         kept = KeptSamples(KEEP_SAMPLES)
         with row_max_probes(model, candidates) as probes:
             ranges, observed, samples = calibrate_ranges(
-                model, open_data(source), method=cal.method, percentile=float(cal.percentile),
+        data, limit, held_out_from = open_data(source), int(self.max_samples), None
+        if self.hold_out > 0 and not self.data and (data.count or 0) >= 4 * self.hold_out:
+            held_out_from = data.count - self.hold_out
+            limit = min(limit, held_out_from) if limit else held_out_from
+                model, data, method=cal.method, percentile=float(cal.percentile),
                 num_bins=int(cal.num_bins), bits=qtype(config.activation_type).bits,
                 symmetric=bool(cal.symmetric), moving_average=bool(cal.moving_average),
-                averaging_constant=float(cal.averaging_constant), max_samples=int(self.max_samples),
+                averaging_constant=float(cal.averaging_constant), max_samples=limit,
                 only=None if only is None else only | set(probes), kept=kept)
         ctx.cache["kept_samples"] = kept if kept.feeds else None
         # as saved: a resumed run reads the same Python floats
@@ -92,6 +99,8 @@ class Calibrate(Pass):
         decision = {"method": cal.method, "given": bool(self.method) or method_given(config.calibration)}
         modified = (ranges != model.ranges or observed != model.observed
                     or model.decisions.get("calibration") != decision)
+        if held_out_from is not None:
+            decision["held_out_from"] = held_out_from
         model.ranges, model.observed = ranges, observed
         model.decisions["calibration"] = decision
         ctx.findings.set(self.name, {"method": cal.method, "samples": samples})

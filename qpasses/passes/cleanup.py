@@ -9,7 +9,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from ..graphutil import node_reads, overridable_initializers, remove_nodes, replace_all_uses, topological_order
-from ..ir import QModel
+from ..ir import QModel, tensor_map
 from ..pipeline import Pass, PassResult
 from ..registry import register
 
@@ -20,7 +20,8 @@ class Cleanup(Pass):
 
     Reads: the graph; graph outputs define what is live (subgraph reads of outer tensors count).
 
-    Writes: drops nodes that no graph output depends on (initializers only they read go too);
+    Writes: drops nodes that no graph output depends on (initializers only they read go too, and
+    the table entries and ranges of the tensors removed);
     initializers with the same dtype, shape and bytes are merged into the first one in graph order
     (readers rewired; never initializers that are graph outputs or that the user may feed, nor two
     with different quantization-table entries); nodes are left in a stable topological order.
@@ -56,11 +57,28 @@ g (float[2] x) => (float[2] y) <float[2] a = {1,2}, float[2] b = {1,2}, float[2]
         remove_nodes(graph, dead)
         reordered = any(a is not b for a, b in zip(live, graph.nodes))
         graph.nodes = live
+        if dead:
+            _forget_removed(model)
         merged = _merge_duplicates(model, live)
         removed = len(before) - len(_initializers(live, graph)) - merged
         stats = {"nodes_removed": len(dead), "initializers_removed": removed,
                  "initializers_merged": merged, "reordered": int(reordered)}
         return PassResult(model, bool(dead or merged or reordered or removed), stats)
+
+
+def _forget_removed(model: QModel) -> None:
+    """Drop the table entries and ranges of tensors the graph no longer holds, and the entries that
+    share or derive from them (they were computed from a removed tensor, so they are gone too)."""
+    names = set(tensor_map(model.graph))
+    gone = {name for name in model.quant if name not in names}
+    while gone:
+        for name in gone:
+            del model.quant[name]
+        gone = {name for name, tq in model.quant.items()
+                if tq.shares in gone or (tq.derived_from and gone.intersection(tq.derived_from))}
+    for table in (model.ranges, model.observed):
+        for key in [k for k in table if k.split("::")[0] not in names]:
+            del table[key]
 
 
 def _initializers(nodes, graph: gs.Graph) -> set[str]:

@@ -127,7 +127,7 @@ g (float[1,4] x) => (float[1,4] y, float[1,4] z)
 }
 """
     example_prelude: ClassVar[str] = "calibrate,annotate-types,propagate-mixed-precision,compute-qparams,insert-qdq"
-    example_config: ClassVar[dict] = {"mixed_precision": {"y": "uint16"}}
+    example_config: ClassVar[dict] = {"mixed_precision": {"y": "uint16"}, "op_types_to_quantize": "all"}
 
     def run(self, model: QModel, ctx) -> PassResult:
         stats = Counter(converts=0, q_nodes=0, dq_nodes=0, readers_moved=0)

@@ -43,7 +43,7 @@ class PropagateMixedPrecision(Pass):
       [relu] y = Relu (c)
     }"""
     example_prelude: ClassVar[str] = "calibrate,annotate-types"
-    example_config: ClassVar[dict] = {"mixed_precision": {"b": "uint16"}}
+    example_config: ClassVar[dict] = {"mixed_precision": {"b": "uint16"}, "op_types_to_quantize": "all"}
 
     extend_through_shape_ops: bool = field(default=True, metadata={
         "help": "grow regions through shape-only ops (Reshape, Transpose, ...) so no convert sits "

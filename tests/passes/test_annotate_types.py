@@ -12,7 +12,10 @@ from qpasses.verify import check_onnx
 
 
 def annotate_with_findings(text, opset=17, **cfg):
-    """(model, result, findings) of annotate-types run with the config ``cfg``."""
+    """(model, result, findings) of annotate-types run with the config ``cfg``. These tests check
+    the op rules themselves, so every op with a rule is selected unless ``cfg`` says otherwise (the
+    default selection has its own tests)."""
+    cfg.setdefault("op_types_to_quantize", "all")
     model = model_from_text(text, opset=opset)
     ctx = RunContext(cfg)
     result = AnnotateTypes().run(model, ctx)
@@ -433,7 +436,7 @@ def test_linear_scale():
     import time
 
     start = time.perf_counter()
-    run_pass(AnnotateTypes(), model, QuantConfig())
+    run_pass(AnnotateTypes(), model, QuantConfig(op_types_to_quantize="all"))
     assert len(model.quant) == 2001 and time.perf_counter() - start < 10
     assert np.all([model.quant[f"t{i}"].qtype == "uint8" for i in range(2001)])
 
@@ -485,3 +488,18 @@ def test_same_tensors_as_onnxruntime(tmp_path, per_channel):
     model, _ = annotate(MIXED, per_channel=per_channel)
     assert model.quant["c"].shares == "r"            # the Relu is dropped: onnxruntime has no 'c' either
     assert ort == set(model.quant) - {"c"}
+
+
+def test_by_default_element_wise_ops_stay_float_with_a_reason():
+    text = """
+    g (float[1,3,8,8] x, float[1,4,8,8] s) => (float[1,4,8,8] y) <float[4,3,1,1] w = {1,2,3,4,5,6,7,8,9,10,11,12}> {
+      c = Conv (x, w)
+      a = Add (c, s)
+      y = Relu (a)
+    }"""
+    model, _ = annotate(text, op_types_to_quantize=None)
+    assert {"x", "w", "c"} <= set(model.quant) and "a" not in model.quant and "s" not in model.quant
+    reasons = model.decisions["float"]
+    assert "stays float by default" in reasons["a"]["reason"] and "op_types_to_quantize: all" in reasons["a"]["reason"]
+    everything, _ = annotate(text, op_types_to_quantize="all")
+    assert {"a", "s"} <= set(everything.quant)

@@ -1,0 +1,118 @@
+"""Which quantized activations hurt most, and how a group of them moves to a higher precision.
+
+A *group* is an entry whose qparams come from its own range or values (``shares`` is None: an
+activation or a weight) with every entry sharing them (directly or down a chain): they change
+type together.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from ..decisions import leave_float
+from ..evaluate import session
+from ..ir import QModel
+from ..qparams import dequantize, quantize
+
+
+def promotion_groups(model: QModel) -> dict[str, list[str]]:
+    """Root -> the entries of its group (root first), for every quantized activation and weight."""
+    table = model.quant
+    root_of: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        chain = []
+        while name not in root_of and table[name].shares in table and name not in chain:
+            chain.append(name)
+            name = table[name].shares
+        top = root_of.get(name, name)
+        for member in chain + [name]:
+            root_of[member] = top
+        return top
+
+    groups: dict[str, list[str]] = {}
+    for name, tq in table.items():
+        if tq.role != "bias" and not tq.fixed:
+            groups.setdefault(root(name), []).append(name)
+    return {r: sorted(members, key=lambda m: m != r) for r, members in sorted(groups.items())
+            if table[r].role != "bias" and not table[r].fixed}
+
+
+def promote(model: QModel, groups: list[list[str]], fallback: str, reasons: dict[str, str]) -> None:
+    """Move each group to ``fallback``: "float" removes the entries (and the biases derived from
+    them, which cannot be int32 without an integer input); a 16-bit type retypes them."""
+    members = [name for group in groups for name in group]
+    if fallback != "float":
+        for group in groups:
+            why = reasons.get(group[0])
+            weight = model.quant[group[0]].role == "weight"
+            for name in group:
+                tq = model.quant[name]
+                tq.qtype, tq.restricted = ("int16" if weight else fallback), False
+                tq.symmetric = tq.symmetric or weight or fallback.startswith("int")
+                if why:
+                    tq.because(why if name == group[0] else f"{why.split(':')[0]}: shares '{group[0]}'")
+        return
+    gone = set(members)
+    gone |= {name for name, tq in model.quant.items()
+             if tq.derived_from and gone.intersection(tq.derived_from)}
+    gone |= {name for name, tq in model.quant.items() if tq.shares in gone}
+    float_reasons = {}
+    for group in groups:
+        why = reasons.get(group[0])
+        for name in group:
+            float_reasons[name] = why if name == group[0] else f"shares the qparams of '{group[0]}', kept float"
+    for name in sorted(gone - set(members)):
+        float_reasons[name] = "derived from a tensor kept float"
+    for name in gone:
+        del model.quant[name]
+    if reasons:
+        leave_float(model, {k: v.split(": ", 1)[-1] for k, v in float_reasons.items() if v}, "search-precision")
+
+
+def graph_order(model: QModel, roots: list[str]) -> list[str]:
+    """``roots`` in the order the graph first reads or writes them (neighbours stay together)."""
+    first: dict[str, int] = {}
+    for index, node in enumerate(model.graph.nodes):
+        for t in list(node.inputs) + list(node.outputs):
+            first.setdefault(t.name, index)
+    return sorted(roots, key=lambda r: (first.get(r, len(first)), r))
+
+
+def local_errors(model: QModel, entries: dict, feeds: list[dict]) -> dict[str, float]:
+    """Root -> 20*log10(RMS error of quantizing it alone / median |non-zero value|) in dB (higher:
+    worse), for each root -> its computed TensorQuant in ``entries``: weights from their values, activations from one float
+    run on ``feeds`` with them as extra outputs. A tensor whose few large values stretch the grid
+    over its many small ones (an additive mask over scores, boxes beside probabilities) ranks high."""
+    constants = model.tensors()
+    wanted = [r for r, tq in entries.items()
+              if tq is not None and tq.scale and not isinstance(constants.get(r), gs.Constant)]
+    proto = model.to_proto(metadata=False)
+    present = {o.name for o in proto.graph.output}
+    proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(r) for r in wanted if r not in present)
+    sess = session(proto) if wanted else None
+    runs = [sess.run(wanted, feed) for feed in feeds] if wanted else []
+    out = {r: -400.0 for r in entries}
+    for name, tq in entries.items():
+        if tq is None or not tq.scale:
+            continue
+        if name in wanted:
+            i = wanted.index(name)
+            x = np.concatenate([np.ravel(run[i]) for run in runs]).astype(np.float32)
+        else:
+            x = np.asarray(constants[name].values, np.float32)
+        out[name] = _relative_error_db(x, tq)
+    return out
+
+
+def _relative_error_db(x: np.ndarray, tq) -> float:
+    per_axis = tq.axis is not None and len(tq.scale) > 1 and x.ndim > tq.axis
+    axis = tq.axis if per_axis else None
+    scale = np.asarray(tq.scale, np.float32) if per_axis else tq.scale[0]
+    zero_point = np.asarray(tq.zero_point) if per_axis else tq.zero_point[0]
+    q = dequantize(quantize(x, scale, zero_point, tq.qtype, axis), scale, zero_point, axis)
+    err = float(np.sqrt(np.mean(np.square(q.astype(np.float64) - x))))
+    nonzero = np.abs(x[x != 0])
+    typical = float(np.median(nonzero)) if nonzero.size else 0.0
+    return float(20 * np.log10(max(err, 1e-30) / typical)) if typical else -400.0

@@ -1,0 +1,214 @@
+"""search-precision: keep the fewest, most sensitive tensors at a higher precision until the
+model's outputs meet an accuracy target on held-out calibration feeds."""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import field
+from typing import ClassVar
+
+import numpy as np
+
+from ..analysis.sensitivity import local_errors, promotion_groups, promote
+from ..calibration.data import open_data
+from ..config import ACCURACY_FALLBACKS, ACCURACY_METRICS
+from ..errors import CalibrationDataError, first_line
+from ..evaluate import Reference, rerun_skip_reason
+from ..ir import QModel
+from ..objective import Objective
+from ..pipeline import Pass, PassResult, run_nested
+from ..registry import register
+
+NAME = "search-precision"
+DECISION = "precision_search"
+# The default target: a model whose worst output component is below 12 dB SNR is unusable on the
+# benchmark models (a detector's erased probabilities: 3 dB, an embedder at cosine 0.1: ~0 dB),
+# while ppocr_v4_det's masks agree at 0.95 IoU from 13 dB on: a higher default would spend
+# evaluations and 8-bit layers on models that already work (tools/README.md).
+DEFAULT_TARGET_DB = 12.0
+
+
+@register
+class SearchPrecision(Pass):
+    """Keep the tensors whose quantization costs most at a higher precision until the outputs meet a target.
+
+    Reads: the table and ranges (after annotate-types and calibrate), the calibration feeds
+    calibrate held out from range estimation (``model.decisions["calibration"]["held_out_from"]``;
+    else the first ``samples`` feeds, said in the decision). Quantizes a copy with ``then`` and
+    scores the objective against the float model: ``metric`` of the worst output component (an
+    output built by Concat is judged piece by piece: boxes beside probabilities). Below ``target``, it ranks the
+    quantized tensors (activations and weights, with the tensors sharing their qparams) by their
+    local error — the RMS error quantizing a tensor adds, relative to the median magnitude of its
+    non-zero values, from one float run on ``probe_samples`` feeds: a tensor whose few large values
+    stretch the grid over its many small ones (an additive attention mask over scores, boxes beside
+    probabilities) ranks first — finds by bisection the shortest head of that ranking whose move
+    to ``fallback`` (float, or 16 bits) meets the target, then gives members back to 8 bits in
+    halves, least sensitive first, while the target still holds: at most 2*log2(tensors) + 16
+    evaluations of a quantized copy on the held-out feeds.
+    Writes: the promoted tensors' table entries (float: removed, with their sharers and the biases
+    derived from them, the reason in ``model.decisions["float"]``; 16-bit: the new type, with a
+    why-line), ``model.decisions["precision_search"]`` (target, scores, promotions, evaluations).
+    Invariants: the graph is not changed; nothing is promoted when the quantized model already
+    meets the target; nothing is done (and it says why) without calibration data or above
+    ``max_nodes`` / ``max_weight_mb``.
+    """
+
+    name: ClassVar[str] = NAME
+    requires: ClassVar[frozenset] = frozenset({"calibrated", "types-annotated"})
+    preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated"})
+    example: ClassVar[str] = """
+        <ir_version: 10, opset_import: ["" : 17]>
+        g (float[1, 8] x, float[1, 8] m) => (float[1, 4] y) <float[8, 4] w = {0.9, 0.1, 0.2, 0.3, 0.1, 0.2,
+        0.3, 0.4, 0.2, 0.3, 0.4, 0.5, 0.3, 0.4, 0.5, 0.6, 0.4, 0.5, 0.6, 0.7, 0.5, 0.6, 0.7, 0.8, 0.6, 0.7,
+        0.8, 0.9, 0.7, 0.8, 0.9, -0.1}, float k = {-10000.0}>
+        {
+            big = Mul(m, k)
+            s = Add(x, big)
+            y = MatMul(s, w)
+        }
+    """
+    example_prelude: ClassVar[str] = "annotate-types,calibrate"
+
+    metric: str = field(default="", metadata={
+        "help": "snr (dB) | cosine | top1: the objective, per output component (empty: config "
+                "accuracy.metric, snr)", "choices": ("",) + ACCURACY_METRICS})
+    target: float | None = field(default=None, metadata={
+        "help": "the worst output component's score the quantized model must reach (empty: config "
+                f"accuracy.target, else {DEFAULT_TARGET_DB:g} dB of SNR; 0: do nothing)"})
+    fallback: str = field(default="", metadata={
+        "help": "what a promoted tensor becomes: float (runs everywhere) or uint16/int16 (empty: "
+                "config accuracy.fallback, float)", "choices": ("",) + ACCURACY_FALLBACKS})
+    samples: int = field(default=16, metadata={"help": "held-out calibration feeds the checks run"})
+    probe_samples: int = field(default=4, metadata={"help": "feeds the local errors are measured on"})
+    max_nodes: int = field(default=2000, metadata={
+        "help": "do nothing for graphs with more nodes than this (each evaluation quantizes a copy)"})
+    max_weight_mb: float = field(default=512.0, metadata={
+        "help": "do nothing for models with more weight data than this"})
+    then: str = field(default="compute-qparams,fix-bias-scales,insert-qdq,insert-converts", metadata={
+        "help": "the passes that turn a candidate into the QDQ model that is scored", "pipeline": True})
+
+    def settings(self, config) -> tuple[str, float, str]:
+        """(metric, target, fallback): this pass's options, else config.accuracy, else the defaults."""
+        acc = config.accuracy
+        metric = self.metric or acc.metric
+        target = self.target if self.target is not None else acc.target
+        if target is None:
+            target = DEFAULT_TARGET_DB if metric == "snr" else 0.0
+        return metric, float(target), self.fallback or acc.fallback
+
+    def run(self, model: QModel, ctx) -> PassResult:
+        metric, target, fallback = self.settings(ctx.config)
+        if target <= 0 or DECISION in model.decisions:
+            return PassResult(model, False, {"promoted": 0})
+        skip = rerun_skip_reason(model, ctx.calibration_data, self.max_nodes, self.max_weight_mb)
+        groups = promotion_groups(model)
+        if skip or not groups:
+            ctx.findings.set(NAME, {"skipped": skip or "nothing quantized to promote"})
+            return PassResult(model, False, {"promoted": 0})
+        try:
+            check, held_out = self._reference(model, ctx)
+        except CalibrationDataError as exc:
+            ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
+            return PassResult(model, False, {"promoted": 0})
+        objective = Objective(metric, model=model.to_proto(metadata=False))
+        search = _Search(self, model, ctx, check, groups, objective, target, fallback)
+        first = search.check([])
+        decision = {"metric": metric, "target": target, "fallback": fallback,
+                    "feeds": len(check.feeds), "held_out": held_out, "quantized": _round(first)}
+        chosen, reached = search.search() if first < target else ([], first)
+        if chosen:
+            total = len(groups)
+            promote(model, [groups[name] for name in chosen], fallback, {
+                name: (f"{NAME}: kept {fallback}: local quantization error {search.local_db[name]:+.1f} dB "
+                       f"of its typical value; with {len(chosen)} of {total} tensors kept {fallback} the "
+                       f"worst output component's {metric} goes from {first:.4g} to {reached:.4g} "
+                       f"(target {target:g})")
+                for name in chosen})
+        decision |= {"promoted": chosen, "evaluations": search.evaluations, "reached": _round(reached),
+                     "met": reached >= target}
+        model.decisions[DECISION] = decision
+        ctx.findings.set(NAME, decision)
+        return PassResult(model, True, {"promoted": len(chosen), "evaluations": search.evaluations})
+
+    def _reference(self, model: QModel, ctx):
+        """The float outputs on the held-out feeds (or the first ones), and whether they were held out."""
+        data = open_data(ctx.calibration_data)
+        start = model.decisions.get("calibration", {}).get("held_out_from")
+        feeds = itertools.islice(data, start, None) if start else iter(data)
+        reference = Reference.run(model.to_proto(metadata=False), feeds, self.samples)
+        if not reference.feeds:
+            raise CalibrationDataError("no feed to score on")
+        return reference, bool(start)
+
+
+class _Search:
+    """Scores on the held-out feeds of the model with some tensor groups promoted (cached)."""
+
+    def __init__(self, options: SearchPrecision, model: QModel, ctx, check: Reference, groups: dict, objective,
+                 target: float, fallback: str):
+        self.options, self.model, self.ctx, self.groups, self.check_ref = options, model, ctx, groups, check
+        self.objective, self.target, self.fallback = objective, target, fallback
+        self.budget = int(2 * math.log2(max(len(groups), 2))) + 16
+        self.evaluations = 0
+        self.scores: dict[frozenset, float] = {}
+        self.computed: dict = {}   # root -> its entry in the fully quantized trial (its qparams)
+
+    def check(self, promoted: list[str]) -> float:
+        """The objective (worst component) on the held-out feeds with ``promoted`` kept at the fallback."""
+        key = frozenset(promoted)
+        if key not in self.scores:
+            trial = self.model.copy(share_weights=True)
+            promote(trial, [self.groups[n] for n in promoted], self.fallback, {})
+            then = self.options.then.split(",")
+            cut = then.index("compute-qparams") + 1 if "compute-qparams" in then else 0
+            if cut:
+                run_nested(",".join(then[:cut]), trial, self.ctx)
+            if not promoted:   # its qparams measure the local errors
+                self.computed = {n: trial.quant.get(n) for n in self.groups}
+            if then[cut:]:
+                run_nested(",".join(then[cut:]), trial, self.ctx)
+            self.evaluations += 1
+            try:
+                result = self.check_ref.score(trial.to_proto(metadata=False), objective=self.objective)
+                self.scores[key] = float(result["objective"]["overall"])
+            except Exception as exc:   # a candidate onnxruntime cannot run is never chosen
+                self.ctx.findings.update(NAME, {f"failed_{self.evaluations}": first_line(exc)})
+                self.scores[key] = -math.inf
+        return self.scores[key]
+
+    def ranked(self) -> list[str]:
+        """Group roots from the largest local error (analysis.sensitivity.local_errors) down."""
+        feeds = self.check_ref.feeds[:max(1, self.options.probe_samples)]
+        errors = local_errors(self.model, self.computed, feeds)
+        self.local_db = errors
+        return sorted(errors, key=lambda name: (-errors[name], name))
+
+    def search(self) -> tuple[list[str], float]:
+        """The fewest promotions found that meet the target: the smallest prefix of the ranking
+        that does (bisection), then prefix members given back to 8 bits in halves while the
+        target still holds (from the least sensitive), within the evaluation budget."""
+        ranked, target = self.ranked(), self.target
+        if self.check(ranked) < target:   # not even with everything promoted: keep the best seen
+            best = max(self.scores, key=lambda k: (self.scores[k], -len(k)))
+            return [n for n in ranked if n in best], self.scores[best]
+        lo, hi = 0, len(ranked)   # check(ranked[:lo]) < target <= check(ranked[:hi])
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.check(ranked[:mid]) >= target:
+                hi = mid
+            else:
+                lo = mid
+        chosen = ranked[:hi]
+        chunks = [chosen[::-1]]   # least sensitive first
+        while chunks and self.evaluations < self.budget:
+            chunk = chunks.pop(0)
+            trial = [n for n in chosen if n not in set(chunk)]
+            if self.check(trial) >= target:
+                chosen = trial
+            elif len(chunk) > 1:
+                chunks += [chunk[:len(chunk) // 2], chunk[len(chunk) // 2:]]
+        return chosen, self.check(chosen)
+
+
+def _round(value: float):
+    return round(value, 2) if math.isfinite(value) else str(value)
