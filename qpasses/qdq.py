@@ -16,6 +16,7 @@ import onnx
 import onnx.defs
 import onnx_graphsurgeon as gs
 
+from .analysis.dtypes import float_type_name
 from .errors import ModelError
 from .ir import QModel, from_proto
 from .qparams import quantize
@@ -24,7 +25,6 @@ from .qtypes import PER_AXIS_MIN_OPSET, QType, qtype
 Q_OP, DQ_OP = "QuantizeLinear", "DequantizeLinear"
 FLOAT_SCALE_MIN_OPSET = 19   # float16/bfloat16 scales (and DQ outputs)
 _SUBBYTE = {"int4": ml_dtypes.int4, "uint4": ml_dtypes.uint4}
-_FLOATS = ("float32", "float16", "bfloat16")
 
 
 # -- quantization parameters -----------------------------------------------------------------
@@ -90,43 +90,9 @@ def quantized_values(values, qp: QParams) -> np.ndarray:
     return to_onnx_storage(quantize(values, qp.scale, qp.zero_point, qp.qtype, qp.axis), qp.qtype)
 
 
-def _dtype_name(dtype) -> str | None:
-    """"float32"/"float16"/"bfloat16", "" for other types, None when unknown."""
-    if dtype is None:
-        return None
-    try:
-        name = np.dtype(dtype).name
-    except TypeError:
-        return ""
-    return name if name in _FLOATS else ""
-
-
 def float_dtype(tensor: gs.Tensor) -> np.dtype:
     """The float type of a tensor (float32 when gs does not know it)."""
-    return scale_dtype(_dtype_name(getattr(tensor, "dtype", None)) or "float32")
-
-
-def float_types(model: QModel, names) -> dict[str, str]:
-    """Float type name of each tensor ("float32", "float16", "bfloat16"; "" when not float).
-
-    Types gs does not know are float32, unless the model holds float16/bfloat16 tensors: then ONNX
-    shape inference runs once (it exports the whole model, so only when needed)."""
-    tensors = model.tensors()
-    out = {n: _dtype_name(tensors[n].dtype) for n in names}
-    unknown = [n for n, v in out.items() if v is None]
-    inferred: dict[str, str] = {}
-    if unknown and any(_dtype_name(t.dtype) in ("float16", "bfloat16") for t in tensors.values()):
-        try:
-            graph = onnx.shape_inference.infer_shapes(model.to_proto()).graph
-        except Exception:  # best effort: big or odd models keep the float32 default
-            graph = None
-        for vi in [] if graph is None else [*graph.value_info, *graph.output]:
-            elem = vi.type.tensor_type.elem_type
-            if elem:
-                inferred[vi.name] = _dtype_name(onnx.helper.tensor_dtype_to_np_dtype(elem)) or ""
-    for n in unknown:
-        out[n] = inferred.get(n, "float32")
-    return out
+    return scale_dtype(float_type_name(getattr(tensor, "dtype", None)) or "float32")
 
 
 def scale_dtype(float_type: str) -> np.dtype:

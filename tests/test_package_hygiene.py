@@ -15,10 +15,8 @@ MAX_LINES = 400
 # module (relative to qpasses/) -> why it may be longer than MAX_LINES (one line)
 ALLOWED_LONG = {
     "ir.py": "the gs seam: QModel with load/save/copy/export must stay in one module (DESIGN.md section 1)",
-    "qdq.py": "shared Q/DQ building blocks; its dtype helpers move to analysis/dtypes.py (unification in progress)",
-    "passes/annotate_types.py": "its float-dtype inference moves to analysis/dtypes.py (unification in progress)",
+    "passes/annotate_types.py": "TypePlanner's entry, override, share, bias and merge rules read as one class (float dtypes: analysis/dtypes.py)",
     "calibration/collectors.py": "one histogram type and the five range finalisers that read it, all pure numpy",
-    "calibration/runner.py": "to be split by concern (issue 13, part 2)",
 }
 
 

@@ -1,14 +1,92 @@
-"""Float dtypes of the graph's tensors, cached per model generation."""
+"""Float dtypes of the graph's tensors, cached per model generation: what gs knows, completed by
+at most one ONNX shape inference per generation (``inferred``).
+
+- ``float_tensors``: the float32/float16 tensors annotate-types and propagate-mixed-precision type;
+- ``float_types``: the float type name of table tensors (insert-qdq: their scales' and DQs' type);
+- ``float_type_name``: "float32"/"float16"/"bfloat16" of a dtype ("" other types, None unknown).
+"""
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import onnx
+from onnx import helper
 
 from ..ir import QModel
 from ..oprules import FLOAT, rule_for
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 FLOAT_ONNX = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+_FLOAT_NAMES = ("float32", "float16", "bfloat16")
+
+
+def infer_types(proto: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]:
+    """Element types and static element counts of the top-level tensors, by shape inference on a
+    weight-free copy (types do not depend on weight values, and the copy stays small for models of
+    any size). Tensors whose shape is not fully static have no count."""
+    light = onnx.ModelProto()
+    light.ir_version = proto.ir_version
+    light.opset_import.extend(proto.opset_import)
+    light.functions.extend(proto.functions)
+    g = light.graph
+    g.node.extend(proto.graph.node)
+    g.input.extend(proto.graph.input)
+    g.output.extend(proto.graph.output)
+    g.value_info.extend(proto.graph.value_info)
+    listed = {vi.name for vi in proto.graph.input}
+    g.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                   for t in proto.graph.initializer if t.name not in listed)
+    try:
+        g2 = onnx.shape_inference.infer_shapes(light, strict_mode=False).graph
+    except Exception:  # inference failure on exotic ops: keep what the model declares
+        g2 = g
+    types, sizes = {}, {}
+    for vi in list(g2.input) + list(g2.value_info) + list(g2.output):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+            tt = vi.type.tensor_type
+            types[vi.name] = tt.elem_type
+            if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
+                sizes[vi.name] = math.prod(d.dim_value for d in tt.shape.dim)
+    return types, sizes
+
+
+def inferred(model: QModel) -> tuple[dict[str, int], dict[str, int]]:
+    """``infer_types`` of the model, run once per generation (big weights are not copied to export it)."""
+    def build(m: QModel):
+        try:
+            return infer_types(m.to_proto(metadata=False, weights={}))
+        except Exception:  # best effort: what stays unknown keeps its default
+            return {}, {}
+    return model.cached("dtypes.inferred", build)
+
+
+def float_type_name(dtype) -> str | None:
+    """"float32"/"float16"/"bfloat16", "" for other types, None when unknown."""
+    if dtype is None:
+        return None
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        return ""
+    return name if name in _FLOAT_NAMES else ""
+
+
+def float_types(model: QModel, names) -> dict[str, str]:
+    """Float type name of each tensor ("float32", "float16", "bfloat16"; "" when not float).
+
+    Types gs does not know are float32, unless the model holds float16/bfloat16 tensors: then they
+    come from ``inferred`` (it exports the whole model, so only when needed)."""
+    tensors = model.tensors()
+    out = {n: float_type_name(tensors[n].dtype) for n in names}
+    unknown = [n for n, v in out.items() if v is None]
+    types = {}
+    if unknown and any(float_type_name(t.dtype) in ("float16", "bfloat16") for t in tensors.values()):
+        types = inferred(model)[0]
+    for n in unknown:
+        elem = types.get(n)
+        out[n] = (float_type_name(helper.tensor_dtype_to_np_dtype(elem)) or "") if elem else "float32"
+    return out
 
 # ops (outside the rule table) whose output 0 has the dtype of input 0
 _SAME_DTYPE_OPS = frozenset({"Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Erf", "Gelu", "Elu", "Selu",
@@ -20,8 +98,8 @@ def float_tensors(model: QModel) -> set[str]:
     """Names of float32/float16 tensors (cached per generation).
 
     Dtypes come from the graph, then from the op rules (outputs of rule ops, and of ops like Neg,
-    have their data input's dtype); ONNX shape inference runs only if a tensor read or written by a
-    rule op is still unknown (it exports the whole model, which is slow on big graphs).
+    have their data input's dtype); ``inferred`` is read only if a tensor read or written by a rule
+    op is still unknown (it exports the whole model, which is slow on big graphs).
     """
     def build(m: QModel) -> set[str]:
         is_float: dict[str, bool] = {}
@@ -31,15 +109,11 @@ def float_tensors(model: QModel) -> set[str]:
                     is_float[name] = np.dtype(tensor.dtype) in FLOAT_DTYPES
                 except TypeError:
                     is_float[name] = False
-        if _propagate_dtypes(m, is_float):
-            try:
-                graph = onnx.shape_inference.infer_shapes(m.to_proto()).graph
-                for vi in list(graph.value_info) + list(graph.output):
-                    elem = vi.type.tensor_type.elem_type
-                    if elem and vi.name not in is_float:
-                        is_float[vi.name] = elem in FLOAT_ONNX
-            except Exception:  # inference is best effort: what stays unknown is not quantized
-                pass
+        if _propagate_dtypes(m, is_float):   # what inference cannot type stays unknown: not quantized
+            tensors = m.tensors()
+            for name, elem in inferred(m)[0].items():
+                if name in tensors:
+                    is_float.setdefault(name, elem in FLOAT_ONNX)
             _propagate_dtypes(m, is_float)
         return {name for name, flag in is_float.items() if flag}
 

@@ -10,11 +10,12 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..analysis.bias_fixes import clipping_biases
+from ..analysis.dtypes import float_types
 from ..decisions import leave_float
 from ..errors import ModelError, PreconditionError
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
-from ..qdq import (Namer, Placement, QParams, float_types, is_quantized, make_dq, make_q,
+from ..qdq import (Namer, Placement, QParams, is_quantized, make_dq, make_q,
                    min_opset, paused_gc, producer, qparam_constants, quantized_values, redirect,
                    require_opset, scale_dtype)
 from ..registry import register
