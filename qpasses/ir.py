@@ -22,7 +22,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from .annotations import QuantTable
 from .errors import ModelError, first_line
-from .graphutil import toposort
+from .graphutil import toposort, unique_name
 from .validate import validate_proto
 
 FACTS_KEY = "qpasses.facts"
@@ -312,18 +312,14 @@ def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None) -> QMode
 
 def _name_nodes(graph: gs.Graph) -> None:
     """Give unnamed (or duplicate-named) nodes unique, deterministic names: ``<op>_<index>``."""
-    taken = {n.name for n in graph.nodes if n.name}
+    taken = {n.name for n in graph.nodes if n.name}   # and the names given here (unique_name adds them)
     seen: set[str] = set()
     for index, node in enumerate(graph.nodes):
         if node.name and node.name not in seen:
             seen.add(node.name)
             continue
-        base = f"{node.name or node.op}_{index}"
-        name, k = base, 1
-        while name in taken or name in seen:
-            name, k = f"{base}_{k}", k + 1
-        node.name = name
-        seen.add(name)
+        node.name = unique_name(f"{node.name or node.op}_{index}", taken)
+        seen.add(node.name)
 
 
 def _ranges_json(ranges: dict) -> str:

@@ -1,14 +1,14 @@
 """Building blocks shared by insert-qdq and insert-converts.
 
-Quantization parameters of one Q/DQ (``QParams``), unique readable names (``Namer``), scale and
+Quantization parameters of one Q/DQ (``QParams``), unique readable names (``new_namer``), scale and
 zero-point initializers, Q and DQ nodes, quantized initializers, rewiring readers, placing new
 nodes in a sorted graph, and raising the opset safely (``require_opset``).
 """
 from __future__ import annotations
 
-import contextlib
-import gc
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
@@ -18,6 +18,7 @@ import onnx_graphsurgeon as gs
 
 from .analysis.dtypes import float_type_name
 from .errors import ModelError
+from .graphutil import unique_name
 from .ir import QModel, from_proto
 from .qparams import quantize
 from .qtypes import PER_AXIS_MIN_OPSET, QType, qtype
@@ -115,19 +116,13 @@ def min_opset(qp: QParams, scale_type: np.dtype) -> int:
 
 
 # -- names -----------------------------------------------------------------------------------
-class Namer:
-    """Unique names for new tensors and nodes: ``base``, else ``base_1``, ``base_2``, ..."""
+Namer = Callable[[str], str]
 
-    def __init__(self, model: QModel):
-        self.used = set(model.tensors()) | {n.name for n in model.graph.nodes if n.name}
 
-    def __call__(self, base: str) -> str:
-        name, i = base, 0
-        while name in self.used:
-            i += 1
-            name = f"{base}_{i}"
-        self.used.add(name)
-        return name
+def new_namer(model: QModel) -> Namer:
+    """Unique names for new tensors and nodes: ``base``, else ``base_1``, ``base_2``, ...
+    (graphutil.unique_name over the model's tensor and node names)."""
+    return functools.partial(unique_name, taken=set(model.tensors()) | {n.name for n in model.graph.nodes if n.name})
 
 
 # -- nodes and initializers ------------------------------------------------------------------
@@ -201,19 +196,6 @@ class Placement:
                 nodes.append(node)
             nodes.extend(self._after.get(i, ()))
         self.graph.nodes = nodes
-
-
-@contextlib.contextmanager
-def paused_gc():
-    """Pause the cyclic garbage collector while creating many gs objects (its full passes over
-    the ever larger heap made inserting Q/DQ superlinear in graph size)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def producer(tensor: gs.Tensor) -> gs.Node | None:

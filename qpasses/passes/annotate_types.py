@@ -11,6 +11,7 @@ from ..annotations import Convert, TensorQuant
 from ..config import QuantConfig
 from .. import decisions
 from ..dataflow import dataflow
+from ..graphutil import unique_name
 from ..ir import QModel
 from ..oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, WEIGHT, OpRule, holds, rule_for, selected_op_types,
                        weight_axis)
@@ -106,18 +107,10 @@ def unshare_biases(model: QModel, config: QuantConfig, overrides: dict) -> int:
                 continue
             if remaining.get(t.name, 0) > 1:
                 remaining[t.name] -= 1
-                name = _unique(f"{t.name}_{node.name}", taken)
+                name = unique_name(f"{t.name}_{node.name}", taken)
                 node.inputs[i] = gs.Constant(name, np.array(t.values, copy=True))
                 copies += 1
     return copies
-
-
-def _unique(base: str, taken: set[str]) -> str:
-    name, n = base, 1
-    while name in taken:
-        name, n = f"{base}_{n}", n + 1
-    taken.add(name)
-    return name
 
 
 class TypePlanner:

@@ -8,10 +8,10 @@ from typing import ClassVar
 import onnx_graphsurgeon as gs
 
 from ..errors import ModelError
-from ..ir import QModel
+from ..ir import QModel, relaxed_gc
 from ..pipeline import Pass, PassResult
-from ..qdq import (Namer, Placement, QParams, dequantizer, float_dtype, make_dq, make_q, min_opset,
-                   paused_gc, qparam_constants, redirect, require_opset, scale_dtype)
+from ..qdq import (Placement, QParams, dequantizer, float_dtype, make_dq, make_q, min_opset,
+                   new_namer, qparam_constants, redirect, require_opset, scale_dtype)
 from ..registry import register
 
 NAME = "insert-converts"
@@ -74,7 +74,7 @@ def plan_converts(table, facts: dict[str, ConvertFacts]) -> list[ConvertStep]:
 def apply_converts(model: QModel, steps: list[ConvertStep], facts: dict[str, ConvertFacts]) -> Counter:
     """Insert [DQ copy ->] Q -> DQ after each tensor's DQ and move the receiving readers onto it."""
     tensors = model.tensors()
-    namer, place = Namer(model), Placement(model.graph)
+    namer, place = new_namer(model), Placement(model.graph)
     counts: Counter = Counter()
     for step in steps:
         base = f"{step.tensor}_convert"
@@ -140,7 +140,7 @@ g (float[1,4] x) => (float[1,4] y, float[1,4] z)
         if raised:  # the graph may have been rewritten by the version converter
             facts = analyse(model)
             steps = plan_converts(model.quant, facts)
-        with paused_gc():
+        with relaxed_gc():
             stats.update(apply_converts(model, steps, facts))
         stats["opset_raised_to"] = model.opset if raised else 0
         return PassResult(model, True, dict(stats))

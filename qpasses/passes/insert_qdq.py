@@ -13,10 +13,10 @@ from ..analysis.bias_fixes import clipping_biases
 from ..analysis.dtypes import float_types
 from ..decisions import leave_float
 from ..errors import ModelError, PreconditionError
-from ..ir import QModel
+from ..ir import QModel, relaxed_gc
 from ..pipeline import Pass, PassResult
-from ..qdq import (Namer, Placement, QParams, is_quantized, make_dq, make_q,
-                   min_opset, paused_gc, producer, qparam_constants, quantized_values, redirect,
+from ..qdq import (Placement, QParams, is_quantized, make_dq, make_q,
+                   min_opset, new_namer, producer, qparam_constants, quantized_values, redirect,
                    require_opset, scale_dtype)
 from ..registry import register
 from . import CONV_RELU_EXAMPLE
@@ -208,7 +208,7 @@ def _mergeable(table, facts: GraphFacts, c: Clamp) -> bool:
 def apply_plan(model: QModel, plan: Plan) -> Counter:
     """Edit the graph as planned; returns the counts for the stats."""
     tensors = model.tensors()
-    namer, place = Namer(model), Placement(model.graph)
+    namer, place = new_namer(model), Placement(model.graph)
     by_name = {i.tensor: i for i in plan.inserts}
     made: dict[str, tuple[gs.Constant, gs.Constant]] = {}
     counts: Counter = Counter()
@@ -304,7 +304,7 @@ class InsertQDQ(Pass):
         raised = require_opset(model, plan.opset)
         if raised:  # the graph may have been rewritten by the version converter
             plan = plan_qdq(model.quant, analyse(model))
-        with paused_gc():
+        with relaxed_gc():
             stats.update(apply_plan(model, plan))
         stats["opset_raised_to"] = model.opset if raised else 0
         return PassResult(model, True, dict(stats))
