@@ -78,7 +78,7 @@ class SearchPrecision(Pass):
     fallback: str = field(default="", metadata={
         "help": "what a promoted tensor becomes: float (runs everywhere) or uint16/int16 (empty: "
                 "config accuracy.fallback, float)", "choices": ("",) + ACCURACY_FALLBACKS})
-    samples: int = field(default=16, metadata={"help": "held-out calibration feeds the checks run"})
+    samples: int = field(default=8, metadata={"help": "calibration feeds each check runs (held out when calibrate held some out)"})
     probe_samples: int = field(default=4, metadata={"help": "feeds the local errors are measured on"})
     max_nodes: int = field(default=2000, metadata={
         "help": "do nothing for graphs with more nodes than this (each evaluation quantizes a copy)"})
