@@ -24,12 +24,12 @@ def run_pipeline(model, passes: str | list | None = None, *, config=None, calibr
         model = load(model)
     if ctx is None:
         ctx = RunContext(config, calibration_data)
+    elif config is not None or calibration_data is not None:
+        raise ValueError("run_pipeline: give the config and calibration data either to the RunContext or here")
     if passes is None:
         passes = default_pipeline(quantize=ctx.calibration_data is not None)
     instruments = []
     if time_passes is not None:
-    elif config is not None or calibration_data is not None:
-        raise ValueError("run_pipeline: give the config and calibration data either to the RunContext or here")
         instruments.append(time_passes)
     if verify_each:
         instruments.append(VerifyEach(verify_each))

@@ -163,9 +163,6 @@ class TypePlanner:
     def _float_reason(self, name: str, nodes: list, selected: set[str]) -> str:
         cfg, opset = self.config, self.model.opset
         ruled = [n for n in nodes if rule_for(n.op, opset) is not None]
-            if n.name not in selected and cfg.op_types_to_quantize is None and n.op in NOT_BY_DEFAULT:
-                return (f"{n.op} '{n.name}' stays float by default (an element-wise op: "
-                        f"op_types_to_quantize: all, or a list naming {n.op}, quantizes it)")
         if not ruled:
             ops = ", ".join(sorted({n.op for n in nodes}))
             return f"no node around it is quantized: qpasses has no quantization rule for {ops}"
@@ -173,6 +170,9 @@ class TypePlanner:
             if n.name in cfg.nodes_to_exclude:
                 return f"{n.op} '{n.name}' is in the config's nodes_to_exclude"
         for n in ruled:
+            if n.name not in selected and cfg.op_types_to_quantize is None and n.op in NOT_BY_DEFAULT:
+                return (f"{n.op} '{n.name}' stays float by default (an element-wise op: "
+                        f"op_types_to_quantize: all, or a list naming {n.op}, quantizes it)")
             if n.name not in selected:
                 return (f"{n.op} '{n.name}' is not selected by the config "
                         f"(op_types_to_quantize / nodes_to_quantize)")

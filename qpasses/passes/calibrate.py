@@ -81,12 +81,12 @@ class Calibrate(Pass):
         candidates = only if only is not None else [
             name for name, t in model.tensors().items() if isinstance(t, gs.Variable)]
         kept = KeptSamples(KEEP_SAMPLES)
-        with row_max_probes(model, candidates) as probes:
-            ranges, observed, samples = calibrate_ranges(
         data, limit, held_out_from = open_data(source), int(self.max_samples), None
         if self.hold_out > 0 and not self.data and (data.count or 0) >= 4 * self.hold_out:
             held_out_from = data.count - self.hold_out
             limit = min(limit, held_out_from) if limit else held_out_from
+        with row_max_probes(model, candidates) as probes:
+            ranges, observed, samples = calibrate_ranges(
                 model, data, method=cal.method, percentile=float(cal.percentile),
                 num_bins=int(cal.num_bins), bits=qtype(config.activation_type).bits,
                 symmetric=bool(cal.symmetric), moving_average=bool(cal.moving_average),
@@ -97,10 +97,10 @@ class Calibrate(Pass):
         ranges = {k: (float(lo), float(hi)) for k, (lo, hi) in ranges.items()}
         observed = {k: (float(lo), float(hi)) for k, (lo, hi) in observed.items()}
         decision = {"method": cal.method, "given": bool(self.method) or method_given(config.calibration)}
-        modified = (ranges != model.ranges or observed != model.observed
-                    or model.decisions.get("calibration") != decision)
         if held_out_from is not None:
             decision["held_out_from"] = held_out_from
+        modified = (ranges != model.ranges or observed != model.observed
+                    or model.decisions.get("calibration") != decision)
         model.ranges, model.observed = ranges, observed
         model.decisions["calibration"] = decision
         ctx.findings.set(self.name, {"method": cal.method, "samples": samples})
