@@ -7,7 +7,9 @@ from typing import ClassVar
 import numpy as np
 
 from ..analysis.derivations import Resolver, describe_options, qparams_key, qparams_options
+from ..analysis.mixed_ranges import mixed_range_concats
 from ..analysis.ranges import entry_range, fmt as _fmt
+from ..analysis.scopes import UNOBSERVED
 from ..annotations import TensorQuant
 from ..config import QuantConfig
 from ..decisions import leave_float
@@ -61,6 +63,9 @@ class _Planner:
         rmin, rmax, source = found
         if not is_finite_range(rmin, rmax):
             return f"range from {source} is not finite"
+        mixed = mixed_range_concats(self.model).get(name)
+        if mixed:
+            return mixed
         opts = qparams_options(tq, self.config)
         scale, zp = self.computed.get(name) or compute_qparams(rmin, rmax, tq.qtype, **opts)
         return tq.with_qparams(scale, zp), (f"{NAME}: range [{_fmt(np.min(rmin))}, {_fmt(np.max(rmax))}] "
