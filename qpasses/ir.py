@@ -328,6 +328,23 @@ def _ranges_json(ranges: dict) -> str:
                       separators=(",", ":"))
 
 
+_TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data")
+
+
+def _raw_encoding(proto: onnx.ModelProto) -> None:
+    """Tensors kept in typed fields (float_data, ...: e.g. Constant nodes the version converter
+    made) are written as raw_data, as every constant qpasses owns is: a model exported before or
+    after a save/load round trip then has the same bytes."""
+    for tensor in external_data_helper._get_all_tensors(proto):
+        if (tensor.data_type in _NUMPY_TYPES and not tensor.raw_data
+                and tensor.data_location != onnx.TensorProto.EXTERNAL
+                and any(len(getattr(tensor, f)) for f in _TYPED_FIELDS)):
+            array = onnx.numpy_helper.to_array(tensor)
+            for f in _TYPED_FIELDS:
+                tensor.ClearField(f)
+            tensor.raw_data = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
 def _copy_value_info(vi: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
     new = onnx.ValueInfoProto()
     new.CopyFrom(vi)
@@ -355,23 +372,6 @@ def _restore_input_initializers(proto, input_order, input_inits) -> None:
 @functools.lru_cache(maxsize=1)
 def max_ort_ir_version() -> int:
     """Highest IR version the installed onnxruntime accepts (probed once with a tiny model)."""
-_TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data")
-
-
-def _raw_encoding(proto: onnx.ModelProto) -> None:
-    """Tensors kept in typed fields (float_data, ...: e.g. Constant nodes the version converter
-    made) are written as raw_data, as every constant qpasses owns is: a model exported before or
-    after a save/load round trip then has the same bytes."""
-    for tensor in external_data_helper._get_all_tensors(proto):
-        if (tensor.data_type in _NUMPY_TYPES and not tensor.raw_data
-                and tensor.data_location != onnx.TensorProto.EXTERNAL
-                and any(len(getattr(tensor, f)) for f in _TYPED_FIELDS)):
-            array = onnx.numpy_helper.to_array(tensor)
-            for f in _TYPED_FIELDS:
-                tensor.ClearField(f)
-            tensor.raw_data = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
-
-
     import onnxruntime as ort
 
     for version in range(onnx.IR_VERSION, 6, -1):
