@@ -9,7 +9,6 @@ import numpy as np
 from ..analysis.derivations import Resolver, describe_options, qparams_key, qparams_options
 from ..analysis.mixed_ranges import mixed_range_concats
 from ..analysis.ranges import entry_range, fmt as _fmt
-from ..analysis.scopes import UNOBSERVED
 from ..annotations import TensorQuant
 from ..config import QuantConfig
 from ..decisions import leave_float
