@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import PassFailure, QpassesError
+from .errors import PassFailure, QpassesError, TargetNotMet
 
 
 def main(argv=None) -> int:
@@ -42,6 +42,9 @@ def _main(argv) -> int:
         return 2
     try:
         return args.func(args) or 0
+    except TargetNotMet as exc:
+        print(f"qpasses: error: {exc}", file=sys.stderr)
+        return 3
     except QpassesError as exc:
         print(f"qpasses: error: {exc}", file=sys.stderr)
         return 2
@@ -94,6 +97,11 @@ def _parser() -> argparse.ArgumentParser:
                           "from the saved form of the model after each pass)")
     run.add_argument("--dump-after", metavar="DIR", help="save the model after every pass as DIR/NNN_<pass>.onnx")
     run.add_argument("--reproducer", metavar="DIR", help="on failure, save the failing pass's input and the rest of the pipeline")
+    run.add_argument("--target", metavar="METRIC=VALUE",
+                     help="accuracy target for search-precision: snr=25 (dB), cosine=0.995, top1=0.99 "
+                          "(the worst output component must reach it on calibration feeds)")
+    run.add_argument("--require-target", action="store_true",
+                     help="exit 3 (writing nothing) when the target cannot be met")
     run.add_argument("--time-passes", action="store_true", help="print seconds per pass")
     run.add_argument("--quiet", action="store_true", help="print nothing but errors")
     run.add_argument("--traceback", action="store_true", help="show a traceback on internal errors")
@@ -156,9 +164,18 @@ def cmd_run(args) -> int:
     model = load(src)
     eval_data = _checked_eval_data(args.eval, model) if args.eval else None
     ctx = RunContext(args.config, args.calib)
+    if args.target:
+        _apply_target(ctx, args.target)
     model, records = run_pipeline(model, args.passes, ctx=ctx, verify_each=args.verify_each,
                                   dump_after=args.dump_after, reproducer=args.reproducer, time_passes=timer)
     findings = ctx.findings.as_dict()
+    search = model.decisions.get("precision_search", {})
+    if search and not search.get("met", True):
+        line = (f"search-precision reached {search['reached']} {search['metric']}, short of the target "
+                f"{search['target']:g}, with {len(search['promoted'])} tensors promoted")
+        if args.require_target:
+            raise TargetNotMet(f"{line} (--require-target: nothing written)")
+        say(f"qpasses: warning: {line}")
     data_file = out.with_name(out.name + ".data")
     had_data_file = data_file.exists()
     save(model, out)
@@ -191,12 +208,33 @@ def cmd_run(args) -> int:
             f"over {report['accuracy']['samples']} samples")
         for line in _objective_lines(objective, report["accuracy"], report["objective"], always=False):
             say(f"qpasses: {line}")
+    if "types-annotated" in model.facts or "qdq-inserted" in model.facts:
+        from .summary import summary_line
+
+        report["summary"] = summary_line(model.to_proto(metadata=False), float_reasons(model))
+        say(f"qpasses: {report['summary']}")
     if args.time_passes and not args.quiet:
         print(timer.table(), file=sys.stderr)
     if args.report:
         _write_json(Path(args.report), report)
     say(f"qpasses: wrote {out}")
     return 0
+
+
+def _apply_target(ctx, text: str) -> None:
+    """--target METRIC=VALUE into the run's config (accuracy.metric, accuracy.target)."""
+    from .config import ACCURACY_METRICS
+
+    metric, eq, value = text.partition("=")
+    try:
+        target = float(value)
+    except ValueError:
+        target = None
+    if not eq or metric not in ACCURACY_METRICS or target is None or target != target:
+        raise QpassesError(f"--target '{text}': expected METRIC=VALUE with METRIC one of "
+                           f"{', '.join(ACCURACY_METRICS)} (e.g. snr=25, cosine=0.995, top1=0.99)")
+    ctx.config.accuracy.metric, ctx.config.accuracy.target = metric, target
+    ctx.config._given = ctx.config.given | {"accuracy"}
 
 
 def _objective_lines(objective, accuracy: dict, summary: dict | None, *, always: bool) -> list[str]:
