@@ -115,17 +115,19 @@ def test_run_quantizes_and_reports_the_selection_and_the_snr(example, tmp_path, 
 
 
 def test_run_says_which_variants_stopped_early(tmp_path, capsys):
-    """Sigmoid of N(0, 1) values with one outlier: min/max ranges are far behind percentile ones."""
+    """Sigmoid of N(0, 1) values with one outlier: min/max ranges are far behind percentile ones.
+    (Sigmoid stays float by default: the config selects every op, the pipeline is the default one.)"""
     from qpasses.testing import model_from_text
 
     model = model_from_text("g (float[1, 4096] x) => (float[1, 4096] y) { y = Sigmoid(x) }")
     rng = np.random.default_rng(0)
     x = rng.standard_normal((32, 1, 4096)).astype(np.float32)
     x[0, 0, 0] = 100.0
-    path, calib = tmp_path / "sigmoid.onnx", tmp_path / "calib.npz"
+    path, calib, config = tmp_path / "sigmoid.onnx", tmp_path / "calib.npz", tmp_path / "config.json"
     onnx.save(model.to_proto(), path)
     np.savez(calib, x=x)
-    code, _, err = _run(capsys, "run", path, "-o", tmp_path / "q.onnx", "--calib", calib)
+    config.write_text(json.dumps({"op_types_to_quantize": "all"}))
+    code, _, err = _run(capsys, "run", path, "-o", tmp_path / "q.onnx", "--calib", calib, "--config", config)
     assert code == 0, err
     assert "select-by-snr chose ranges percentile" in err
     assert "[clearly ahead after 8], ranges minmax" in err   # the race is decided: the winner stops too

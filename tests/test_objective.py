@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import qpasses
 from qpasses.cli import main
+from qpasses.decisions import float_reasons
 from qpasses.evaluate import compare, session
 from qpasses.objective import (Component, MetricError, Objective, objective_scores, output_components,
                                parse_metric)
@@ -104,10 +105,18 @@ def test_repeated_concat_input_is_named_by_range():
 
 # -- the detector: pooled SNR hides the probabilities ------------------------------------------
 
+# The erased probabilities: every op quantized (Concat and Sigmoid stay float by default), the
+# Concat output on the one 8-bit grid its 0..320 range gives (fixed here: compute-qparams would
+# keep a Concat of ranges this far apart float) and search-precision off (its default target
+# would keep the Concat float too)
+ONE_GRID = {"op_types_to_quantize": "all", "accuracy": {"target": 0},
+            "tensor_overrides": {"output": [{"scale": 320 / 255, "zero_point": 0}]}}
+
+
 @pytest.fixture(scope="module")
 def quantized_detector():
     float_model = detector()
-    return float_model, qpasses.quantize(float_model, calibration_data=feeds(16, seed=2))
+    return float_model, qpasses.quantize(float_model, calibration_data=feeds(16, seed=2), config=ONE_GRID)
 
 
 def test_pooled_snr_is_high_while_the_probabilities_are_lost(quantized_detector):
@@ -121,12 +130,33 @@ def test_pooled_snr_is_high_while_the_probabilities_are_lost(quantized_detector)
     assert result["objective"]["outputs"] == {"output": ["output[boxes]", "output[scores]"]}
 
 
+@pytest.mark.parametrize("config, kept_float", [
+    (None, {"output": "Concat 'Concat_5' stays float by default", "scores": "Sigmoid 'Sigmoid_4' stays float by default"}),
+    ({"op_types_to_quantize": "all", "accuracy": {"target": 0}}, {"output": "Concat 'Concat_5' joins ranges"}),
+], ids=["default", "all-ops"])
+def test_without_a_fixed_grid_the_probabilities_are_kept(config, kept_float):
+    """By default Concat and Sigmoid stay float (saying why); with every op selected,
+    compute-qparams still keeps the Concat of boxes and probabilities float (with search-precision
+    off): the probabilities are not on the boxes' grid, and every component keeps its accuracy."""
+    float_model = detector()
+    quant = qpasses.quantize(float_model, calibration_data=feeds(16, seed=2), config=config)
+    result = compare(float_model, quant, feeds(8), objective=Objective())
+    assert "qdq-inserted" in quant.facts and "cls_logits" in quant.quant     # the Convs are quantized
+    reasons = float_reasons(quant)
+    for tensor, why in kept_float.items():
+        assert tensor not in quant.quant and reasons[tensor]["reason"].startswith(why), reasons
+    assert min(result["components"].values()) > 15, result     # the scores too, not only the boxes
+    assert result["objective"]["overall"] == pytest.approx(min(result["components"].values()))
+
+
 def test_run_prints_and_reports_the_components(tmp_path, quantized_detector, capsys):
     float_model, _ = quantized_detector
     src, out, report = tmp_path / "det.onnx", tmp_path / "q.onnx", tmp_path / "report.json"
     onnx.save(float_model, src)
     np.savez(tmp_path / "calib.npz", x=np.stack([f["x"] for f in feeds(16, seed=2)]))
-    code = main(["run", str(src), "-o", str(out), "--calib", str(tmp_path / "calib.npz"), "--report", str(report)])
+    (tmp_path / "config.json").write_text(json.dumps(ONE_GRID))
+    code = main(["run", str(src), "-o", str(out), "--calib", str(tmp_path / "calib.npz"), "--report", str(report),
+                 "--config", str(tmp_path / "config.json")])
     err = capsys.readouterr().err
     assert code == 0, err
     lines = err.splitlines()

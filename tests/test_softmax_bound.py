@@ -29,13 +29,15 @@ def _feeds(n, seed=0):
     return out
 
 
+# Softmax (and Add) stay float by default; these tests are about how a Softmax input is quantized
+ALL = {"op_types_to_quantize": "all"}
 CONFIG = {"activation_type": "uint8", "weight_type": "int8", "per_channel": False,
-          "calibration": {"method": "minmax"}}
+          "calibration": {"method": "minmax"}, **ALL}
 
 
 def _calibrated(text=MASKED, opset=17, feeds=None):
     model = model_from_text(text, opset=opset)
-    run_passes("annotate-types,calibrate", model, data=feeds or _feeds(8))
+    run_passes("annotate-types,calibrate", model, ALL, data=feeds or _feeds(8))
     return model
 
 
@@ -43,7 +45,7 @@ def test_row_maximum_measured_and_graph_untouched():
     model = model_from_text(MASKED)
     before = onnx.printer.to_text(model.to_proto().graph)
     feeds = _feeds(8)
-    run_passes("annotate-types,calibrate", model, data=feeds)
+    run_passes("annotate-types,calibrate", model, ALL, data=feeds)
     assert onnx.printer.to_text(model.to_proto().graph) == before   # the probe node is gone again
     check_onnx(model)
     lo, hi = model.ranges["masked" + ROW_MAX_SUFFIX]
@@ -112,7 +114,7 @@ def _logits(n, seed=0):
 
 def test_upper_end_raised_to_the_row_maxima():
     model = model_from_text(WIDE)
-    run_passes("annotate-types,calibrate{method=percentile,percentile=99.9},compute-qparams", model, data=_logits(16))
+    run_passes("annotate-types,calibrate{method=percentile,percentile=99.9},compute-qparams", model, ALL, data=_logits(16))
     top = model.ranges["logits" + ROW_MAX_SUFFIX][1]
     assert model.ranges["logits"][1] < 6 < 8 < top      # the percentile cut every winner
     tq = model.quant["logits"]
@@ -123,7 +125,7 @@ def test_upper_end_raised_to_the_row_maxima():
 
 def test_upper_end_keeps_the_winners_in_the_output():
     feeds, evals = _logits(16), _logits(8, seed=1)
-    config = {"calibration": {"method": "percentile", "percentile": 99.9}}
+    config = {"calibration": {"method": "percentile", "percentile": 99.9}, **ALL}
     q = quantize(model_from_text(WIDE), feeds, config=config).to_proto()
     check_onnx(q)
     ref = np.concatenate([run(parse(WIDE), f)[0].ravel() for f in evals])

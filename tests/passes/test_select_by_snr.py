@@ -12,6 +12,9 @@ from qpasses.verify import check_onnx
 BEFORE = "fold-constants,cleanup,annotate-types,calibrate"
 AFTER = "compute-qparams,fix-bias-scales,insert-qdq,insert-converts"
 SIZE = 4096
+# Mul and Sigmoid stay float by default; these tests are about the variants select-by-snr scores
+# on them, so every config here selects every op with a rule (a no-op for the MatMul graphs)
+ALL = {"op_types_to_quantize": "all"}
 
 # x is a graph input (calibrated range); y = 2x is a graph output (full range either way)
 SCALE = """
@@ -55,7 +58,7 @@ def normal_feeds(n=16, size=64):
 def select(model, data, config=None, options=""):
     """Calibrate, then run select-by-snr in the same run; (its PassRecord, the run's findings)
     (model.calibrated_ranges: the ranges before)."""
-    ctx = RunContext(config or {}, data)
+    ctx = RunContext({**ALL, **(config or {})}, data)
     run_pipeline(model, BEFORE, ctx=ctx)
     model.calibrated_ranges = dict(model.ranges)
     records = run_pipeline(model, f"{NAME}{{{options}}}" if options else NAME, ctx=ctx)[1]
@@ -66,7 +69,7 @@ def quantized_snr(model, data, config=None):
     from qpasses.evaluate import compare
 
     reference = model.to_proto(metadata=False)
-    run_pipeline(model, AFTER, config=config)
+    run_pipeline(model, AFTER, config={**ALL, **(config or {})})
     check_onnx(model.to_proto())
     return compare(reference, model.to_proto(metadata=False), data)["snr_db"]
 
@@ -154,7 +157,7 @@ def test_weight_axis_closed_when_the_user_decided(extra):
 
 def test_stands_aside_without_rereadable_data_or_for_big_models():
     def findings_of(model, passes, data):
-        ctx = RunContext(None, data)
+        ctx = RunContext(ALL, data)
         record = run_pipeline(model, passes, ctx=ctx)[1][-1]
         return ctx.findings.as_dict(), record
 
@@ -163,7 +166,7 @@ def test_stands_aside_without_rereadable_data_or_for_big_models():
     findings, _ = findings_of(model, f"{BEFORE},{NAME}", iter(feeds))   # one-shot: spent by calibrate,
     assert findings[NAME]["chosen"] == "ranges minmax"                  # but calibrate kept 16 feeds
     model = model_from_text(SCALE)
-    run_pipeline(model, BEFORE, calibration_data=feeds)
+    run_pipeline(model, BEFORE, config=ALL, calibration_data=feeds)
     # another run: calibrate's kept feeds are not there, as when calibrate could not keep them
     findings, _ = findings_of(model, NAME, iter([]))
     assert findings[NAME] == {"skipped": "the calibration data cannot be read again"}
@@ -198,14 +201,14 @@ def test_big_graphs_are_scored_with_q_dq_as_written():
 def test_float_outputs_kept_by_calibrate_score_like_a_second_float_run():
     def select_with(model, kept, options=""):
         """select-by-snr's findings in a run whose cache holds ``kept`` (or not)."""
-        ctx = RunContext(None, data)
+        ctx = RunContext(ALL, data)
         if kept is not None:
             ctx.cache["kept_samples"] = kept
         run_pipeline(model, f"{NAME}{{{options}}}" if options else NAME, ctx=ctx)
         return ctx.findings.as_dict()[NAME]
 
     model, data = model_from_text(SIGMOID), outlier_feeds(40)
-    ctx = RunContext(None, data)
+    ctx = RunContext(ALL, data)
     run_pipeline(model, BEFORE, ctx=ctx)
     kept = ctx.cache["kept_samples"]
     assert len(kept.feeds) == 32 and kept.names == ["y"] and kept.outputs[0][0].shape == (1, SIZE)
@@ -217,7 +220,7 @@ def test_float_outputs_kept_by_calibrate_score_like_a_second_float_run():
     kept.feeds, kept.outputs, kept.full = kept.feeds[:2], kept.outputs[:2], True   # out of room at 2
     assert select_with(model, kept)["samples"] == 32    # too few kept: the float model runs again
     for kept_outputs in (True, False):             # big outputs: 8 feeds are enough, both ways
-        model, ctx = model_from_text(SIGMOID), RunContext(None, data)
+        model, ctx = model_from_text(SIGMOID), RunContext(ALL, data)
         run_pipeline(model, BEFORE, ctx=ctx)
         kept = ctx.cache["kept_samples"] if kept_outputs else None
         assert select_with(model, kept, "output_values=10000")["samples"] == 8
