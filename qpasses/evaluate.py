@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 
 from .calibration.data import InputSpec, validate
+from .calibration import segments
 from .errors import ModelError, first_line
 from .ir import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
 
@@ -49,6 +50,13 @@ def rerun_skip_reason(model: QModel, data, max_nodes: int, max_weight_mb: float)
     if data is None:
         return "no calibration data in this run"
     return None
+
+
+def _segmented(model) -> bool:
+    """A QModel too big for one plain session: more than CHUNK_NODES nodes (session creation grows
+    faster than linearly) or IN_MEMORY_BYTES of weights (serialising them peaks at several copies)."""
+    return isinstance(model, QModel) and (len(model.graph.nodes) > segments.CHUNK_NODES
+                                          or constant_bytes(model.graph) >= segments.IN_MEMORY_BYTES)
 
 
 def _check_same_signature(ref_inputs: list[str], ref_outputs: list[str], test_sess) -> None:
@@ -112,10 +120,20 @@ class Reference:
     def run(cls, reference_model, feeds, max_samples: int | None = None, enough_values: int = 0,
             min_samples: int = 1) -> "Reference":
         """Run the reference model on ``feeds`` (at most ``max_samples``; stop after ``min_samples``
-        once the outputs hold ``enough_values`` values)."""
-        ref_sess = session(reference_model)
-        names = [o.name for o in ref_sess.get_outputs()]
-        specs = _input_specs(ref_sess)
+        once the outputs hold ``enough_values`` values). A QModel with more than CHUNK_NODES nodes
+        or IN_MEMORY_BYTES of weights runs through the segmented executor (a chain of sessions,
+        weights handed over as arrays: no serialised copy, and no 2 GB limit)."""
+        if _segmented(reference_model):
+            ref_sess = segments.SegmentedSession(reference_model, refused="onnxruntime cannot run the reference model")
+            names, specs = ref_sess.output_names, ref_sess.specs
+            inputs = [s.name for s in specs if not s.optional]
+        else:
+            if isinstance(reference_model, QModel):
+                reference_model = reference_model.to_proto(metadata=False)
+            ref_sess = session(reference_model)
+            names = [o.name for o in ref_sess.get_outputs()]
+            specs = _input_specs(ref_sess)
+            inputs = [i.name for i in ref_sess.get_inputs()]
         kept, outs = [], []
         for index, feed in enumerate(feeds):
             if max_samples is not None and index >= max_samples:
@@ -125,7 +143,7 @@ class Reference:
             outs.append(ref_sess.run(names, feed))
             if enough_values and len(outs) >= min_samples and len(outs) * sum(map(np.size, outs[0])) >= enough_values:
                 break
-        return cls(names, [i.name for i in ref_sess.get_inputs()], kept, outs)
+        return cls(names, inputs, kept, outs)
 
     def score(self, test_model, *, optimize: bool = True, objective=None) -> dict:
         """Run ``test_model`` on the kept feeds: per output SNR and max abs error, and the worst SNR.

@@ -8,7 +8,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qpasses.calibration import runner
+from qpasses.analysis.dtypes import infer_types
+from qpasses.calibration import runner, segments
+from qpasses.calibration.kept import KeptSamples
 from qpasses.ir import from_proto
 from qpasses.testing import random_feed
 
@@ -54,7 +56,7 @@ def _layered(layers: int = 6, seed: int = 0) -> onnx.ModelProto:
 @pytest.fixture
 def segmented(monkeypatch):
     """Thresholds low enough for the small model to take the big-weight path."""
-    monkeypatch.setattr(runner, "IN_MEMORY_BYTES", 1)
+    monkeypatch.setattr(segments, "IN_MEMORY_BYTES", 1)
     monkeypatch.setattr(runner, "SEGMENT_BYTES", 1)
     monkeypatch.setattr(runner, "SEGMENT_MIN_WEIGHTS", 1)
 
@@ -134,11 +136,11 @@ def test_weight_limit_cuts_before_the_node_that_would_pass_it():
     proto = _layered(layers=8)
     model = from_proto(proto)
     w = WIDTH * WIDTH * 4
-    chain = runner._Chain(model, model.to_proto(), runner._inferred(model.to_proto())[0], weight_limit=2 * w + 1024)
+    chain = segments.Chain(model, model.to_proto(), infer_types(model.to_proto())[0], weight_limit=2 * w + 1024)
     assert len(chain.spans) >= 4
     assert all(0 < b <= 2 * w + 1024 for b in chain.span_weights[:-1])
     assert sum(len(s) for s in chain.spans) == len(proto.graph.node)
-    stash = chain.stash_bytes(runner._inferred(proto)[1])
+    stash = chain.stash_bytes(infer_types(proto)[1])
     assert 2 * WIDTH * 4 <= stash <= 4 * WIDTH * 4   # x2 and one or two [1, WIDTH] activations
 
 
@@ -172,16 +174,19 @@ def test_default_pipeline_segment_outer_gives_the_ranges_of_sample_outer(segment
     calls = []
     segment_outer = runner._segment_outer
     monkeypatch.setattr(runner, "_segment_outer", lambda *a: calls.append(1) or segment_outer(*a))
-    model = qpasses.quantize(from_proto(proto), (f for f in feeds))
+    # the method is given: else select-by-snr may switch to min/max on the list of feeds (it can
+    # read them again) and not on the one-shot generator
+    method = {"calibration": {"method": "percentile"}}
+    model = qpasses.quantize(from_proto(proto), (f for f in feeds), config=method)
     assert calls and model.ranges
     _sample_outer_instead(monkeypatch)
-    assert qpasses.quantize(from_proto(proto), feeds).ranges == model.ranges
+    assert qpasses.quantize(from_proto(proto), feeds, config=method).ranges == model.ranges
 
 
 def test_one_session_keeps_the_first_feeds_and_float_outputs(monkeypatch):
     proto = _layered()
     feeds = [random_feed(proto, seed=s) for s in range(5)]
-    kept = runner.KeptSamples(3)
+    kept = KeptSamples(3)
     runner.collect_stats(from_proto(proto), feeds, kept=kept)
     plain = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [o.name for o in plain.get_outputs()]
@@ -189,10 +194,10 @@ def test_one_session_keeps_the_first_feeds_and_float_outputs(monkeypatch):
     for feed, got in zip(kept.feeds, kept.outputs):
         for want, have in zip(plain.run(names, feed), got):
             np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
-    small = runner.KeptSamples(3, max_bytes=1)   # over the byte budget: nothing kept
+    small = KeptSamples(3, max_bytes=1)   # over the byte budget: nothing kept
     runner.collect_stats(from_proto(proto), feeds, kept=small)
     assert small.feeds == [] and small.full
-    monkeypatch.setattr(runner, "CHUNK_NODES", 2)   # several sessions: the outputs are not at hand
-    chunked = runner.KeptSamples(3)
+    monkeypatch.setattr(segments, "CHUNK_NODES", 2)   # several sessions: the outputs are not at hand
+    chunked = KeptSamples(3)
     runner.collect_stats(from_proto(proto), feeds, kept=chunked)
     assert chunked.feeds == [] and chunked.names == []

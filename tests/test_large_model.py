@@ -11,7 +11,8 @@ import onnx_graphsurgeon as gs
 
 import qpasses
 from qpasses import ModelError, ir, pipeline
-from qpasses.calibration import runner
+from qpasses.analysis.dtypes import infer_types
+from qpasses.calibration import runner, segments
 from qpasses.ir import from_proto
 from qpasses.testing import parse, random_feed, run
 from qpasses.verify import check_onnx
@@ -51,7 +52,7 @@ def test_chained_sessions_measure_what_one_session_measures(monkeypatch, method)
     proto = _chain_model()
     feeds = [random_feed(proto, seed=s) for s in range(3)]
     one, _ = runner.collect_stats(from_proto(proto), feeds, method=method)
-    monkeypatch.setattr(runner, "CHUNK_NODES", 4)
+    monkeypatch.setattr(segments, "CHUNK_NODES", 4)
     plan = runner._Plan(from_proto(proto), method != "minmax")
     assert len(plan.segments) > 3
     many, _ = runner.collect_stats(from_proto(proto), feeds, method=method)
@@ -63,10 +64,10 @@ def test_chained_sessions_measure_what_one_session_measures(monkeypatch, method)
 
 
 def test_a_sequence_value_is_never_cut(monkeypatch):
-    monkeypatch.setattr(runner, "CHUNK_NODES", 2)
+    monkeypatch.setattr(segments, "CHUNK_NODES", 2)
     proto = _chain_model(3)
     model = from_proto(proto)
-    chain = runner._Chain(model, model.to_proto(), runner._inferred(model.to_proto())[0])
+    chain = segments.Chain(model, model.to_proto(), infer_types(model.to_proto())[0])
     names = [n.name or n.output[0] for n in proto.graph.node]
     seq_at = next(i for i, n in enumerate(proto.graph.node) if n.op_type == "SequenceConstruct")
     read_at = next(i for i, n in enumerate(proto.graph.node) if n.op_type == "ConcatFromSequence")
@@ -182,7 +183,7 @@ def test_external_data_model_through_the_default_pipeline(tmp_path, monkeypatch)
     """A small stand-in for a >2 GB model (tools/bench_big_model.py runs the real size): external
     data in, weights handed to onnxruntime as arrays for calibration, external data out."""
     monkeypatch.setattr(ir, "EXTERNAL_DATA_THRESHOLD", 64 * 1024)   # save decides external data itself
-    monkeypatch.setattr(runner, "IN_MEMORY_BYTES", 1)               # the >2 GB calibration path
+    monkeypatch.setattr(segments, "IN_MEMORY_BYTES", 1)             # the >2 GB calibration path
     proto = _mlp(layers=6, width=128)
     _save_external(proto, tmp_path / "float.onnx")
     feeds = [random_feed(proto, seed=s) for s in range(8)]
@@ -202,7 +203,7 @@ def test_external_data_model_through_the_default_pipeline(tmp_path, monkeypatch)
     assert again.quant == model.quant and "qdq-inserted" in again.facts
     check_onnx(again)
     # the in-memory calibration path measured what the serialised one measures
-    monkeypatch.setattr(runner, "IN_MEMORY_BYTES", 2**62)
+    monkeypatch.setattr(segments, "IN_MEMORY_BYTES", 2**62)
     serialised = qpasses.quantize(qpasses.load(tmp_path / "float.onnx"), feeds)
     assert list(serialised.ranges) == list(model.ranges)
     for name, got in model.ranges.items():   # without prepacked weights, MatMul sums in another order

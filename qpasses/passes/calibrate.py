@@ -8,7 +8,8 @@ import onnx_graphsurgeon as gs
 
 from ..analysis.ranges import tensors_needing_ranges
 from ..calibration.data import open_data
-from ..calibration.runner import KeptSamples, calibrate_ranges
+from ..calibration.kept import KeptSamples
+from ..calibration.runner import calibrate_ranges
 from ..calibration.softmax import row_max_probes
 from ..config import CALIBRATION_METHODS, CalibrationConfig, QuantConfig, method_given
 from ..errors import CalibrationDataError

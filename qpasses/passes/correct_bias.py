@@ -9,9 +9,10 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper, numpy_helper
 
-from ..calibration.data import model_inputs, open_data
+from ..calibration.data import open_data
+from ..calibration.segments import SegmentedSession
 from ..errors import CalibrationDataError
-from ..evaluate import rerun_skip_reason, session
+from ..evaluate import rerun_skip_reason
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
 from ..qdq import QParams, quantized_values
@@ -153,31 +154,45 @@ def tap_indicators(node: gs.Node, in_shape, out_shape) -> list[np.ndarray] | Non
     return out
 
 
-def _layer_shapes(base: onnx.ModelProto, targets: list[Target], feed: dict) -> dict[str, tuple]:
-    """The shapes of the Conv/ConvTranspose targets' inputs and outputs on ``feed`` (one run of the
-    float model ``base`` whose outputs are their Shape)."""
+def shape_session(model: QModel, targets: list[Target]) -> tuple[SegmentedSession, list[str]]:
+    """The float model (run in parts when big: SegmentedSession) whose outputs are the Shape of
+    the Conv/ConvTranspose targets' inputs and outputs, and those tensors' names (none: no session
+    runs, only ``specs`` is of use)."""
     names = sorted({n for t in targets if t.node.op != "Gemm" for n in (t.node.inputs[0].name, t.node.outputs[0].name)})
+
+    def add_shapes(proto: onnx.ModelProto, available: set[str]) -> list[str]:
+        added = []
+        for name in names:
+            if name in available:
+                proto.graph.node.append(helper.make_node("Shape", [name], [f"{NAME}/shape/{name}"]))
+                proto.graph.output.append(helper.make_tensor_value_info(f"{NAME}/shape/{name}", TensorProto.INT64, None))
+                added.append(f"{NAME}/shape/{name}")
+        return added
+
+    return SegmentedSession(model, extend=add_shapes, graph_outputs=False), names
+
+
+def _layer_shapes(shapes: SegmentedSession, names: list[str], feed: dict) -> dict[str, tuple]:
+    """The shapes of the tensors ``names`` on ``feed`` (one run of ``shapes``, see shape_session)."""
     if not names:
         return {}
-    proto = onnx.ModelProto()
-    proto.CopyFrom(base)
-    del proto.graph.output[:]
-    for name in names:
-        proto.graph.node.append(helper.make_node("Shape", [name], [f"{NAME}/shape/{name}"]))
-        proto.graph.output.append(helper.make_tensor_value_info(f"{NAME}/shape/{name}", TensorProto.INT64, None))
-    values = session(proto).run(None, feed)
+    values = shapes.run([f"{NAME}/shape/{name}" for name in names], feed)
     return {name: tuple(int(v) for v in value) for name, value in zip(names, values)}
 
 
-def probe_model(base: onnx.ModelProto, targets: list[Target], shapes: dict[str, tuple], opset: int) -> onnx.ModelProto:
-    """The float model with one probe output per target (see Target): for Conv/ConvTranspose, the
-    input contracted with each spatial axis' tap_indicators (MatMuls of C_in * size * kernel
-    products: far fewer than the layer's) and averaged over the batch; for Gemm, the mean row. A
-    layer whose shapes or padding are not known gets no probe (``probe`` stays empty). Edits ``base``."""
-    proto, graph = base, base.graph
-    del graph.output[:]
+def add_probes(proto: onnx.ModelProto, targets: list[Target], shapes: dict[str, tuple], opset: int,
+               available: set[str] | None = None) -> list[str]:
+    """Add to the float model ``proto`` (or a part of it: only the targets whose input is in
+    ``available``) one probe output per target (see Target) and return their names: for
+    Conv/ConvTranspose, the input contracted with each spatial axis' tap_indicators (MatMuls of
+    C_in * size * kernel products: far fewer than the layer's) and averaged over the batch; for
+    Gemm, the mean row. A layer whose shapes or padding are not known gets no probe (``probe``
+    stays empty)."""
+    graph, added = proto.graph, []
     for k, t in enumerate(targets):
         node, prefix, source = t.node, f"{NAME}/{k}", t.node.inputs[0].name
+        if available is not None and source not in available:
+            continue
         axes = [0]
         if node.op != "Gemm":
             in_shape, out_shape = shapes.get(source), shapes.get(node.outputs[0].name)
@@ -202,7 +217,8 @@ def probe_model(base: onnx.ModelProto, targets: list[Target], shapes: dict[str, 
         graph.initializer.extend(inits)
         elem = TensorProto.FLOAT if node.op != "Gemm" else helper.np_dtype_to_tensor_dtype(t.error.dtype)
         graph.output.append(helper.make_tensor_value_info(t.probe, elem, None))
-    return proto
+        added.append(t.probe)
+    return added
 
 
 def taps(node: gs.Node, probe_value: np.ndarray) -> np.ndarray:
@@ -284,18 +300,19 @@ class CorrectBias(Pass):
         if not targets:
             return PassResult(model, False, {"layers": 0})
         try:
-            base = model.to_proto(metadata=False)
-            feeds = open_data(ctx.calibration_data).validated(model_inputs(base), self.samples)
+            shape_sess, names = shape_session(model, targets)   # the float model, run in parts when big
+            feeds = open_data(ctx.calibration_data).validated(shape_sess.specs, self.samples)
             count, other_shapes, sess, shape_of = 0, 0, None, None
             for feed in feeds:
                 if sess is None:   # the probes are built for the first feed's shapes
                     shape_of = {name: np.shape(v) for name, v in feed.items()}
-                    proto = probe_model(base, targets, _layer_shapes(base, targets, feed), model.opset)
+                    shapes, shape_sess = _layer_shapes(shape_sess, names, feed), None
+                    sess = SegmentedSession(model, graph_outputs=False, extend=lambda proto, available: add_probes(
+                        proto, targets, shapes, model.opset, available))
                     targets = [t for t in targets if t.probe]
                     probes: list[list] = [[] for _ in targets]   # per target, its probe's value per feed
                     if not targets:
                         break
-                    sess = session(proto)
                 if any(np.shape(v) != shape_of[name] for name, v in feed.items()):
                     other_shapes += 1
                     continue

@@ -270,7 +270,7 @@ class SelectBySnr(Pass):
                 return Reference(kept.names, list(kept.feeds[0]), kept.feeds[:n], kept.outputs[:n])
         try:
             feeds = open_data(ctx.calibration_data)
-            reference = Reference.run(model.to_proto(metadata=False), feeds, self.samples,
+            reference = Reference.run(model, feeds, self.samples,
                                       enough_values=self.output_values, min_samples=MIN_SAMPLES)
         except CalibrationDataError:
             return None

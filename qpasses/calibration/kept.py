@@ -1,0 +1,28 @@
+"""KeptSamples: the first calibration feeds and the float model's outputs on them, kept by the
+calibration run so select-by-snr can score variants without running the float model again."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class KeptSamples:
+    """The first ``limit`` validated feeds and the float model's outputs (``names``) on them, at
+    most ``max_bytes`` in all: what select-by-snr scores variants against, without a second run.
+    ``full``: a feed was left out for lack of room."""
+
+    def __init__(self, limit: int, max_bytes: int = 64 * 2**20):
+        self.limit, self.max_bytes, self.bytes, self.full = limit, max_bytes, 0, False
+        self.names: list[str] = []
+        self.feeds: list[dict] = []
+        self.outputs: list[list[np.ndarray]] = []
+
+    def add(self, feed: dict, outputs: list) -> None:
+        size = sum(v.nbytes for v in feed.values()) + sum(getattr(v, "nbytes", 0) for v in outputs)
+        if len(self.feeds) >= self.limit or self.full:
+            return
+        if self.bytes + size > self.max_bytes:
+            self.full = True
+            return
+        self.feeds.append(feed)
+        self.outputs.append(outputs)
+        self.bytes += size

@@ -1,0 +1,67 @@
+"""onnxruntime session plumbing for runs over a model's parts: options that hand weights over as
+arrays, why onnxruntime refused a model, and the error of a failed run."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from ..errors import first_line
+from ..ir import IN_MEMORY, QModel
+
+
+class RunError(Exception):
+    """onnxruntime failed on a sample (``index``: which one, when the caller knows it)."""
+
+    index = -1
+
+
+def session_options(proto: onnx.ModelProto, weights: dict | None = None, *, prepacking: bool = False):
+    """onnxruntime SessionOptions for ``proto``; initializers of ``proto`` stubbed out as external
+    data at location IN_MEMORY (``QModel.to_proto(weights=...)``) are handed to onnxruntime from
+    ``weights`` (``add_external_initializers``: no serialised copy; onnxruntime still makes its
+    own). Returns (options, objects that must outlive the session). With weights handed over,
+    prepacking is off unless ``prepacking`` (a third copy of each weight; off, the MLAS kernels may
+    round a few outputs differently from a default session)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    names = [t.name for t in proto.graph.initializer if t.data_location == TensorProto.EXTERNAL
+             and any(e.key == "location" and e.value == IN_MEMORY for e in t.external_data)]
+    if not names or weights is None:
+        return opts, []
+    values = [ort.OrtValue.ortvalue_from_numpy(weights[n]) for n in names]
+    opts.add_external_initializers(names, values)
+    if not prepacking:
+        # big weights: no packed copies as well (a third copy of each; halves calibration time on
+        # the 2.4 GB MatMul stack of tools/bench_big_model.py)
+        opts.add_session_config_entry("session.disable_prepacking", "1")
+    return opts, values
+
+
+def _is_bfloat16(dtype) -> bool:
+    if isinstance(dtype, int):  # gs keeps the ONNX enum for types numpy lacks
+        return dtype == TensorProto.BFLOAT16
+    try:
+        return dtype is not None and np.dtype(dtype).name == "bfloat16"
+    except TypeError:
+        return False
+
+
+def unrunnable(model: QModel, exc: Exception) -> str:
+    """Why onnxruntime refused the model: the first op of a domain it does not know, else its message."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    known = {k.domain for k in ort_state.get_all_opkernel_def()} | {"ai.onnx"}
+    known |= {d.domain for d in (model.graph.functions or ())}
+    for node in model.graph.nodes:
+        if (node.domain or "") not in known:
+            return (f"node '{node.name}' is op '{node.op}' of domain '{node.domain}', which onnxruntime "
+                    f"does not implement (without --calib the model is left float)")
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", first_line(exc))
+    if any(_is_bfloat16(t.dtype) for t in model.tensors().values()):
+        text += " (onnxruntime's CPU provider runs few bfloat16 ops: convert the model to float32 or float16)"
+    return text
