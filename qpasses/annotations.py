@@ -8,6 +8,16 @@ Contract between the passes:
   not ``fixed``: activations from ``model.ranges`` (or ``rmin``/``rmax``), weights from their values,
   biases from ``derived_from`` (input scale * weight scale), ``shares`` from the shared tensor.
 - fix-bias-scales may raise weight scales; insert-qdq and insert-converts only read the table.
+
+Keys are tensor names, also for the tensors of If/Loop/Scan bodies (qpasses.analysis.scopes):
+- a name defined (graph input, node output, own initializer) in exactly one graph of the model is
+  its key, wherever it lives: ONNX keeps names unique within a graph and forbids a body to redefine
+  a name of an enclosing graph, and exporters keep them unique across bodies in practice;
+- a name that two sibling bodies both define (legal: the branches of one If, two Loops) is
+  ambiguous: it gets no entry and stays float, its reason naming the graphs (``decisions.FLOAT``);
+  equal constants of one name (an outer initializer copied into each body) count as one tensor;
+- an outer tensor read inside a body is the outer graph's tensor: one entry, quantized where it is
+  produced; insert-qdq gives each body reading it a DequantizeLinear of its own.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Explain a tensor's quantization from the table saved in the model."""
 from __future__ import annotations
 
+from .analysis.scopes import scopes
 from .decisions import float_reasons
 from .errors import QpassesError
 from .ir import QModel
@@ -9,11 +10,12 @@ from .ir import QModel
 def explain_lines(model: QModel, tensor: str | None = None) -> list[str]:
     """Lines describing a tensor's type, scale, zero point and the chain of reasons for them."""
     floats = float_reasons(model)
+    inside = scopes(model)   # body tensors are named by their plain name; a line says which body
     if not len(model.quant) and not floats:
         raise QpassesError("the model carries no quantization table (was it produced by qpasses?)")
     if tensor in floats:
         row = floats[tensor]
-        return [f"{tensor}: left float", f"  1. {row['pass']}: {row['reason']}"]
+        return [f"{tensor}: left float", *_where(inside, tensor), f"  1. {row['pass']}: {row['reason']}"]
     names = [tensor] if tensor else sorted(model.quant)
     if tensor and tensor not in model.quant:
         import difflib
@@ -28,6 +30,7 @@ def explain_lines(model: QModel, tensor: str | None = None) -> list[str]:
         tq = model.quant[name]
         granularity = f"per-channel axis {tq.axis}" if tq.per_channel else "per-tensor"
         lines.append(f"{name}: {tq.qtype} {tq.role}, {'symmetric' if tq.symmetric else 'asymmetric'}, {granularity}")
+        lines += _where(inside, name)
         if tq.scale is not None:
             lines.append(f"  scale {_short(tq.scale)}  zero_point {_short(tq.zero_point)}")
         if tq.shares:
@@ -40,6 +43,12 @@ def explain_lines(model: QModel, tensor: str | None = None) -> list[str]:
         for i, reason in enumerate(tq.why, 1):
             lines.append(f"  {i}. {reason}")
     return lines
+
+
+def _where(inside, name: str) -> list[str]:
+    """'  inside the then_branch of If 'if'' for a tensor of an If/Loop/Scan body."""
+    where = inside.where(name) if inside.has_bodies else ""
+    return [f"  inside {where}"] if where else []
 
 
 def _short(values) -> str:

@@ -28,8 +28,9 @@ def _types_annotated(model: QModel) -> list[str]:
 
 def _calibrated(model: QModel) -> list[str]:
     needed = tensors_needing_ranges(model)
+    missed = set(model.decisions.get("calibration", {}).get("unobserved", ()))   # bodies that never ran
     problems = [f"'{name}' needs a calibrated range and has none" for name in sorted(needed or ())
-                if name not in model.ranges]
+                if name not in model.ranges and name not in missed]
     for name, (lo, hi) in model.ranges.items():
         if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
             problems.append(f"calibrated range of '{name}' is not a finite [min, max]: [{lo}, {hi}]")

@@ -22,7 +22,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from .annotations import QuantTable
 from .errors import ModelError, first_line
-from .graphutil import toposort, unique_name
+from .graphutil import subgraphs, toposort, unique_name
 from .validate import validate_proto
 
 FACTS_KEY = "qpasses.facts"
@@ -95,7 +95,8 @@ class QModel:
         return self._cache[key]
 
     def tensors(self) -> dict[str, gs.Tensor]:
-        return self.cached("tensors", lambda m: tensor_map(m.graph))
+        """Name -> tensor of the main graph, then of the If/Loop/Scan bodies (``model_tensor_map``)."""
+        return self.cached("tensors", lambda m: model_tensor_map(m.graph))
 
     @property
     def opset(self) -> int:
@@ -123,7 +124,7 @@ class QModel:
         arrays are put into ``weights`` (name -> array), e.g. for onnxruntime's
         ``add_external_initializers``: the weights of a large model are then held once."""
         tensors = tensor_map(self.graph)
-        _pack_subbyte_constants(tensors.values())
+        _pack_subbyte_constants(model_tensor_map(self.graph).values())   # int4 weights of bodies too
         stubs = _stub_out(tensors.values(), weights) if weights is not None else []
         try:
             proto = gs.export_onnx(self.graph, do_type_check=False)
@@ -131,6 +132,8 @@ class QModel:
             for t, values in stubs:
                 t._values = values
         _restore_input_initializers(proto, self.input_order, self.input_initializers)
+        if self.cached("body_graphs", lambda m: body_graphs(m.graph)):
+            _drop_outer_copies(proto.graph)
         for key, value in self.model_fields.items():
             setattr(proto, key, value)
         _raw_encoding(proto)
@@ -295,6 +298,7 @@ def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None) -> QMode
     except Exception as exc:
         raise ModelError(f"cannot import graph: {first_line(exc)}") from None
     _name_nodes(graph)
+    _share_body_constants(graph)
     toposort(graph)  # an unsorted (acyclic) model is sorted; a cycle is a ModelError naming a node
     meta = {p.key: p.value for p in proto.metadata_props}
     quant = QuantTable.from_json(meta.pop(QuantTable.METADATA_KEY)) if QuantTable.METADATA_KEY in meta else None
@@ -312,15 +316,41 @@ def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None) -> QMode
 
 
 def _name_nodes(graph: gs.Graph) -> None:
-    """Give unnamed (or duplicate-named) nodes unique, deterministic names: ``<op>_<index>``."""
-    taken = {n.name for n in graph.nodes if n.name}   # and the names given here (unique_name adds them)
+    """Give unnamed (or duplicate-named) nodes unique, deterministic names: ``<op>_<index>``, unique
+    across the main graph and its If/Loop/Scan bodies (the main graph's nodes keep theirs first)."""
+    graphs = [graph, *body_graphs(graph)]
+    taken = {n.name for g in graphs for n in g.nodes if n.name}   # and the names given here (unique_name adds them)
     seen: set[str] = set()
-    for index, node in enumerate(graph.nodes):
-        if node.name and node.name not in seen:
+    for g in graphs:
+        for index, node in enumerate(g.nodes):
+            if node.name and node.name not in seen:
+                seen.add(node.name)
+                continue
+            node.name = unique_name(f"{node.name or node.op}_{index}", taken)
             seen.add(node.name)
-            continue
-        node.name = unique_name(f"{node.name or node.op}_{index}", taken)
-        seen.add(node.name)
+
+
+def _share_body_constants(graph: gs.Graph) -> None:
+    """gs exports a constant that several If/Loop/Scan bodies read (and the main graph does not) into
+    each of them, and imports each copy as its own tensor: make the bodies read one tensor per name
+    again (copies with equal values only), as before the round trip."""
+    first: dict[str, gs.Constant] = {}
+    for body in body_graphs(graph):
+        for node in body.nodes:
+            for i, t in enumerate(node.inputs):
+                if not isinstance(t, gs.Constant) or not t.name:
+                    continue
+                kept = first.setdefault(t.name, t)
+                if kept is not t and _equal_values(kept, t):
+                    node.inputs[i] = kept
+
+
+def _equal_values(a: gs.Constant, b: gs.Constant) -> bool:
+    try:
+        x, y = np.asarray(a.values), np.asarray(b.values)
+    except Exception:   # values gs cannot load as numpy
+        return False
+    return x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y)
 
 
 def _ranges_json(ranges: dict) -> str:
@@ -349,6 +379,20 @@ def _copy_value_info(vi: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
     new = onnx.ValueInfoProto()
     new.CopyFrom(vi)
     return new
+
+
+def _drop_outer_copies(graph: onnx.GraphProto, outer: frozenset = frozenset()) -> None:
+    """gs exports every constant a body reads as an initializer of that body, also one of an
+    enclosing graph (the same tensor: gs imports such a copy as the outer one); drop those copies,
+    which held the weights once more per body."""
+    names = outer | {t.name for t in graph.initializer}
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                for i in reversed(range(len(sub.initializer))):
+                    if sub.initializer[i].name in names:
+                        del sub.initializer[i]
+                _drop_outer_copies(sub, names)
 
 
 def _restore_input_initializers(proto, input_order, input_inits) -> None:
@@ -485,6 +529,29 @@ def _pack_subbyte_constants(tensors) -> None:
 def constant_bytes(graph: gs.Graph) -> int:
     """Bytes held by the top-level graph's constants."""
     return sum(getattr(t._values, "nbytes", 0) for t in tensor_map(graph).values() if isinstance(t, gs.Constant))
+
+
+def body_graphs(graph: gs.Graph) -> list[gs.Graph]:
+    """Every If/Loop/Scan body of ``graph``, nested ones too, in preorder (each body before the
+    bodies inside it)."""
+    out: list[gs.Graph] = []
+    for node in graph.nodes:
+        if any(isinstance(v, (gs.Graph, list, tuple)) for v in node.attrs.values()):  # cheap test first
+            for sub in subgraphs(node):
+                out.append(sub)
+                out.extend(body_graphs(sub))
+    return out
+
+
+def model_tensor_map(graph: gs.Graph) -> dict[str, gs.Tensor]:
+    """``tensor_map`` of the main graph, then the tensors of its If/Loop/Scan bodies whose names it
+    does not hold (a body reads outer tensors as the same objects; qpasses.analysis.scopes says
+    which names several bodies define)."""
+    out = tensor_map(graph)
+    for body in body_graphs(graph):
+        for name, t in tensor_map(body).items():
+            out.setdefault(name, t)
+    return out
 
 
 def tensor_map(graph: gs.Graph) -> dict[str, gs.Tensor]:

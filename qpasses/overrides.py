@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from .analysis.scopes import all_nodes
 from .errors import ConfigError
 from .oprules import BIAS, RULES, WEIGHT, quantizable_op_types
 from .qtypes import qtype
@@ -71,7 +72,7 @@ class _View:
     @classmethod
     def of(cls, model) -> "_View":
         view = cls(model.tensors())
-        for node in model.graph.nodes:
+        for node in all_nodes(model):
             view.node_names.append(node.name)
             view.op_types.add(node.op)
             rule = RULES.get(node.op)

@@ -19,7 +19,7 @@ import onnx_graphsurgeon as gs
 from .analysis.dtypes import float_type_name
 from .errors import ModelError
 from .graphutil import unique_name
-from .ir import QModel, from_proto
+from .ir import QModel, body_graphs, from_proto, model_tensor_map
 from .qparams import quantize
 from .qtypes import PER_AXIS_MIN_OPSET, QType, qtype
 
@@ -122,7 +122,9 @@ Namer = Callable[[str], str]
 def new_namer(model: QModel) -> Namer:
     """Unique names for new tensors and nodes: ``base``, else ``base_1``, ``base_2``, ...
     (graphutil.unique_name over the model's tensor and node names)."""
-    return functools.partial(unique_name, taken=set(model.tensors()) | {n.name for n in model.graph.nodes if n.name})
+    graphs = [model.graph, *model.cached("body_graphs", lambda m: body_graphs(m.graph))]
+    nodes = {n.name for g in graphs for n in g.nodes if n.name}
+    return functools.partial(unique_name, taken=set(model.tensors()) | nodes)
 
 
 # -- nodes and initializers ------------------------------------------------------------------
@@ -196,6 +198,47 @@ class Placement:
                 nodes.append(node)
             nodes.extend(self._after.get(i, ()))
         self.graph.nodes = nodes
+
+
+class ScopedPlacement:
+    """One ``Placement`` per graph of the model (``scopes``: the main graph and its If/Loop/Scan
+    bodies, qpasses.analysis.scopes), made when first used; ``apply`` applies them all."""
+
+    def __init__(self, scopes):
+        self.scopes = scopes
+        self._made: dict[int, Placement] = {}
+
+    def __getitem__(self, index: int) -> Placement:
+        if index not in self._made:
+            self._made[index] = Placement(self.scopes.scopes[index].graph)
+        return self._made[index]
+
+    def apply(self) -> None:
+        for place in self._made.values():
+            place.apply()
+
+
+def dequantize_in_bodies(dequantized, places: ScopedPlacement, namer: Namer) -> int:
+    """Give each If/Loop/Scan body that reads the output of a DequantizeLinear of an enclosing
+    graph its own DQ (the same quantized input, scale and zero point, read from the outer scope):
+    onnxruntime fuses a DQ only with readers in its own graph. ``dequantized``: (DQ node, index of
+    its scope). Returns the DQ nodes added."""
+    sc, added = places.scopes, 0
+    for dq, home in dequantized:
+        out = dq.outputs[0]
+        inner: dict[int, dict[int, gs.Node]] = {}
+        for reader in out.outputs:
+            index = sc.scope_of(reader)
+            if index != home:
+                inner.setdefault(index, {})[id(reader)] = reader
+        for index, readers in inner.items():
+            attr = sc.scopes[index].attr
+            copy = gs.Node(DQ_OP, namer(f"{dq.name}_{attr}"), attrs=dict(dq.attrs), inputs=list(dq.inputs),
+                           outputs=[gs.Variable(namer(f"{out.name}_{attr}"), dtype=out.dtype, shape=out.shape)])
+            redirect(out, copy.outputs[0], only={r.name for r in readers.values()})
+            places[index].before_first_reader(copy.outputs[0], [copy])
+            added += 1
+    return added
 
 
 def producer(tensor: gs.Tensor) -> gs.Node | None:
@@ -339,7 +382,7 @@ def require_opset(model: QModel, opset: int) -> bool:
         raise ModelError(f"cannot raise opset {old} -> {opset} for quantization: onnx.version_converter "
                          f"failed on {where} ({text})") from None
     graph = from_proto(converted).graph
-    names = graph.tensors()
+    names = model_tensor_map(graph)
     lost = [t for t in model.quant if t in model.tensors() and t not in names]
     if lost:
         raise ModelError(f"cannot raise opset {old} -> {opset}: converting {where} lost tensor '{lost[0]}'")

@@ -1,19 +1,33 @@
 """One-line summaries of a quantized model: how much of it runs in 8 bits, what stayed float."""
 from __future__ import annotations
 
+import re
+from collections import Counter
+
 import onnx
 
 WEIGHTED_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
 _EIGHT_BIT = frozenset({onnx.TensorProto.INT8, onnx.TensorProto.UINT8})
+_QDQ = ("QuantizeLinear", "DequantizeLinear")
+
+
+def _graphs(graph: onnx.GraphProto):
+    """The graph, then its If/Loop/Scan bodies (nested ones too)."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                yield from _graphs(sub)
 
 
 def weighted_ops(proto: onnx.ModelProto) -> tuple[int, int]:
     """(weighted ops whose data input and constant weight both come from an 8-bit DequantizeLinear,
-    weighted ops with a constant weight) in the main graph."""
-    graph = proto.graph
-    producer = {o: n for n in graph.node for o in n.output}
-    inits = {t.name: t for t in graph.initializer}
-    consts = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
+    weighted ops with a constant weight), in the main graph and its If/Loop/Scan bodies (a body
+    reads outer tensors by name: names are looked up model-wide)."""
+    graphs = list(_graphs(proto.graph))
+    producer = {o: n for g in graphs for n in g.node for o in n.output}
+    inits = {t.name: t for g in graphs for t in g.initializer}
+    consts = {n.output[0]: n for g in graphs for n in g.node if n.op_type == "Constant"}
 
     def constant(name: str) -> bool:
         node = producer.get(name)
@@ -35,7 +49,7 @@ def weighted_ops(proto: onnx.ModelProto) -> tuple[int, int]:
         return False
 
     total = quantized = 0
-    for node in graph.node:
+    for node in (n for g in graphs for n in g.node):
         if node.op_type not in WEIGHTED_OPS or len(node.input) < 2 or not constant(node.input[1]):
             continue
         total += 1
@@ -43,15 +57,28 @@ def weighted_ops(proto: onnx.ModelProto) -> tuple[int, int]:
     return quantized, total
 
 
+def _commonest_reason(floats: dict) -> str:
+    """'; most often (3 of 5 float tensors): <reason>', the reasons compared without the names they quote."""
+    reasons = [row.get("reason", "") if isinstance(row, dict) else str(row) for row in floats.values()]
+    if not reasons:
+        return ""
+    shapes = Counter(re.sub(r"'[^']*'", "'*'", r) for r in reasons)
+    shape, count = shapes.most_common(1)[0]
+    example = next(r for r in reasons if re.sub(r"'[^']*'", "'*'", r) == shape)
+    return f"; most often ({count} of {len(reasons)} float tensors): {example}"
+
+
 def summary_line(proto: onnx.ModelProto, floats: dict) -> str:
-    """'8-bit: 94 % of weighted ops (47 of 50); kept float: 6 tensors (a, b, c, ...)'."""
+    """'8-bit: 94 % of weighted ops (47 of 50); kept float: 6 tensors (a, b, c, ...)', or, when no
+    tensor is quantized, 'nothing quantized: 0 of N compute nodes (...)' with the commonest reason."""
     quantized, total = weighted_ops(proto)
     share = f"{100 * quantized / total:.0f} % of weighted ops ({quantized} of {total})" if total else "no weighted op"
-    compute = sum(1 for n in proto.graph.node if n.op_type not in ("QuantizeLinear", "DequantizeLinear"))
-    if not any(n.op_type == "DequantizeLinear" for n in proto.graph.node):
-        inside = sum(len(g.node) for n in proto.graph.node for a in n.attribute if a.type == a.GRAPH for g in [a.g])
-        where = f"; {inside} nodes sit inside If/Loop/Scan bodies, which stay float" if inside else ""
-        return f"nothing quantized: 0 of {compute} compute nodes{where}"
+    graphs = list(_graphs(proto.graph))
+    if not any(n.op_type == "DequantizeLinear" for g in graphs for n in g.node):
+        compute = [sum(1 for n in g.node if n.op_type not in _QDQ) for g in graphs]
+        inside = sum(compute[1:])
+        where = f" ({inside} of them inside If/Loop/Scan bodies)" if inside else ""
+        return f"nothing quantized: 0 of {sum(compute)} compute nodes{where}{_commonest_reason(floats)}"
     names = list(floats)
     listed = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     kept = f"; kept float: {len(names)} tensors ({listed})" if names else "; nothing kept float"

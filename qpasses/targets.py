@@ -22,6 +22,7 @@ from pathlib import Path
 
 import onnx_graphsurgeon as gs
 
+from .analysis.scopes import all_nodes
 from .errors import ConfigError
 from .qtypes import qtype
 
@@ -113,7 +114,7 @@ def apply_target_rules(model, config) -> int:
     target = load_target(config.target)
     rules = _Rules(target, config, model.quant)
     changed: set[str] = set()
-    for node in model.graph.nodes:
+    for node in all_nodes(model):
         if config.per_channel and node.op in target.per_tensor_weight_ops:
             changed |= rules.per_tensor_weights(node)
         if node.op in target.weight_type_with_16bit_activations:

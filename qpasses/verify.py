@@ -2,37 +2,44 @@
 from __future__ import annotations
 
 import onnx
+import onnx_graphsurgeon as gs
 
 from .errors import ModelError
-from .ir import QModel
+from .ir import QModel, tensor_map
 
 LEVELS = ("structure", "checker", "ort", "reload")
 
 
 def check_structure(model: QModel) -> None:
-    """Sorted, uniquely named nodes and tensors; every node input produced before it is read."""
-    graph = model.graph
-    available = {t.name for t in graph.inputs}
+    """Sorted, uniquely named nodes and tensors; every node input produced before it is read; the
+    same in every If/Loop/Scan body, which also reads what its enclosing graphs produced before
+    the node holding it (and may not produce those names again)."""
     node_names: set[str] = set()
-    for tensor in model.tensors().values():
-        if tensor.__class__.__name__ == "Constant":
-            available.add(tensor.name)
-    for node in graph.nodes:
-        if node.name:
-            if node.name in node_names:
-                raise ModelError(f"duplicate node name '{node.name}'")
-            node_names.add(node.name)
-        for t in node.inputs:
-            if t.name and t.name not in available:
-                raise ModelError(f"node '{node.name}' ({node.op}) reads '{t.name}', which nothing "
-                                 f"produces before it (graph not sorted, or a dangling input)")
-        for t in node.outputs:
-            if t.name in available:
-                raise ModelError(f"tensor '{t.name}' is produced twice")
-            available.add(t.name)
-    for t in graph.outputs:
-        if t.name not in available:
-            raise ModelError(f"graph output '{t.name}' is not produced by any node")
+
+    def check(graph, available: set[str], where: str) -> None:
+        available = available | {t.name for t in graph.inputs}
+        available |= {t.name for t in tensor_map(graph).values() if t.__class__.__name__ == "Constant"}
+        for node in graph.nodes:
+            if node.name:
+                if node.name in node_names:
+                    raise ModelError(f"duplicate node name '{node.name}'{where}")
+                node_names.add(node.name)
+            for t in node.inputs:
+                if t.name and t.name not in available:
+                    raise ModelError(f"node '{node.name}' ({node.op}){where} reads '{t.name}', which nothing "
+                                     f"produces before it (graph not sorted, or a dangling input)")
+            for attr, value in node.attrs.items():
+                for sub in [value] if isinstance(value, gs.Graph) else []:
+                    check(sub, available, f" in the {attr} of {node.op} '{node.name}'")
+            for t in node.outputs:
+                if t.name in available:
+                    raise ModelError(f"tensor '{t.name}'{where} is produced twice")
+                available.add(t.name)
+        for t in graph.outputs:
+            if t.name not in available:
+                raise ModelError(f"graph output '{t.name}'{where} is not produced by any node")
+
+    check(model.graph, set(), "")
 
 
 def check_onnx(model: QModel | onnx.ModelProto) -> onnx.ModelProto:

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..ir import QModel
+from ..ir import QModel, body_graphs
 from ..oprules import FLOAT, rule_for
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
@@ -48,7 +48,21 @@ def infer_types(proto: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]
             types[vi.name] = tt.elem_type
             if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
                 sizes[vi.name] = math.prod(d.dim_value for d in tt.shape.dim)
+    for name, elem in _body_types(g2):   # element types only: a body tensor's shape varies per run
+        types.setdefault(name, elem)
     return types, sizes
+
+
+def _body_types(graph: onnx.GraphProto):
+    """(name, elem_type) of the tensors of the If/Loop/Scan bodies shape inference typed."""
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                for vi in list(sub.input) + list(sub.value_info) + list(sub.output):
+                    if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+                        yield vi.name, vi.type.tensor_type.elem_type
+                yield from ((t.name, t.data_type) for t in sub.initializer)
+                yield from _body_types(sub)
 
 
 def inferred(model: QModel) -> tuple[dict[str, int], dict[str, int]]:
@@ -123,7 +137,7 @@ def float_tensors(model: QModel) -> set[str]:
 def _propagate_dtypes(model: QModel, is_float: dict[str, bool]) -> bool:
     """Fill unknown dtypes from data inputs (graph order); True if a rule op's tensor stays unknown."""
     missing = False
-    for node in model.graph.nodes:
+    for node in _all_nodes(model):
         rule = rule_for(node.op)
         if node.op == "Cast":
             if node.outputs and node.outputs[0].name not in is_float:
@@ -147,3 +161,10 @@ def _propagate_dtypes(model: QModel, is_float: dict[str, bool]) -> bool:
             missing = missing or any(node.outputs[i].name not in is_float for i in indices
                                      if i < len(node.outputs) and node.outputs[i].name)
     return missing
+
+
+def _all_nodes(model: QModel):
+    """The main graph's nodes, then those of its If/Loop/Scan bodies (outer tensors typed first)."""
+    yield from model.graph.nodes
+    for body in model.cached("body_graphs", lambda m: body_graphs(m.graph)):
+        yield from body.nodes

@@ -11,6 +11,7 @@ from ..calibration.softmax import NEGLIGIBLE, lower_bound, upper_bound
 from ..config import QuantConfig
 from ..errors import ModelError
 from ..ir import QModel
+from .scopes import all_nodes
 from ..qparams import value_range
 from ..qtypes import qtype
 
@@ -28,7 +29,7 @@ def max_pooled(model: QModel) -> dict[str, list[str]]:
     range of the tensor clips them far more (compute-qparams widens the tensor's range to theirs)."""
     def build(m: QModel) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
-        for node in m.graph.nodes:
+        for node in all_nodes(m):
             if node.op in MAX_POOLS and node.inputs and node.outputs:
                 out.setdefault(node.inputs[0].name, []).append(node.outputs[0].name)
         return out

@@ -10,7 +10,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from ..calibration.subgraphs import thread_out
 from ..decisions import leave_float
+from .scopes import scopes
 from ..evaluate import session
 from ..ir import QModel
 from ..qparams import dequantize, quantize
@@ -74,7 +76,7 @@ def promote(model: QModel, groups: list[list[str]], fallback: str, reasons: dict
 def graph_order(model: QModel, roots: list[str]) -> list[str]:
     """``roots`` in the order the graph first reads or writes them (neighbours stay together)."""
     first: dict[str, int] = {}
-    for index, node in enumerate(model.graph.nodes):
+    for index, node in enumerate([*model.graph.nodes, *(n for n, _ in scopes(model).body_nodes())]):
         for t in list(node.inputs) + list(node.outputs):
             first.setdefault(t.name, index)
     return sorted(roots, key=lambda r: (first.get(r, len(first)), r))
@@ -90,16 +92,19 @@ def local_errors(model: QModel, entries: dict, feeds: list[dict]) -> dict[str, f
               if tq is not None and tq.scale and not isinstance(constants.get(r), gs.Constant)]
     proto = model.to_proto(metadata=False)
     present = {o.name for o in proto.graph.output}
-    proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(r) for r in wanted if r not in present)
-    sess = session(proto) if wanted else None
-    runs = [sess.run(wanted, feed) for feed in feeds] if wanted else []
+    inner = scopes(model)   # tensors of If/Loop/Scan bodies come out through calibration's threading
+    top = [r for r in wanted if not inner.in_body(r)]
+    proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(r) for r in top if r not in present)
+    fetch = {r: outputs[0] for r, outputs in thread_out(proto, [r for r in wanted if inner.in_body(r)], False).items()}
+    names = top + list(fetch.values())
+    sess = session(proto) if names else None
+    runs = [dict(zip(names, sess.run(names, feed))) for feed in feeds] if names else []
     out = {r: -400.0 for r in entries}
     for name, tq in entries.items():
-        if tq is None or not tq.scale:
+        if tq is None or not tq.scale or (name in wanted and name not in top and name not in fetch):
             continue
         if name in wanted:
-            i = wanted.index(name)
-            x = np.concatenate([np.ravel(run[i]) for run in runs]).astype(np.float32)
+            x = np.concatenate([np.ravel(run[fetch.get(name, name)]) for run in runs]).astype(np.float32)
         else:
             x = np.asarray(constants[name].values, np.float32)
         out[name] = _relative_error_db(x, tq)

@@ -31,6 +31,7 @@ from .data import model_inputs, open_data
 from .kept import KeptSamples
 from .progress import Progress
 from .sessions import RunError
+from .subgraphs import body_activations, readings, thread_out
 from .tensor_types import gs_types
 
 SEGMENT_BYTES = 2**30  # constants from this size on: calibrate segment-outer (a second copy of
@@ -46,8 +47,9 @@ class _Segment:
     """One part's session (``segments.Part``) and what it measures: tensors fetched whole (``raw``;
     reduced to (min, max) here in min/max mode) and (name, min output, max output) of reductions."""
 
-    def __init__(self, part: segments.Part, raw, reduced, minmax, capture=()):
+    def __init__(self, part: segments.Part, raw, reduced, minmax, capture=(), body=None):
         self.part, self.raw, self.reduced, self.minmax = part, raw, reduced, minmax
+        self.body = body or {}   # body tensor -> the outputs threading it out (calibration.subgraphs)
         self.capture, self.captured = list(capture), []   # graph outputs, and their last values
 
     def run(self, env: dict):
@@ -62,6 +64,7 @@ class _Segment:
                 yield name, values[name]
         for name, lo, hi in self.reduced:
             yield name, (values[lo], values[hi])
+        yield from readings(self.body, values, self.minmax)
 
 
 def _batch_minmax(arrays: list[tuple[str, np.ndarray]]):
@@ -100,10 +103,14 @@ class _Plan:
         if only is not None:
             self.tensors = [(n, e) for n, e in self.tensors if n in only]
         tracked = {name for name, _ in self.tensors}
+        # tensors of If/Loop/Scan bodies, and the main-graph node holding each
+        self.body = dict(body_activations(proto, only))
+        self.tensors += [(name, 0) for name in self.body]
         self.inputs = [s.name for s in self.specs if s.name in tracked]
         self.derived = {} if use_hist else derived_ranges(proto, tracked)
         self.inner = [(n, e) for n, e in self.tensors if n not in self.inputs and n not in self.derived]
-        self.raw = {n for n, _ in self.inner if use_hist or 0 <= sizes.get(n, -1) <= SMALL_TENSOR}
+        self.raw = {n for n, _ in self.inner
+                    if n not in self.body and (use_hist or 0 <= sizes.get(n, -1) <= SMALL_TENSOR)}
         self.minmax = not use_hist
         self.budget = 0
         big = seg.weights is not None and seg.weight_bytes >= SEGMENT_BYTES
@@ -122,8 +129,9 @@ class _Plan:
         where = {} if spans == [None] else {o: k for k, span in enumerate(spans) for i in span
                                              for o in proto.graph.node[i].output}
         measured: list[list] = [[] for _ in spans]     # (name, elem) each part measures, graph order
+        holder = {} if spans == [None] else {i: k for k, span in enumerate(spans) for i in span}
         for t in self.inner:
-            measured[where.get(t[0], 0)].append(t)
+            measured[holder.get(self.body[t[0]], 0) if t[0] in self.body else where.get(t[0], 0)].append(t)
         self.parts = list(zip(spans, measured))
         self.segments: list[_Segment] = []
         self.owned: list[list[str]] = [[] for _ in spans]   # segment-outer: statistics each part updates
@@ -142,18 +150,19 @@ class _Plan:
     def build(self, k: int) -> "_Segment | None":
         """The session of part ``k`` (None: it measures nothing and passes nothing on)."""
         span, inner = self.parts[k]
-        raw, reduced = [], []
+        raw, reduced, body = [], [], {}
 
         def measure(proto) -> list[str]:
-            to_reduce = [t for t in inner if t[0] not in self.raw]
+            to_reduce = [t for t in inner if t[0] not in self.raw and t[0] not in self.body]
             raw[:] = augment(proto, [t for t in inner if t[0] in self.raw], reduce=False)
             fetch_red = augment(proto, to_reduce, reduce=True)
             reduced[:] = [(n, fetch_red[2 * i], fetch_red[2 * i + 1]) for i, (n, _) in enumerate(to_reduce)]
-            return raw + fetch_red
+            body.update(thread_out(proto, [n for n, _ in inner if n in self.body], reduce=self.minmax))
+            return raw + fetch_red + [o for outputs in body.values() for o in outputs]
 
         capture = self.capture if span is None else []   # only with a session built anyway
         part = self.seg.build(k, measure, capture, refused=REFUSED)
-        return None if part is None else _Segment(part, raw, reduced, self.minmax, capture)
+        return None if part is None else _Segment(part, raw, reduced, self.minmax, capture, body)
 
     def prune(self, env: dict, k: int) -> int:
         """Drop from ``env`` what no part after ``k`` reads; returns the bytes of what is left."""
@@ -193,6 +202,9 @@ def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int 
                                    f"on it ({exc})") from None
     if count == 0:
         raise CalibrationDataError(f"{data.source}: no samples")
+    for name in plan.body:   # a body that never ran (or values that could not be threaded out): no range
+        if stats[name].min > stats[name].max:
+            del stats[name]
     return stats, count
 
 

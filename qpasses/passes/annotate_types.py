@@ -7,6 +7,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..analysis.dtypes import FLOAT_DTYPES, float_tensors
+from ..analysis.scopes import all_nodes, scopes
 from ..annotations import Convert, TensorQuant
 from ..config import QuantConfig
 from .. import decisions
@@ -33,6 +34,8 @@ class AnnotateTypes(Pass):
     reduce_range, op/node selection, quantize_bias, tensor_overrides) and its target preset.
     Writes: ``model.quant``, rebuilt from scratch (no scale/zero_point except fixed ones from overrides
     or the preset); a bias constant read by several quantized nodes is copied so each has its own.
+    Nodes inside If/Loop/Scan bodies are selected as the main graph's are; a tensor name several
+    bodies define stays float, with its reason (the key scheme: qpasses.annotations).
     Invariants: only float tensors get entries; ``shares`` and ``derived_from`` name table entries;
     invalid overrides or node names raise one ConfigError before anything changes.
     """
@@ -76,12 +79,13 @@ class AnnotateTypes(Pass):
 
 
 def selected_nodes(model: QModel, config: QuantConfig) -> list[tuple[gs.Node, OpRule]]:
-    """(node, rule) of the nodes quantized under the config's op/node selection, in graph order."""
+    """(node, rule) of the nodes quantized under the config's op/node selection, in graph order
+    (the main graph's, then those of the If/Loop/Scan bodies, each body after its enclosing graph)."""
     ops = selected_op_types(config.op_types_to_quantize)
     only = set(config.nodes_to_quantize or ())
     excluded = set(config.nodes_to_exclude)
     out = []
-    for node in model.graph.nodes:
+    for node in all_nodes(model):
         rule = rule_for(node.op, model.opset)
         if (rule is not None and (not ops or node.op in ops) and (not only or node.name in only)
                 and node.name not in excluded):
@@ -99,6 +103,10 @@ def unshare_biases(model: QModel, config: QuantConfig, overrides: dict) -> int:
         return 0
     flow = dataflow(model)
     remaining = {name: len(ids) for name, ids in flow.consumers.items()}
+    for node, _ in scopes(model).body_nodes():   # constants read inside bodies: count their readers
+        for t in node.inputs:
+            if isinstance(t, gs.Constant) and t.name not in remaining:
+                remaining[t.name] = len({id(n) for n in t.outputs})
     taken = set(model.tensors())
     copies = 0
     for node, rule in selected_nodes(model, config):
@@ -120,7 +128,8 @@ class TypePlanner:
         self.model, self.config, self.overrides = model, config, overrides
         self.flow = dataflow(model)
         self.floats = float_tensors(model)
-        self.qdq_outputs = {t.name for n in model.graph.nodes if n.op in _QDQ_OPS for t in n.outputs}
+        self.scopes = scopes(model)
+        self.qdq_outputs = {t.name for n in all_nodes(model) if n.op in _QDQ_OPS for t in n.outputs}
         self.nodes = selected_nodes(model, config)
         self.entries: dict[str, TensorQuant] = {}
         self.kind: dict[str, str] = {}          # activation | act_const | weight | bias | shared
@@ -162,6 +171,8 @@ class TypePlanner:
 
     def _float_reason(self, name: str, nodes: list, selected: set[str]) -> str:
         cfg, opset = self.config, self.model.opset
+        if name in self.scopes.ambiguous:
+            return self.scopes.ambiguous_reason(name)
         ruled = [n for n in nodes if rule_for(n.op, opset) is not None]
         if not ruled:
             ops = ", ".join(sorted({n.op for n in nodes}))
@@ -187,7 +198,8 @@ class TypePlanner:
         return f"{n.op} '{n.name}' reads or writes it as a float value (the op rules: a shape, index or float slot)"
 
     def quantizable(self, t) -> bool:
-        return bool(t.name) and t.name in self.floats and t.name not in self.qdq_outputs
+        return (bool(t.name) and t.name in self.floats and t.name not in self.qdq_outputs
+                and t.name not in self.scopes.ambiguous)
 
     def meets_needs(self, node: gs.Node, rule: OpRule) -> bool:
         for i in rule.needs:
@@ -406,13 +418,23 @@ class TypePlanner:
 
     def can_merge(self, node, rule, inp: str, tin: TensorQuant, tout: TensorQuant) -> bool:
         cfg = self.config
-        consumers = self.flow.consumers.get(inp, [])
+        writer, consumers = self._writer_and_consumers(inp)
         return (not cfg.keep_removable_activations
                 and holds(rule.removable_if, node)
-                and self.flow.writer(inp) is not None            # produced by a node (not an input)
-                and len(consumers) == 1                           # read only here, not a graph output
+                and writer is not None                            # produced by a node (not an input)
+                and consumers == 1                                # read only here, not a graph output
                 and inp not in self.overrides and self.kind.get(inp) == "activation"
                 and tin.shares is None and not tin.fixed and tin.rmin is None and tin.rmax is None
                 and tin.convert is None and tout.convert is None
                 and tin.qtype == tout.qtype and not tin.symmetric and not tout.symmetric
                 and not cfg.calibration.symmetric)
+
+    def _writer_and_consumers(self, name: str) -> tuple[str | None, int]:
+        """(the node writing ``name`` or None, how many nodes and graph outputs read it)."""
+        t = self.model.tensors()[name]
+        if not self.scopes.in_body(name):   # the dataflow view sees the main graph's readers only
+            inner = len({id(n) for n in t.outputs if self.scopes.scope_of(n) != 0})
+            return self.flow.writer(name), len(self.flow.consumers.get(name, [])) + inner
+        outputs = self.scopes.scopes[self.scopes.home[name]].graph.outputs
+        return (t.inputs[0].name if t.inputs else None,
+                len({id(n) for n in t.outputs}) + sum(o is t for o in outputs))

@@ -7,6 +7,7 @@ from typing import ClassVar
 import onnx_graphsurgeon as gs
 
 from ..analysis.ranges import tensors_needing_ranges
+from ..analysis.scopes import unobserved
 from ..calibration.data import open_data
 from ..calibration.kept import KeptSamples
 from ..calibration.runner import calibrate_ranges
@@ -28,8 +29,10 @@ class Calibrate(Pass):
     given come from ``config.calibration``; the activation bit width from ``config.activation_type``.
     Writes: ``model.decisions["calibration"]`` (the method, whether the user chose it),
     ``model.ranges[t] = (rmin, rmax)`` chosen by the method and ``model.observed[t] =
-    (min, max)`` seen, for every float graph input and non-constant float node output, and for a
-    tensor read only by Softmax also ``<t>::softmax_row_max``: the range of its row maxima
+    (min, max)`` seen, for every float graph input and non-constant float node output (inside
+    If/Loop/Scan bodies too: the calibration copy threads them out, qpasses.calibration.subgraphs;
+    those of a body that never ran get no range and are listed in the decision's ``unobserved``),
+    and for a tensor read only by Softmax also ``<t>::softmax_row_max``: the range of its row maxima
     (qpasses.calibration.softmax: compute-qparams keeps them and clips 20 below the smallest); after
     annotate-types, only for the activations whose qparams come from a range (not those that share
     another tensor's qparams (MaxPool outputs are measured), are fixed or have a user range), which keeps onnxruntime's fusions
@@ -100,6 +103,9 @@ class Calibrate(Pass):
         decision = {"method": cal.method, "given": bool(self.method) or method_given(config.calibration)}
         if held_out_from is not None:
             decision["held_out_from"] = held_out_from
+        missed = unobserved(model, only, ranges)   # bodies that never ran: their tensors stay float
+        if missed:
+            decision["unobserved"] = missed
         modified = (ranges != model.ranges or observed != model.observed
                     or model.decisions.get("calibration") != decision)
         model.ranges, model.observed = ranges, observed

@@ -9,7 +9,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from ..graphutil import node_reads, overridable_initializers, remove_nodes, replace_all_uses, topological_order
-from ..ir import QModel, tensor_map
+from ..ir import QModel, model_tensor_map
 from ..pipeline import Pass, PassResult
 from ..registry import register
 
@@ -54,11 +54,16 @@ g (float[2] x) => (float[2] y) <float[2] a = {1,2}, float[2] b = {1,2}, float[2]
                 dead.append(node)
         live.reverse()
         before = _initializers(order, graph)
+        present = set(model_tensor_map(graph)) if dead else set()   # body tensors too
+        # a dead DQ of a value still quantized (its readers moved to DQs inside bodies) removes no value
+        dequantized = {n.outputs[0].name: n.inputs[0].name for n in dead
+                       if n.op == "DequantizeLinear" and n.inputs and n.outputs}
         remove_nodes(graph, dead)
         reordered = any(a is not b for a, b in zip(live, graph.nodes))
         graph.nodes = live
         if dead:
-            _forget_removed(model)
+            after = set(model_tensor_map(graph))
+            _forget_removed(model, {n for n in present - after if dequantized.get(n) not in after})
         merged = _merge_duplicates(model, live)
         removed = len(before) - len(_initializers(live, graph)) - merged
         stats = {"nodes_removed": len(dead), "initializers_removed": removed,
@@ -66,18 +71,18 @@ g (float[2] x) => (float[2] y) <float[2] a = {1,2}, float[2] b = {1,2}, float[2]
         return PassResult(model, bool(dead or merged or reordered or removed), stats)
 
 
-def _forget_removed(model: QModel) -> None:
-    """Drop the table entries and ranges of tensors the graph no longer holds, and the entries that
-    share or derive from them (they were computed from a removed tensor, so they are gone too)."""
-    names = set(tensor_map(model.graph))
-    gone = {name for name in model.quant if name not in names}
+def _forget_removed(model: QModel, removed: set[str]) -> None:
+    """Drop the table entries and ranges of the tensors this cleanup removed, and the entries that
+    share or derive from them (they were computed from a removed tensor, so they are gone too).
+    Entries of tensors already absent stay: a weight insert-qdq replaced by its quantized copy."""
+    gone = {name for name in model.quant if name in removed}
     while gone:
         for name in gone:
             del model.quant[name]
         gone = {name for name, tq in model.quant.items()
                 if tq.shares in gone or (tq.derived_from and gone.intersection(tq.derived_from))}
     for table in (model.ranges, model.observed):
-        for key in [k for k in table if k.split("::")[0] not in names]:
+        for key in [k for k in table if k.split("::")[0] in removed]:
             del table[key]
 
 

@@ -9,6 +9,7 @@ import numpy as np
 from ..analysis.derivations import Resolver, describe_options, qparams_key, qparams_options
 from ..analysis.mixed_ranges import mixed_range_concats
 from ..analysis.ranges import entry_range, fmt as _fmt
+from ..analysis.scopes import UNOBSERVED
 from ..annotations import TensorQuant
 from ..config import QuantConfig
 from ..decisions import leave_float
@@ -58,7 +59,8 @@ class _Planner:
             return replace(tq, why=list(tq.why)), None, "fixed"
         found = self.found[name]
         if found is None:
-            return "no calibrated range"
+            missed = self.model.decisions.get("calibration", {}).get("unobserved", ())
+            return UNOBSERVED if name in missed else "no calibrated range"
         rmin, rmax, source = found
         if not is_finite_range(rmin, rmax):
             return f"range from {source} is not finite"

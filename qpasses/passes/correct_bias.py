@@ -9,6 +9,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper, numpy_helper
 
+from ..analysis.scopes import scopes
 from ..calibration.data import open_data
 from ..calibration.segments import SegmentedSession
 from ..errors import CalibrationDataError
@@ -70,11 +71,12 @@ def _weight_error(model: QModel, weight: str) -> np.ndarray | None:
 def _bias_layers(model: QModel):
     """(bias name, its table entry, the Conv/ConvTranspose/Gemm reading it) for each constant bias
     the table quantizes (not fixed) with one such reader."""
-    tensors = model.tensors()
+    tensors, inner = model.tensors(), scopes(model)
     for name in sorted(model.quant):
         tq, bias = model.quant[name], tensors.get(name)
         if (tq.role == "bias" and not tq.fixed and isinstance(bias, gs.Constant) and len(bias.outputs) == 1
-                and bias.outputs[0].op in CORRECTED_OPS):
+                and bias.outputs[0].op in CORRECTED_OPS
+                and inner.scope_of(bias.outputs[0]) == 0):   # probes read main-graph tensors only
             yield name, tq, bias.outputs[0]
 
 

@@ -15,7 +15,8 @@ from ..decisions import leave_float
 from ..errors import ModelError, PreconditionError
 from ..ir import QModel, relaxed_gc
 from ..pipeline import Pass, PassResult
-from ..qdq import (Placement, QParams, is_quantized, make_dq, make_q,
+from ..analysis.scopes import scopes
+from ..qdq import (QParams, ScopedPlacement, dequantize_in_bodies, is_quantized, make_dq, make_q,
                    min_opset, new_namer, producer, qparam_constants, quantized_values, redirect,
                    require_opset, scale_dtype)
 from ..registry import register
@@ -55,24 +56,29 @@ class GraphFacts:
 
 
 def analyse(model: QModel) -> GraphFacts:
-    """Facts about the table's tensors and the Relu/Clip nodes between two table tensors."""
-    graph, table, tensors = model.graph, model.quant, model.tensors()
-    outputs = {t.name for t in graph.outputs}
+    """Facts about the table's tensors and the Relu/Clip nodes between two table tensors, in the
+    main graph and in its If/Loop/Scan bodies (a body tensor's ``is_output``: an output of its body)."""
+    table, tensors, sc = model.quant, model.tensors(), scopes(model)
+    outputs = set()
     order: dict[str, None] = {}
-    for t in graph.inputs:
-        order[t.name] = None
     clamps = []
-    for node in graph.nodes:
-        for t in list(node.inputs) + list(node.outputs):
-            if t.name in table:
-                order[t.name] = None
-        if node.op in CLAMPS and node.inputs and node.outputs:
-            clamp = _clamp(node, model.opset)
-            if clamp and clamp.input in table and clamp.output in table:
-                clamps.append(clamp)
-    for t in graph.outputs:
-        order[t.name] = None
-    names = [n for n in order if n in table and n in tensors]
+    for index, scope in enumerate(sc.scopes):
+        graph = scope.graph
+        outputs.update(t.name for t in graph.outputs if sc.home.get(t.name, 0) == index)
+        for t in graph.inputs:
+            order[t.name] = None
+        for node in graph.nodes:
+            for t in list(node.inputs) + list(node.outputs):
+                if t.name in table:
+                    order[t.name] = None
+            if node.op in CLAMPS and node.inputs and node.outputs:
+                clamp = _clamp(node, model.opset)
+                if (clamp and clamp.input in table and clamp.output in table
+                        and sc.home.get(clamp.input, 0) == sc.home.get(clamp.output, 0)):
+                    clamps.append(clamp)
+        for t in graph.outputs:
+            order[t.name] = None
+    names = [n for n in order if n in table and n in tensors and n not in sc.ambiguous]
     dtypes = float_types(model, names)
     facts = {}
     for name in names:
@@ -207,12 +213,13 @@ def _mergeable(table, facts: GraphFacts, c: Clamp) -> bool:
 # -- apply -----------------------------------------------------------------------------------
 def apply_plan(model: QModel, plan: Plan) -> Counter:
     """Edit the graph as planned; returns the counts for the stats."""
-    tensors = model.tensors()
-    namer, place = new_namer(model), Placement(model.graph)
+    tensors, sc = model.tensors(), scopes(model)
+    namer, places = new_namer(model), ScopedPlacement(sc)
     by_name = {i.tensor: i for i in plan.inserts}
     made: dict[str, tuple[gs.Constant, gs.Constant]] = {}
     counts: Counter = Counter()
     outputs = {o.name for o in model.graph.outputs}
+    dequantized = []   # (DQ node, scope index): body readers of its output get a DQ of their own
 
     def params(name: str):
         if name not in made:
@@ -222,6 +229,8 @@ def apply_plan(model: QModel, plan: Plan) -> Counter:
 
     for ins in plan.inserts:
         name, qp, t = ins.tensor, ins.qparams, tensors[ins.tensor]
+        home = sc.home.get(name, 0)
+        place = places[home]
         qdq_params = params(ins.params_of)
         dtype = scale_dtype(ins.dtype)
         if ins.how == "stored":
@@ -229,6 +238,7 @@ def apply_plan(model: QModel, plan: Plan) -> Counter:
             dq = make_dq(namer, name, stored, qdq_params, qp, t.values.dtype, shape=t.shape)
             place.before_first_reader(t, [dq])
             redirect(t, dq.outputs[0])
+            dequantized.append((dq, home))
             if not t.outputs and name not in outputs:   # unreachable now: free the float values before
                 t.values = np.zeros(0, dtype=t.values.dtype)  # the next weight is quantized (big models)
             counts["biases_quantized" if ins.role == "bias" else "weights_quantized"] += 1
@@ -251,9 +261,11 @@ def apply_plan(model: QModel, plan: Plan) -> Counter:
         if out is None:
             redirect(t, dq.outputs[0], skip=[q])
         place.after(anchor, [q, dq])
+        dequantized.append((dq, home))
         counts["q_nodes"] += 1
         counts["dq_nodes"] += 1
-    place.apply()
+    counts["dq_nodes"] += dequantize_in_bodies(dequantized, places, namer)
+    places.apply()
     model.touch()
     return counts
 
@@ -275,6 +287,8 @@ class InsertQDQ(Pass):
     Reads: the table (qtype, scale, zero_point, axis, shares, role); model.opset.
     Writes: activations get producer -> Q -> DQ -> readers (one pair per tensor; graph outputs keep
     their name, written by the DQ); weights and biases become `<w>_quantized` initializers -> DQ;
+    all in the graph holding the tensor (main graph or If/Loop/Scan body), and each body reading a
+    quantized outer tensor gets a DQ of its own (onnxruntime fuses DQs with readers of their graph);
     a Relu/Clip whose input shares its output's qparams is dropped when the Q clamps exactly as it
     does. Scales are stored in the tensor's float type (Q/DQ need it), zero points in the qtype.
     Raises the default opset when the types need it (per-axis 13, float16 scales 19,

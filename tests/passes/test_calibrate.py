@@ -170,8 +170,9 @@ def test_subgraph_tensors_and_float16_and_double():
     model = model_from_text(text)
     feeds = [{"h": np.array([-1, 2], np.float16), "d": np.array([3.0, -4.0]), "c": np.array(True)}]
     ranges, observed, n = calibrate_ranges(model, feeds)
-    assert list(ranges) == ["h", "d", "y", "z"]
-    assert ranges["y"] == (0.0, 2.0) and ranges["z"] == (-3.0, 4.0)
+    # body tensors come after the main graph's; the else branch never ran: o2 has no range
+    assert list(ranges) == ["h", "d", "y", "z", "o"]
+    assert ranges["y"] == (0.0, 2.0) and ranges["z"] == (-3.0, 4.0) and ranges["o"] == (-3.0, 4.0)
 
 
 def test_activation_tensors_skip_constants_and_ints():
