@@ -135,7 +135,7 @@ class SearchPrecision(Pass):
         data = open_data(ctx.calibration_data)
         start = model.decisions.get("calibration", {}).get("held_out_from")
         feeds = itertools.islice(data, start, None) if start else iter(data)
-        reference = Reference.run(model.to_proto(metadata=False), feeds, self.samples)
+        reference = Reference.run(model, feeds, self.samples)   # a QModel: big ones run segmented
         if not reference.feeds:
             raise CalibrationDataError("no feed to score on")
         return reference, bool(start)
