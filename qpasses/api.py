@@ -4,19 +4,23 @@ from __future__ import annotations
 import sys
 
 from .context import RunContext
-from .instruments import DumpAfter, Reproducer, TimePasses, VerifyEach
+from .instruments import DumpAfter, Instrument, Reproducer, TimePasses, VerifyEach
 from .ir import QModel, load
 from .pipeline import PassManager, default_pipeline
+from .prechecks import LoadableTypes, QuantizableValues
 from .upgrade import quantizes, upgrade_opset
 
 
 def run_pipeline(model, passes: str | list | None = None, *, config=None, calibration_data=None,
                  verify_each: str | None = None, dump_after=None, reproducer=None,
-                 time_passes: TimePasses | None = None, ctx: RunContext | None = None):
+                 time_passes: TimePasses | None = None, ctx: RunContext | None = None, notify=None):
     """Run ``passes`` (text or Pass list; default: the default pipeline) on a model.
 
     ``model`` is a path, ModelProto or QModel (edited in place). ``calibration_data`` is a path
     (.npz, folder) or any iterable of ``{input_name: array}`` dicts or a CalibrationDataReader.
+    ``dump_after`` and ``reproducer`` are folders (or instruments writing elsewhere, as the CLI's
+    staged ones). A quantizing pipeline first refuses what would give a broken model (prechecks.py).
+    ``notify(line)`` receives notices (default: printed on stderr).
     Give ``ctx`` (a RunContext, instead of config and data) to read the findings afterwards.
     Returns ``(model, records)``.
     """
@@ -34,15 +38,18 @@ def run_pipeline(model, passes: str | list | None = None, *, config=None, calibr
     if verify_each:
         instruments.append(VerifyEach(verify_each))
     if dump_after:
-        instruments.append(DumpAfter(dump_after))
+        instruments.append(dump_after if isinstance(dump_after, Instrument) else DumpAfter(dump_after))
     if reproducer:
-        instruments.append(Reproducer(reproducer))
+        instruments.append(reproducer if isinstance(reproducer, Instrument) else Reproducer(reproducer))
     manager = PassManager(passes, instruments)
+    names = [p.name for p in manager.passes]
+    if quantizes(names):   # refuse up front what would give a broken model (prechecks.py)
+        manager.instruments[:0] = [QuantizableValues(), LoadableTypes(names)]
     # a quantizing pipeline upgrades opset < 10 to 11, as onnxruntime's quantizer does (upgrade.py)
-    upgraded = upgrade_opset(model) if quantizes(p.name for p in manager.passes) else None
+    upgraded = upgrade_opset(model) if quantizes(names) else None
     if upgraded is not None:
         model, notice = upgraded
-        print(notice, file=sys.stderr)
+        (notify or (lambda line: print(line, file=sys.stderr)))(notice)
     records = manager.run(model, ctx)
     return model, records
 

@@ -6,13 +6,13 @@ stdout early (`qpasses passes | head -1`) ends the command quietly (exit 0).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 from pathlib import Path
 
 from .errors import PassFailure, QpassesError, TargetNotMet
+from .process import error_line, guarded, interrupted_line
 
 
 def main(argv=None) -> int:
@@ -40,36 +40,32 @@ def _main(argv) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    try:
-        return args.func(args) or 0
+    try:   # signals interrupt it, onnxruntime's log is silenced, what it staged is removed (process.py)
+        return guarded(args.func, args, debug=_debug(args))
     except TargetNotMet as exc:
         print(f"qpasses: error: {exc}", file=sys.stderr)
         return 3
     except QpassesError as exc:
-        print(f"qpasses: error: {exc}", file=sys.stderr)
+        print(error_line(exc, internal=False), file=sys.stderr)
         return 2
-    except PassFailure as exc:
-        print(f"qpasses: internal error: {exc}", file=sys.stderr)
-        _maybe_traceback(args)
-        return 1
-    except KeyboardInterrupt:
-        print("qpasses: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:   # SIGINT, SIGTERM, SIGHUP (process.py): nothing was written
+        line, code = interrupted_line(exc)
+        print(line, file=sys.stderr)
+        return code
     except BrokenPipeError:
         raise
-    except Exception as exc:  # an internal error: one line, traceback only on request
-        print(f"qpasses: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        _maybe_traceback(args)
+    except Exception as exc:  # an internal error (PassFailure, ...): one line, traceback only on request
+        debug = _debug(args)
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        print(error_line(exc, internal=True, hint=not debug), file=sys.stderr)
         return 1
 
 
-def _maybe_traceback(args) -> None:
-    if getattr(args, "traceback", False) or os.environ.get("QPASSES_TRACEBACK"):
-        import traceback
-
-        traceback.print_exc()
-    else:
-        print("qpasses: run with --traceback for details", file=sys.stderr)
+def _debug(args) -> bool:
+    return bool(getattr(args, "traceback", False) or os.environ.get("QPASSES_TRACEBACK"))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -117,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
 
     exm = sub.add_parser("example", help="write the bundled example model and calibration data to a folder")
     exm.add_argument("folder")
+    exm.add_argument("--force", action="store_true", help="replace model.onnx, calib.npz and eval.npz if there")
     exm.set_defaults(func=cmd_example)
 
     cmp_ = sub.add_parser("compare", help="SNR and max error of a quantized model against the float one")
@@ -143,31 +140,44 @@ def cmd_run(args) -> int:
     from .context import RunContext
     from .decisions import float_reasons
     from .evaluate import compare
-    from .instruments import TimePasses
-    from .ir import load, save
-    from .objective import MetricError, parse_metric
+    from .instruments import DumpAfter, Reproducer, TimePasses
+    from .ir import load
+    from .objective import parse_metric
+    from .outputs import Staging, check_loads, ort_source, save_staged, strict_json, write_text
+    from .paths import escape, guard_run
+    from .pipeline import default_pipeline, parse_pipeline
 
     src, out = Path(args.model), Path(args.output)
     if args.quiet:
         os.environ["QPASSES_NO_PROGRESS"] = "1"
-    if out.resolve() == src.resolve():
-        raise QpassesError(f"{out}: output would overwrite the input model; choose another path")
-    for path in (out, Path(args.report) if args.report else None):
-        if path is not None and not path.parent.is_dir():
-            state = "is not a folder" if path.parent.exists() else "does not exist"
-            raise QpassesError(f"{path}: output folder '{path.parent}' {state}")
-        if path is not None and path.is_dir():
-            raise QpassesError(f"{path}: is a folder; give the output file's path")
+    # every path read and written, checked before any work (paths.py); the pipeline text too
+    guard = guard_run(args, [p.name for p in parse_pipeline(args.passes or default_pipeline(args.calib is not None))])
     objective = parse_metric(args.metric)  # a bad spec stops here, before anything is written
-    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
+    notes: list[str] = []   # printed once everything is written: a failure prints one line only
+    say = (lambda *a: None) if args.quiet else (lambda *a: notes.append(" ".join(map(str, a))))
     timer = TimePasses()
     model = load(src)
+    guard.read_files("model's external data", getattr(model, "external_files", ()))
+    guard.check()
+    staging = Staging(guard)   # outputs go to temporary folders beside their targets (outputs.py)
+    dump = DumpAfter(staging.folder(args.dump_after, "--dump-after")) if args.dump_after else None
+    repro = Reproducer(args.reproducer, write_to=staging.folder(args.reproducer, "--reproducer"),
+                       announce=False) if args.reproducer else None
     eval_data = _checked_eval_data(args.eval, model) if args.eval else None
     ctx = RunContext(args.config, args.calib)
     if args.target:
         _apply_target(ctx, args.target)
-    model, records = run_pipeline(model, args.passes, ctx=ctx, verify_each=args.verify_each,
-                                  dump_after=args.dump_after, reproducer=args.reproducer, time_passes=timer)
+    try:
+        model, records = run_pipeline(model, args.passes, ctx=ctx, verify_each=args.verify_each,
+                                      dump_after=dump, reproducer=repro, time_passes=timer, notify=say)
+    except (QpassesError, PassFailure) as exc:   # the reproducer alone is committed, named on the error line
+        if repro is not None and repro.written:
+            staging.commit({"--reproducer"})
+            exc.args = (f"{exc}; reproducer written to {args.reproducer} "
+                        f"(replay: {Path(args.reproducer) / 'command.txt'})",)
+        elif repro is not None and repro.error:
+            exc.args = (f"{exc}; {repro.error}",)
+        raise
     findings = ctx.findings.as_dict()
     search = model.decisions.get("precision_search", {})
     if search and not search.get("met", True):
@@ -176,9 +186,9 @@ def cmd_run(args) -> int:
         if args.require_target:
             raise TargetNotMet(f"{line} (--require-target: nothing written)")
         say(f"qpasses: warning: {line}")
-    data_file = out.with_name(out.name + ".data")
-    had_data_file = data_file.exists()
-    save(model, out)
+    staged = staging.file(out, "-o")
+    save_staged(model, staged, out)
+    check_loads(staged, out, src)   # onnxruntime loads it (default optimizations), or nothing is written
     report = {"input": str(src), "output": str(out),
               "pipeline": ",".join(r.text for r in records),
               "passes": [{"pass": r.text, "modified": r.modified, "seconds": round(r.seconds, 4),
@@ -196,13 +206,9 @@ def cmd_run(args) -> int:
             f"{total} calibration samples)")
     if "qdq-inserted" in model.facts:
         data = eval_data or ctx.calibration_data
-        try:
-            report["accuracy"] = compare(src, out, data, max_samples=_EVAL_SAMPLES, objective=objective)
-        except MetricError:  # the user's metric failed: a user error, so no output is left behind
-            out.unlink(missing_ok=True)
-            if not had_data_file:
-                data_file.unlink(missing_ok=True)
-            raise
+        # a failing user metric is a user error: nothing is committed (as for every failure)
+        report["accuracy"] = compare(ort_source(src), ort_source(staged), data, max_samples=_EVAL_SAMPLES,
+                                     objective=objective)
         report["objective"] = report["accuracy"].pop("objective", None)
         say(f"qpasses: output SNR vs float: {_fmt_db(report['accuracy']['snr_db'])} "
             f"over {report['accuracy']['samples']} samples")
@@ -213,11 +219,16 @@ def cmd_run(args) -> int:
 
         report["summary"] = summary_line(model.to_proto(metadata=False), float_reasons(model))
         say(f"qpasses: {report['summary']}")
-    if args.time_passes and not args.quiet:
-        print(timer.table(), file=sys.stderr)
-    if args.report:
-        _write_json(Path(args.report), report)
+    if args.time_passes:
+        say(timer.table())
+    if args.report:   # strict JSON: NaN is null, infinities are "inf" / "-inf" (outputs.py)
+        write_text(staging.file(args.report, "--report"), strict_json(report), Path(args.report))
+    staging.commit()
+    if staging.cleanup_error:
+        say(f"qpasses: warning: {staging.cleanup_error}")
     say(f"qpasses: wrote {out}")
+    for note in notes:   # control characters and bytes that are not UTF-8 escaped (paths, names)
+        print("\n".join(escape(line) for line in note.splitlines()), file=sys.stderr)
     return 0
 
 
@@ -277,24 +288,6 @@ def _fmt_db(value: float) -> str:
     return "inf dB (identical)" if math.isinf(value) and value > 0 else f"{value:.2f} dB"
 
 
-def _write_json(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n")
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise QpassesError(f"{path}: write failed ({exc.strerror or exc})") from None
-
-
-def _json_default(value):
-    if isinstance(value, float) and math.isinf(value):
-        return "inf"
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return str(value)
-
-
 def cmd_passes(args) -> int:
     from .registry import in_pipeline_order
 
@@ -333,7 +326,7 @@ def cmd_explain(args) -> int:
 def cmd_example(args) -> int:
     from .examples import write_example
 
-    model, calib, evald = write_example(args.folder)
+    model, calib, evald = write_example(args.folder, force=args.force)
     print(f"wrote {model}, {calib}, {evald}\n"
           f"next: qpasses run {model} -o {Path(args.folder) / 'model.qdq.onnx'} --calib {calib} --eval {evald}")
     return 0

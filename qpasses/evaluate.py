@@ -153,7 +153,9 @@ class Reference:
         summary: metric, overall, per-component scores)."""
         test_sess = session(test_model, optimize=optimize)
         _check_same_signature(self.inputs, self.names, test_sess)
+        _check_comparable(self, test_sess)   # inputs it takes, finite reference outputs
         runs = [test_sess.run(self.names, feed) for feed in self.feeds]
+        _check_output_shapes(self, runs)
         out = {}
         for i, n in enumerate(self.names):
             if not runs:
@@ -282,3 +284,33 @@ def compare(reference_model, test_model, feeds, max_samples: int | None = None, 
     if objective is not None and objective.components is None:
         objective = objective.for_model(reference_model)
     return Reference.run(reference_model, feeds, max_samples).score(test_model, objective=objective)
+
+
+def _check_comparable(reference: Reference, test_sess) -> None:
+    """The test model takes the reference model's feeds (ranks, shapes, types) and the reference
+    outputs are finite (else no SNR can be measured): one-line ModelErrors naming the tensor."""
+    for spec in _input_specs(test_sess):
+        value = reference.feeds[0].get(spec.name) if reference.feeds else None
+        if value is None:
+            continue
+        shape, want = np.shape(value), spec.shape
+        fits = want is None or (len(shape) == len(want) and all(not isinstance(d, int) or d == s
+                                                                for s, d in zip(shape, want)))
+        if not fits or (spec.dtype is not None and np.asarray(value).dtype != spec.dtype):
+            wanted = "?" if want is None else "(" + ", ".join(str(d) if isinstance(d, int) else "?" for d in want) + ")"
+            raise ModelError(f"the compared model does not take the reference model's inputs (input "
+                             f"'{spec.name}': {np.asarray(value).dtype}{tuple(shape)} given, it expects "
+                             f"{spec.dtype}{wanted})")
+    for name, values in reference.outputs.items():
+        if values.size and not np.isfinite(values).all():
+            what = "NaN" if np.isnan(values).any() else "Inf"
+            raise ModelError(f"the float model's output '{name}' holds {what} on these feeds, so no SNR can be "
+                             f"measured (weights or data that overflow float32?)")
+
+
+def _check_output_shapes(reference: Reference, runs: list) -> None:
+    for k, name in enumerate(reference.names):
+        for i, run in enumerate(runs):
+            if np.shape(run[k]) != tuple(reference.shapes[k][i]):
+                raise ModelError(f"output '{name}' has shape {tuple(np.shape(run[k]))} in the compared model "
+                                 f"but {tuple(reference.shapes[k][i])} in the reference model (sample {i})")

@@ -1,7 +1,6 @@
 """A bundled example: a small float CNN and calibration data, so `qpasses run` needs no user data."""
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -67,30 +66,41 @@ def example_data(samples: int = 32, seed: int = 1) -> dict[str, np.ndarray]:
     return {"input": out}
 
 
-def write_example(folder) -> tuple[Path, Path, Path]:
+def write_example(folder, *, force: bool = False) -> tuple[Path, Path, Path]:
     """Write model.onnx, calib.npz and eval.npz into ``folder``; returns their paths.
 
-    Refuses to overwrite any of them; a folder that cannot be written is a one-line error.
+    Refuses to overwrite any of them unless ``force`` (then only regular files are replaced); the
+    three are staged beside their targets and renamed into place together (outputs.py), so a
+    failure leaves the folder as it was. A folder that cannot be written is a one-line error.
     """
+    from .outputs import Staging
+    from .paths import PathError, PathGuard
+
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise QpassesError(f"{folder}: is not a folder")
     paths = model_path, calib_path, eval_path = folder / "model.onnx", folder / "calib.npz", folder / "eval.npz"
-    present = [p.name for p in paths if p.exists() or p.is_symlink()]
-    if present:
-        raise QpassesError(f"{folder}: {', '.join(present)} already there; remove them or choose another folder")
-    written = []
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        for path, write in ((model_path, lambda p: onnx.save(example_model(), p)),
-                            (calib_path, lambda p: np.savez(p, **example_data(32, seed=1))),
-                            (eval_path, lambda p: np.savez(p, **example_data(16, seed=2)))):
-            written.append(path)
-            write(path)
-    except OSError as exc:
-        for path in written:
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
-        where = exc.filename or folder
-        raise QpassesError(f"{where}: cannot write the example ({exc.strerror or exc})") from None
+        if folder.exists() and not folder.is_dir():
+            raise QpassesError(f"{folder}: is not a folder")
+        present = [p.name for p in paths if p.exists() or p.is_symlink()]
+    except OSError as exc:   # a name too long, a loop of symlinks
+        raise QpassesError(f"{folder}: cannot write the example ({exc.strerror or exc})") from None
+    if present and not force:
+        raise QpassesError(f"{folder}: {', '.join(present)} already there; remove them, pass --force or "
+                           f"choose another folder")
+    guard = PathGuard()
+    guard.write_folder("example", folder, [p.name for p in paths])   # regular files or new paths only
+    with Staging(guard) as staging:
+        target = folder
+        try:
+            staged = staging.folder(folder, "example")
+            for path, write in ((model_path, lambda p: onnx.save(example_model(), p)),
+                                (calib_path, lambda p: np.savez(p, **example_data(32, seed=1))),
+                                (eval_path, lambda p: np.savez(p, **example_data(16, seed=2)))):
+                target = path
+                write(staged / path.name)
+        except OSError as exc:
+            raise QpassesError(f"{target}: cannot write the example ({exc.strerror or exc})") from None
+        except PathError as exc:   # the folder itself cannot be written
+            raise QpassesError(str(exc).replace(": cannot write to", ": cannot write the example to", 1)) from None
+        staging.commit()
     return model_path, calib_path, eval_path

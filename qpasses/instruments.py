@@ -86,8 +86,15 @@ class Reproducer(Instrument):
     """On failure, writes to DIR the failing pass's input model, the rest of the pipeline, the
     config and the data references, and the command that replays it."""
 
-    def __init__(self, directory):
+    def __init__(self, directory, *, write_to=None, announce: bool = True):
+        """``write_to``: the folder the files go to (default ``directory``; the CLI stages them
+        there and commits them to ``directory``, the folder the replay command names);
+        ``announce``: print where they are."""
         self.directory = Path(directory)
+        self.write_to = Path(write_to) if write_to is not None else self.directory
+        self.announce = announce
+        self.written = False
+        self.error: str | None = None
         self._snapshot = None
         existing = next(p for p in (self.directory, *self.directory.parents) if p.exists())
         if not existing.is_dir():  # refuse now: failing while reporting a failure would hide it
@@ -98,23 +105,33 @@ class Reproducer(Instrument):
             self._snapshot = model.to_proto()
 
     def failed(self, index, p, model, remaining, ctx):
-        from .pipeline import print_pipeline
-
         if ctx.depth:   # the user's pipeline reports it (a pass may also survive a nested failure)
             return
-        d = self.directory
-        d.mkdir(parents=True, exist_ok=True)
-        save(self._snapshot, d / "input.onnx")
-        (d / "pipeline.txt").write_text(print_pipeline(remaining) + "\n")
-        (d / "config.json").write_text(json.dumps(given_config(ctx.config), indent=2, default=str) + "\n")
+        try:
+            self._write(remaining, ctx)
+        except (OSError, ModelError) as exc:   # the pass's failure is what gets reported
+            self.error = f"the reproducer could not be written ({getattr(exc, 'strerror', None) or exc})"
+            if self.announce:
+                print(f"qpasses: {self.error}", file=sys.stderr)
+
+    def _write(self, remaining, ctx):
+        from .pipeline import print_pipeline
+
+        d, w = self.directory, self.write_to
+        w.mkdir(parents=True, exist_ok=True)
+        save(self._snapshot, w / "input.onnx")
+        (w / "pipeline.txt").write_text(print_pipeline(remaining) + "\n")
+        (w / "config.json").write_text(json.dumps(given_config(ctx.config), indent=2, default=str) + "\n")
         command = f"qpasses run {d / 'input.onnx'} -o {d / 'output.onnx'} --config {d / 'config.json'}"
         if ctx.data_source:
             command += f" --calib {Path(ctx.data_source).resolve()}"
         elif ctx.calibration_data is not None:
             command += " --calib <the calibration data, given as Python objects>"
         command += f" --passes \"$(cat {d / 'pipeline.txt'})\""
-        (d / "command.txt").write_text(command + "\n")
-        print(f"qpasses: reproducer written to {d} (replay: {command})", file=sys.stderr)
+        (w / "command.txt").write_text(command + "\n")
+        self.written = True
+        if self.announce:
+            print(f"qpasses: reproducer written to {d} (replay: {command})", file=sys.stderr)
 
 
 def given_config(config) -> dict:

@@ -10,6 +10,7 @@ import gc
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 from .annotations import QuantTable
 from .errors import ModelError, first_line
 from .graphutil import subgraphs, toposort, unique_name
+from .metadata import read_saved
 from .validate import validate_proto
 
 FACTS_KEY = "qpasses.facts"
@@ -181,10 +183,16 @@ def load(src, *, base_dir: str | Path | None = None) -> QModel:
     if isinstance(src, onnx.ModelProto):
         return from_proto(src, base_dir=Path(base_dir) if base_dir else None)
     path = Path(src)
-    if not path.exists():
-        raise ModelError(f"{path}: no such file")
-    if path.is_dir():
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise ModelError(f"{path}: no such file") from None
+    except OSError as exc:   # a name too long, a loop of symlinks
+        raise ModelError(f"{path}: cannot read it ({exc.strerror})") from None
+    if stat.S_ISDIR(mode):
         raise ModelError(f"{path}: is a directory, expected an .onnx file")
+    if not stat.S_ISREG(mode):   # a FIFO would block the read: refused from its stat alone
+        raise ModelError(f"{path}: not a regular file (a FIFO or device; refused)")
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except (DecodeError, RuntimeWarning, ValueError, OSError) as exc:
@@ -192,32 +200,51 @@ def load(src, *, base_dir: str | Path | None = None) -> QModel:
     except Exception as exc:  # protobuf raises assorted types on garbage input
         raise ModelError(f"{path}: not a readable ONNX model ({type(exc).__name__})") from None
     try:
-        check_external_data(proto, path.parent)
+        files = check_external_data(proto, path.parent)
         model = from_proto(proto, base_dir=path.parent)
         _own_constants(model.graph, path.parent)  # external data is read here, straight into arrays
     except ModelError as exc:  # name the file in graph-level messages
         raise ModelError(f"{path}: {exc}") from None
+    model.external_files = files   # the files its weights were read from (the CLI never writes them)
     return model
 
 
 def _external_file(tensor: onnx.TensorProto, root: Path) -> Path:
     """The file holding ``tensor``'s external data, refusing locations outside ``root``."""
+    entries = {e.key: e.value for e in tensor.external_data}
+    for key in ("offset", "length"):
+        try:
+            if int(entries.get(key) or 0) < 0:
+                raise ModelError(f"tensor '{tensor.name}': negative external data {key} ({entries[key]})")
+        except ValueError:
+            raise ModelError(f"tensor '{tensor.name}': external data {key} '{entries[key]}' is not an integer") from None
     info = external_data_helper.ExternalDataInfo(tensor)
-    target = (root / info.location).resolve()
-    if os.path.isabs(info.location) or root not in target.parents:
-        raise ModelError(f"tensor '{tensor.name}': external data location '{info.location}' "
-                         f"is outside the model's folder (refused)")
-    if not target.is_file():
-        raise ModelError(f"tensor '{tensor.name}': external data file '{info.location}' not found")
+    location = info.location
+    try:
+        target = (root / location).resolve()
+        if os.path.isabs(location) or root not in target.parents:
+            raise ModelError(f"tensor '{tensor.name}': external data location '{location}' "
+                             f"is outside the model's folder (refused)")
+        # as written, as onnxruntime opens it: 'sub/../w.bin' needs a folder 'sub'
+        st = os.stat(root / location)
+    except (FileNotFoundError, NotADirectoryError):
+        raise ModelError(f"tensor '{tensor.name}': external data file '{location}' not found") from None
+    except OSError as exc:   # a name too long, a loop of symlinks
+        raise ModelError(f"tensor '{tensor.name}': external data file '{location}': {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelError(f"tensor '{tensor.name}': external data file '{location}' is not a regular file (refused)")
     return target
 
 
-def check_external_data(proto: onnx.ModelProto, base_dir: Path) -> None:
-    """Check every external data location of the proto (see ``_external_file``)."""
+def check_external_data(proto: onnx.ModelProto, base_dir: Path) -> list[Path]:
+    """Check every external data location of the proto (see ``_external_file``); returns the files."""
     root = base_dir.resolve()
+    files = {}
     for tensor in external_data_helper._get_all_tensors(proto):
         if external_data_helper.uses_external_data(tensor):
-            _external_file(tensor, root)
+            path = _external_file(tensor, root)
+            files[str(path)] = path
+    return list(files.values())
 
 
 def load_external_data(proto: onnx.ModelProto, base_dir: Path) -> None:
@@ -301,14 +328,11 @@ def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None) -> QMode
     _share_body_constants(graph)
     toposort(graph)  # an unsorted (acyclic) model is sorted; a cycle is a ModelError naming a node
     meta = {p.key: p.value for p in proto.metadata_props}
-    quant = QuantTable.from_json(meta.pop(QuantTable.METADATA_KEY)) if QuantTable.METADATA_KEY in meta else None
-    facts = json.loads(meta.pop(FACTS_KEY, "[]"))
-    ranges = {k: tuple(v) for k, v in json.loads(meta.pop(RANGES_KEY, "{}")).items()}
-    observed = {k: tuple(v) for k, v in json.loads(meta.pop(OBSERVED_KEY, "{}")).items()}
-    decisions = json.loads(meta.pop(DECISIONS_KEY, "{}"))
+    saved = read_saved(meta)   # the qpasses.* entries, their JSON schema checked (one ModelError line)
     fields = {k: getattr(proto, k) for k in ("producer_name", "producer_version", "domain",
                                              "model_version", "doc_string")}
-    return QModel(graph, quant=quant, facts=facts, ranges=ranges, observed=observed, decisions=decisions,
+    return QModel(graph, quant=saved["quant"], facts=saved["facts"], ranges=saved["ranges"],
+                  observed=saved["observed"], decisions=saved["decisions"],
                   ir_version=proto.ir_version,
                   metadata=meta, model_fields=fields, input_order=input_order,
                   input_initializers={k: _copy_value_info(v) for k, v in input_inits.items()},

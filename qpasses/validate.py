@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import onnx
@@ -9,6 +10,7 @@ from onnx import helper
 
 from .errors import ModelError
 
+MAX_ELEMENTS = 2**48   # 256 T elements: far beyond any model, far below an int64 byte count
 MIN_OPSET = 7   # onnxruntime runs opset 7 and newer; quantizing pipelines upgrade below 10 (upgrade.py)
 _FIXED_SIZE = {t: np.dtype(helper.tensor_dtype_to_np_dtype(t)).itemsize
                for t in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
@@ -51,6 +53,60 @@ def validate_proto(proto: onnx.ModelProto) -> None:
     for out in graph.output:
         if out.name not in produced:
             raise ModelError(f"graph output '{out.name}' is not produced by any node")
+    _check_types(proto)
+    for node in graph.node:
+        _check_subgraphs(node, produced)
+
+
+def _check_subgraphs(node: onnx.NodeProto, outer: set) -> None:
+    """Every name a subgraph (If/Loop/Scan body) reads is its own or an outer scope's."""
+    for attr in node.attribute:
+        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+            known = set(outer) | {i.name for i in sub.input} | {t.name for t in sub.initializer}
+            known |= {o for n in sub.node for o in n.output if o}
+            for inner in sub.node:
+                for name in inner.input:
+                    if name and name not in known:
+                        raise ModelError(f"node '{inner.name or inner.op_type}' in the '{attr.name}' graph of "
+                                         f"'{node.name or node.op_type}' reads '{name}', which nothing produces")
+                _check_subgraphs(inner, known)
+            for out in sub.output:
+                if out.name not in known:
+                    raise ModelError(f"the '{attr.name}' graph of '{node.name or node.op_type}' has output "
+                                     f"'{out.name}', which nothing produces")
+
+
+def _type_name(elem_type: int) -> str:
+    return helper.tensor_dtype_to_string(elem_type).removeprefix("TensorProto.").lower()
+
+
+def _check_types(proto: onnx.ModelProto) -> None:
+    """Graph inputs have an element type; initializers have types their readers accept (a STRING
+    Conv bias is refused here, not deep inside a pass)."""
+    graph = proto.graph
+    for vi in graph.input:
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type == onnx.TensorProto.UNDEFINED:
+            raise ModelError(f"graph input '{vi.name}' has no element type")
+    opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+    types = {t.name: t.data_type for t in graph.initializer}
+    for node in graph.node:
+        if node.domain not in ("", "ai.onnx") or not any(n in types for n in node.input):
+            continue
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opset, "")
+        except Exception:   # a model-local function: no schema
+            continue
+        constraints = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+        for index, name in enumerate(node.input):
+            if name not in types or not schema.inputs:
+                continue
+            formal = schema.inputs[min(index, len(schema.inputs) - 1)]
+            allowed = constraints.get(formal.type_str, {formal.type_str})
+            actual = f"tensor({_type_name(types[name])})"
+            if actual not in allowed:
+                raise ModelError(f"node '{node.name or node.op_type}' ({node.op_type}): input {index} "
+                                 f"'{name}' is a {_type_name(types[name])} initializer, which "
+                                 f"{node.op_type} does not accept")
 
 
 def _check_unique(what: str, names: list[str]) -> None:
@@ -90,9 +146,15 @@ def _check_opset(proto: onnx.ModelProto) -> None:
 
 
 def _check_initializer(tensor: onnx.TensorProto) -> None:
+    dims = list(tensor.dims)
+    if any(d < 0 for d in dims):
+        raise ModelError(f"initializer '{tensor.name}': negative dimension in shape {dims}")
+    count = math.prod(dims)   # Python integers: numpy's int64 product wraps around (to 0, even)
+    if count >= MAX_ELEMENTS:
+        raise ModelError(f"initializer '{tensor.name}': shape {dims} holds {count} elements (more than "
+                         f"any file can hold)")
     if tensor.data_location == onnx.TensorProto.EXTERNAL or tensor.data_type not in _FIXED_SIZE:
         return
-    count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
     if tensor.HasField("raw_data"):
         size = len(tensor.raw_data)   # a copy of the bytes (protobuf has no length call): read once
         expected = count * _FIXED_SIZE[tensor.data_type]

@@ -106,3 +106,74 @@ def test_snr_floor_only_for_unclipped_8_bit_and_wider():
     scaled = _tiny_case({"calibration": {"method": "minmax"}})
     scaled.traits = ["scaled-feeds"]
     assert snr_floor(scaled) is None
+
+
+# -- 4-bit types: refused up front or loadable, never an internal error (issue 14) --------------------------
+_FOUR_BIT = dict(derandomize=True, deadline=None, database=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _no_crash(case):
+    outcome = run_case(case)
+    assert outcome.status != "crash", f"{outcome.kind}: {outcome.detail}"
+
+
+@settings(max_examples=60, **_FOUR_BIT)
+@given(cases(max_ops=10, four_bit=True))
+def test_random_4_bit_configs_quantize_to_loadable_models_or_are_refused(case):
+    """Every config has 4 bits somewhere (activations, weights, both, an override): the default
+    pipeline gives a model onnxruntime loads at its default optimization level, or a one-line
+    QpassesError; run_case counts a model it cannot load as a crash."""
+    _no_crash(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=1500, **_FOUR_BIT)
+@given(cases(four_bit=True))
+def test_random_4_bit_configs_long_run(case):
+    _no_crash(case)
+
+
+def _run_cli_case(case, folder) -> None:
+    """`qpasses run` on a case written to ``folder``: exit 0 with a model onnxruntime loads, or exit 2
+    with one line and nothing written; never exit 1."""
+    import contextlib
+    import io
+    import json
+
+    import numpy as np
+    import onnx
+
+    from qpasses.cli import main
+    from qpasses.evaluate import session
+
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.save(case.model, folder / "model.onnx")
+    np.savez(folder / "calib.npz", **{k: np.stack([f[k] for f in case.feeds]) for k in case.feeds[0]})
+    (folder / "cfg.json").write_text(json.dumps(case.config))
+    out = folder / "q.onnx"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["run", str(folder / "model.onnx"), "-o", str(out), "--calib", str(folder / "calib.npz"),
+                     "--config", str(folder / "cfg.json"), "--quiet"] + (["--passes", case.passes] if case.passes else []))
+    lines = err.getvalue().strip().splitlines()
+    assert code in (0, 2), f"exit {code}: {lines}"
+    if code == 2:
+        assert len(lines) == 1 and not out.exists(), lines
+        assert not list(folder.glob(".qpasses-*"))
+    else:
+        session(out)   # onnxruntime loads it at its default optimization level
+
+
+@settings(max_examples=25, **_FOUR_BIT)
+@given(case=cases(max_ops=8, four_bit=True))
+def test_the_cli_on_random_4_bit_cases_never_exits_1(case, tmp_path_factory):
+    _run_cli_case(case, tmp_path_factory.mktemp("fuzz"))
+
+
+@pytest.mark.slow
+@settings(max_examples=500, **_FOUR_BIT)
+@given(case=cases(four_bit=True))
+def test_the_cli_on_random_4_bit_cases_long_run(case, tmp_path_factory):
+    _run_cli_case(case, tmp_path_factory.mktemp("fuzz"))
+

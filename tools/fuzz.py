@@ -74,7 +74,7 @@ class Fuzzer:
         folder.mkdir(parents=True, exist_ok=True)
         onnx.save(case.model, folder / "model.onnx")
         (folder / "config.json").write_text(json.dumps(case.config, indent=1))
-        (folder / "meta.json").write_text(json.dumps({"traits": case.traits, "ops": case.ops}))
+        (folder / "meta.json").write_text(json.dumps({"traits": case.traits, "ops": case.ops, "passes": case.passes}))
         arrays = {f"{i}:{k}": v for i, f in enumerate(case.feeds) for k, v in f.items()}
         np.savez(folder / "feeds.npz", **arrays)
         (folder / "case.txt").write_text(f"{outcome.kind}\n{outcome.detail}\nconfig: {case.config}\n"
@@ -144,7 +144,7 @@ def replay(folder: Path) -> int:
         feeds[int(index)][name] = data[key]
     meta = json.loads((folder / "meta.json").read_text()) if (folder / "meta.json").exists() else {}
     outcome = run_case(FuzzCase(model, [feeds[i] for i in sorted(feeds)], config, meta.get("ops", []),
-                                meta.get("traits", [])))
+                                meta.get("traits", []), meta.get("passes")))
     print(f"{outcome.status}: {outcome.kind}\n{outcome.detail}")
     return 1 if outcome.status == "crash" else 0
 

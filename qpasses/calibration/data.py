@@ -23,6 +23,7 @@ Integers are never cast to floats nor floats to integers; NaN and Inf are refuse
 from __future__ import annotations
 
 import re
+import stat
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -84,9 +85,15 @@ def open_data(source) -> CalibrationData:
 
 # -- paths ------------------------------------------------------------------------------------
 def _open_path(path: Path) -> CalibrationData:
-    if not path.exists():
-        raise CalibrationDataError(f"{path}: no such file or folder")
-    if path.is_file():
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise CalibrationDataError(f"{path}: no such file or folder") from None
+    except OSError as exc:   # a name too long, a loop of symlinks, a parent that is a file
+        raise CalibrationDataError(f"{path}: cannot read it ({exc.strerror})") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):   # a FIFO is never opened: it would block
+        raise CalibrationDataError(f"{path}: not a regular file or folder (a FIFO or device; refused)")
+    if stat.S_ISREG(mode):
         if path.suffix.lower() != ".npz":
             raise CalibrationDataError(f"{path}: expected an .npz file, a folder of .npz files or an "
                                        f"ONNX test-data folder")
@@ -98,6 +105,15 @@ def _open_path(path: Path) -> CalibrationData:
     if not files:
         raise CalibrationDataError(f"{path}: folder holds no .npz files and no test_data_set_* folders")
     return _open_npz_files(files, str(path))
+
+
+def data_files(path: Path) -> list[Path]:
+    """The files a data folder is read from: its test-data sets' ``input_*.pb``, else its .npz files
+    (every entry so named: the caller refuses the ones that are not regular files)."""
+    sets = _test_data_sets(path)
+    if sets:
+        return [f for folder in sets for f in sorted(folder.glob("input_*.pb"), key=_number)]
+    return sorted(p for p in path.iterdir() if p.suffix.lower() == ".npz")
 
 
 def _open_npz_files(files: list[Path], source: str) -> CalibrationData:
@@ -132,8 +148,10 @@ def _npz_count(path: Path) -> int:
                     raise CalibrationDataError(f"{path}: array '{key}' holds Python objects (needs pickle, "
                                                f"refused); save plain numeric arrays")
                 shapes[key] = shape
-    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
         raise CalibrationDataError(f"{path}: not a readable .npz file ({first_line(exc)})") from None
+    except (RuntimeError, NotImplementedError) as exc:   # an encrypted member, an unknown compression
+        raise CalibrationDataError(f"{path}: cannot read a member of the .npz file ({first_line(exc)})") from None
     return _sample_count(shapes, str(path))
 
 
@@ -156,8 +174,10 @@ def _npz_arrays(path: Path) -> dict[str, np.ndarray]:
             return {key: npz[key] for key in npz.files}
     except ValueError as exc:  # object arrays that slipped past the header check
         raise CalibrationDataError(f"{path}: cannot load without pickle ({first_line(exc)}); refused") from None
-    except (zipfile.BadZipFile, OSError) as exc:
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
         raise CalibrationDataError(f"{path}: not a readable .npz file ({first_line(exc)})") from None
+    except (RuntimeError, NotImplementedError) as exc:   # an encrypted member, an unknown compression
+        raise CalibrationDataError(f"{path}: cannot read a member of the .npz file ({first_line(exc)})") from None
 
 
 def _split(arrays: dict[str, np.ndarray], n: int) -> Iterator[Feed]:

@@ -11,10 +11,17 @@ QUANTIZED_OPS = ("Conv", "Gemm", "MatMul", "Add", "Mul", "Concat", "Relu", "Clip
                  "Gather", "Split")
 
 
+FOUR_BIT = ("uint4", "int4")
+
+
 @st.composite
-def configs(draw, activations: list[str] = (), nodes: list[str] = (), weights: list[str] = ()):
-    """A random QuantConfig as a dict (only keys that differ from the defaults, some of the time)."""
+def configs(draw, activations: list[str] = (), nodes: list[str] = (), weights: list[str] = (),
+            four_bit: bool = False):
+    """A random QuantConfig as a dict (only keys that differ from the defaults, some of the time).
+    ``four_bit``: 4-bit activation or weight types (or 4-bit overrides) in every config."""
     cfg: dict = {}
+    if four_bit:
+        return draw(_four_bit(activations, nodes, weights))
     if nodes and draw(st.integers(0, 9)) == 9:
         cfg["nodes_to_exclude"] = [nodes[draw(st.integers(0, len(nodes) - 1))]]
     if nodes and draw(st.integers(0, 14)) == 14:
@@ -103,3 +110,30 @@ def overrides(draw, activations, weights, act_type: str):
             entry = {kind: draw(st.sampled_from(ACTIVATION_TYPES) if kind == "quant_type" else st.booleans())}
         out[name] = [entry]
     return out
+
+
+@st.composite
+def _four_bit(draw, activations, nodes, weights):
+    """A config of ``configs()`` with 4 bits somewhere: the activation type, the weight type, both,
+    or a 4-bit override of one activation or weight (onnxruntime's fused kernels lack 4-bit types)."""
+    cfg = draw(configs(activations, nodes, weights))
+    where = draw(st.sampled_from(("activations", "weights", "both", "override")))
+    if where in ("activations", "both"):
+        cfg["activation_type"] = draw(st.sampled_from(FOUR_BIT))
+        if draw(st.booleans()):
+            cfg.pop("mixed_precision", None)
+    if where in ("weights", "both"):
+        cfg["weight_type"] = draw(st.sampled_from(FOUR_BIT))
+    if where == "override" and (activations or weights):
+        pool = list(activations) + list(weights)
+        name = pool[draw(st.integers(0, len(pool) - 1))]
+        cfg.setdefault("tensor_overrides", {})[name] = [{"quant_type": draw(st.sampled_from(FOUR_BIT))}]
+    elif where == "override":
+        cfg["activation_type"] = draw(st.sampled_from(FOUR_BIT))
+    if "tensor_overrides" in cfg and cfg.get("activation_type") in FOUR_BIT:
+        # fixed scales/zero points drawn for another activation type may not fit 4 bits
+        cfg["tensor_overrides"] = {k: v for k, v in cfg["tensor_overrides"].items()
+                                   if "zero_point" not in v[0]} or cfg.pop("tensor_overrides")
+    if "tensor_overrides" in cfg and not cfg["tensor_overrides"]:
+        del cfg["tensor_overrides"]
+    return cfg

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import TensorProto
 
 from .cases import FuzzCase
 
@@ -72,10 +71,11 @@ def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:
     output shapes, no output's SNR (on the calibration feeds) is NaN, and the SNR is at least
     ``snr_floor(case)`` dB when that returns a number. The SNR is measured with
     ORT_DISABLE_ALL, i.e. the exact QDQ semantics: onnxruntime's QDQ fusions have bugs of their
-    own (QLinearSoftmax over an inner axis; a float Conv bias dropped with 16-bit Q/DQ; no 4-bit
-    support; QLinearConv refusing per-channel weight scales on another axis), so the default
-    session is only checked to load (or else to load with basic optimizations), to run (except in
-    fused QLinear kernels) and for NaN; the ``ORT_*`` outcomes mark those onnxruntime bugs.
+    own (QLinearSoftmax over an inner axis; a float Conv bias dropped with 16-bit Q/DQ; QLinearConv
+    refusing per-channel weight scales on another axis), so the default session is checked to load
+    — a model it cannot load is a crash, as `qpasses run` would exit 1 on it (4-bit activations
+    its fused kernels lack are refused up front: an error) — to run (except in fused QLinear
+    kernels) and for NaN; the ``ORT_*`` outcomes mark those onnxruntime bugs.
     error: a one-line QpassesError. Anything else is a crash.
     """
     import qpasses
@@ -91,7 +91,7 @@ def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:
         return Outcome("skip", "skip: the float model overflows on these feeds")
     before = case.model.SerializeToString()
     try:
-        q = qpasses.quantize(case.model, case.feeds, config=case.config)
+        q = qpasses.quantize(case.model, case.feeds, config=case.config, passes=case.passes)
     except qpasses.QpassesError as exc:
         text = str(exc)
         if not text.strip() or "\n" in text.strip() or "Traceback" in text:
@@ -107,15 +107,8 @@ def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:
         proto = q.to_proto()
         stage = "checker"
         onnx.checker.check_model(proto)
-        stage = "ort-load"
-        try:
-            sess = session(proto)
-        except Exception as exc:   # onnxruntime's QDQ fusions fail on some valid models
-            try:
-                sess = _session(proto, "ORT_ENABLE_BASIC")
-            except Exception:
-                raise exc from None
-            kind = ORT_4BIT if _quantizes_activations_to_4_bits(proto) else ORT_LOAD
+        stage = "ort-load"   # at the default optimization level, as `qpasses run` checks before writing
+        sess = session(proto)
         exact_sess = _session(proto, "ORT_DISABLE_ALL")
         stage = "ort-run"
         exact = [exact_sess.run(names, f) for f in case.feeds]
@@ -143,8 +136,6 @@ def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:
 
 
 # outcomes that are onnxruntime's bugs, not qpasses': counted apart, never a failure
-ORT_4BIT = "ok, loads only with ORT_ENABLE_BASIC (onnxruntime's QDQ fusions mishandle 4-bit)"
-ORT_LOAD = "ok, loads only with ORT_ENABLE_BASIC (an onnxruntime QDQ optimizer bug)"
 ORT_FUSION = "ok, >10 dB lost with onnxruntime's optimizations on only (a QDQ fusion bug)"
 ORT_RUN = "ok, onnxruntime's fused QLinear kernel fails at run time (the exact QDQ model runs)"
 
@@ -155,13 +146,6 @@ def _snr(names: list[str], refs: list, outs: list) -> dict[str, float]:
 
     return {name: snr_db(np.concatenate([np.ravel(r[i]) for r in refs]),
                          np.concatenate([np.ravel(o[i]) for o in outs])) for i, name in enumerate(names)}
-
-
-def _quantizes_activations_to_4_bits(proto: onnx.ModelProto) -> bool:
-    """A QuantizeLinear (activations only: weights are stored quantized) writes int4/uint4."""
-    four = {t.name for t in proto.graph.initializer if t.data_type in (TensorProto.INT4, TensorProto.UINT4)}
-    return any(n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[2] in four
-               for n in proto.graph.node)
 
 
 def _session(proto: onnx.ModelProto, level: str):

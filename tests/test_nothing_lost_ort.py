@@ -1,0 +1,115 @@
+"""Nothing lost (issue 14), class 5: outputs onnxruntime cannot load.
+
+Every model `qpasses run` writes loads in onnxruntime at its default optimization level (it is
+loaded before it is committed). Types onnxruntime's optimizer fuses into kernels that lack them —
+4-bit activations into a Conv with 8-bit weights (QLinearConv) or into MaxPool — are refused up
+front, once the types are final and before the costly passes, with exit 2 naming the nodes.
+Everything else 4-bit either loads at every optimization level or is refused the same way.
+"""
+from __future__ import annotations
+
+import json
+
+import onnx
+import onnxruntime as ort
+import pytest
+
+from nothing_lost_kit import Workspace, assert_refused, convs, mlp, run_cli, snapshot
+from qpasses.testing import parse
+
+# the default pipeline without search-precision (which may promote the 4-bit tensors away)
+PIPELINE = ("fold-constants,fold-batchnorm,cleanup,annotate-types,propagate-mixed-precision,calibrate,"
+            "select-by-snr,compute-qparams,correct-bias,fix-bias-scales,insert-qdq,insert-converts,cleanup")
+
+
+def _no_pool():
+    text = onnx.printer.to_text(convs())
+    m = convs()
+    del m.graph.node[-1]
+    m.graph.output[0].name = "r2"
+    m.graph.output[0].type.tensor_type.shape.dim[2].dim_value = 8
+    m.graph.output[0].type.tensor_type.shape.dim[3].dim_value = 8
+    assert "MaxPool" in text
+    return m
+
+
+def _pool_first():
+    return parse("""
+        m (float[1,2,4,4] x) => (float[1,2,2,2] y) {
+            s = Sigmoid (x)
+            y = MaxPool <kernel_shape = [2,2], strides = [2,2]> (s)
+        }""")
+
+
+REFUSED = [
+    ("uint4 activations into Conv", convs, {"activation_type": "uint4"}, "QLinearConv has no uint4 kernel"),
+    ("int4 activations into Conv", convs, {"activation_type": "int4"}, "QLinearConv has no int4 kernel"),
+    ("uint4 activations, uint8 weights", _no_pool, {"activation_type": "uint4", "weight_type": "uint8"},
+     "QLinearConv has no uint4 kernel"),
+    ("uint4 activations into MaxPool", convs, {"activation_type": "uint4", "weight_type": "int4"},
+     "MaxPool has no uint4 kernel"),
+    ("int4 Sigmoid into MaxPool", _pool_first, {"activation_type": "int4", "op_types_to_quantize": ["Sigmoid", "MaxPool"]},
+     "MaxPool has no int4 kernel"),
+    ("an int4 override on a Conv input", _no_pool, {"tensor_overrides": {"r1": [{"quant_type": "int4"}]}},
+     "reads 'r1' as int4"),
+]
+
+
+@pytest.mark.parametrize("model, config, fragment", [pytest.param(m, c, f, id=i) for i, m, c, f in REFUSED])
+def test_4_bit_types_onnxruntime_cannot_load_are_refused_up_front(model, config, fragment, tmp_path, capsys):
+    ws = Workspace(tmp_path, model())
+    ws.config.write_text(json.dumps(config))
+    line = assert_refused(capsys, tmp_path, ws.run("--config", ws.config, "--passes", PIPELINE, "--report", ws.report,
+                                                   "--dump-after", ws.out_dir / "d"), fragment)
+    assert "onnxruntime cannot load such a model" in line
+
+
+def test_the_refusal_comes_before_calibration(tmp_path, capsys, monkeypatch):
+    from qpasses.passes.calibrate import Calibrate
+
+    def never(self, model, ctx):
+        raise AssertionError("calibrate ran")
+
+    monkeypatch.setattr(Calibrate, "run", never)
+    ws = Workspace(tmp_path, convs())
+    ws.config.write_text('{"activation_type": "uint4"}')
+    assert_refused(capsys, tmp_path, ws.run("--config", ws.config, "--passes",
+                                            "fold-constants,annotate-types,calibrate,compute-qparams,insert-qdq"),
+                   "QLinearConv has no uint4 kernel")
+
+
+LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL")
+CONFIGS = [
+    {"activation_type": "uint4", "weight_type": "int4"},
+    {"activation_type": "int4", "weight_type": "int4", "per_channel": False},
+    {"activation_type": "uint8", "weight_type": "int4"},
+    {"activation_type": "uint8", "weight_type": "uint4", "per_channel": False},
+    {"activation_type": "uint16", "weight_type": "int4"},
+    {"activation_type": "uint4", "weight_type": "int16"},
+    {"activation_type": "uint4"},
+    {"activation_type": "int4", "mixed_precision": {"r1": "uint16"}},
+]
+
+
+@pytest.mark.parametrize("model, pipeline", [(mlp, "default"), (_no_pool, "default"), (convs, "default"),
+                                             (convs, "without search-precision")],
+                         ids=["mlp", "convs", "convs+pool", "convs+pool, no search-precision"])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_4_bit_configs_load_at_every_level_or_are_refused(config, model, pipeline, tmp_path, capsys):
+    if "mixed_precision" in config and model is mlp:
+        config = {k: v for k, v in config.items() if k != "mixed_precision"}
+    ws = Workspace(tmp_path, model())
+    ws.config.write_text(json.dumps(config))
+    before = snapshot(tmp_path)
+    extra = ["--passes", PIPELINE] if pipeline != "default" else []
+    code, lines, _ = run_cli(capsys, ws.run("--config", ws.config, "--quiet", *extra))
+    assert code in (0, 2), lines
+    if code == 2:
+        assert len(lines) == 1 and "onnxruntime cannot load such a model" in lines[0], lines
+        assert snapshot(tmp_path) == before
+        return
+    for level in LEVELS:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 4
+        opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+        ort.InferenceSession(str(ws.out), opts, providers=["CPUExecutionProvider"])
