@@ -120,9 +120,12 @@ def _read_type(model, name: str, node) -> str | None:
 
 
 def unloadable_4bit(model) -> list[str]:
-    """Nodes reading a 4-bit activation that onnxruntime fuses into a kernel without 4-bit types."""
+    """Nodes reading a 4-bit activation that onnxruntime fuses into a kernel without 4-bit types
+    (in the main graph and in its If/Loop/Scan bodies)."""
+    from .ir import body_graphs
+
     problems = []
-    for node in model.graph.nodes:
+    for node in [n for g in (model.graph, *body_graphs(model.graph)) for n in g.nodes]:
         if node.op not in ("Conv", "MaxPool") or not node.inputs:
             continue
         x = node.inputs[0].name

@@ -60,12 +60,15 @@ def convs(opset: int = 17) -> onnx.ModelProto:
 
 
 def feeds(model: onnx.ModelProto, n: int = 8, seed: int = 0) -> dict[str, np.ndarray]:
-    """``n`` samples per graph input (arrays of shape (n, *input shape))."""
+    """``n`` samples per graph input (arrays of shape (n, *input shape); bool inputs alternate)."""
     rng = np.random.default_rng(seed)
     out = {}
     for vi in model.graph.input:
         dims = [d.dim_value or 1 for d in vi.type.tensor_type.shape.dim]
-        out[vi.name] = rng.standard_normal((n, *dims)).astype(np.float32)
+        if vi.type.tensor_type.elem_type == TensorProto.BOOL:
+            out[vi.name] = (np.arange(n) % 2 == 0).reshape((n,) + (1,) * len(dims)) & np.ones(dims, bool)
+        else:
+            out[vi.name] = rng.standard_normal((n, *dims)).astype(np.float32)
     return out
 
 

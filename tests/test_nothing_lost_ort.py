@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from nothing_lost_kit import Workspace, assert_refused, convs, mlp, run_cli, snapshot
 from qpasses.testing import parse
@@ -41,6 +43,27 @@ def _pool_first():
         }""")
 
 
+def _conv_in_if():
+    """The same Relu -> Conv in both branches of an If (bodies are quantized like the main graph)."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.normal(0, 0.3, (4, 4, 1, 1)).astype(np.float32), "w")
+
+    def branch(name):
+        nodes = [helper.make_node("Relu", ["x"], [f"{name}_r"]),
+                 helper.make_node("Conv", [f"{name}_r", "w"], [f"{name}_y"], name=f"{name}_conv")]
+        return helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT,
+                                                                                 [1, 4, 4, 4])])
+
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], then_branch=branch("t"), else_branch=branch("e"), name="if")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 4, 4]),
+         helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 4, 4])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
 REFUSED = [
     ("uint4 activations into Conv", convs, {"activation_type": "uint4"}, "QLinearConv has no uint4 kernel"),
     ("int4 activations into Conv", convs, {"activation_type": "int4"}, "QLinearConv has no int4 kernel"),
@@ -52,6 +75,8 @@ REFUSED = [
      "MaxPool has no int4 kernel"),
     ("an int4 override on a Conv input", _no_pool, {"tensor_overrides": {"r1": [{"quant_type": "int4"}]}},
      "reads 'r1' as int4"),
+    ("uint4 activations into a Conv in an If branch", _conv_in_if, {"activation_type": "uint4"},
+     "node 't_conv' (Conv) reads 't_r' as uint4"),
 ]
 
 
