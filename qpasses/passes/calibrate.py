@@ -27,7 +27,8 @@ class Calibrate(Pass):
 
     Reads: the calibration data (``data`` option, else the data attached to the model), options not
     given come from ``config.calibration``; the activation bit width from ``config.activation_type``.
-    Writes: ``model.decisions["calibration"]`` (the method, whether the user chose it),
+    Writes: ``model.decisions["calibration"]`` (the method, whether the user chose it, the first
+    sample held out of the ranges),
     ``model.ranges[t] = (rmin, rmax)`` chosen by the method and ``model.observed[t] =
     (min, max)`` seen, for every float graph input and non-constant float node output (inside
     If/Loop/Scan bodies too: the calibration copy threads them out, qpasses.calibration.subgraphs;
@@ -63,11 +64,11 @@ class Calibrate(Pass):
         "help": "minmax: moving average of per-sample min/max instead of the extremes"})
     symmetric: bool | None = field(default=None, metadata={"help": "ranges symmetric around 0"})
     max_samples: int = field(default=0, metadata={"help": "use at most this many samples (0: all)"})
-    data: str = field(default="", metadata={"help": "calibration data path (empty: the model's --calib data)"})
-
     hold_out: int = field(default=0, metadata={
         "help": "leave the last N samples out of the ranges for search-precision to score on (only "
                 "when the data holds at least 4N samples and says how many; 0: use every sample)"})
+    data: str = field(default="", metadata={"help": "calibration data path (empty: the model's --calib data)"})
+
     def settings(self, config: QuantConfig | None) -> CalibrationConfig:
         """config.calibration with this pass's explicit options applied (checked like the config)."""
         base = (config or QuantConfig()).calibration
