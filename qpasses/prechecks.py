@@ -9,7 +9,9 @@ They run as instruments of the user's pipeline (``run_pipeline`` adds them when 
   overflows float32, so its scale is Inf. Refused with exit 2 naming each tensor.
 - ``LoadableTypes``: 4-bit activations that onnxruntime's optimizer fuses into kernels without 4-bit
   support (a Conv with 8-bit or float weights becomes QLinearConv; MaxPool runs on the quantized
-  values): onnxruntime cannot load such a model at its default optimization level. Checked once the
+  values, also when only its output is quantized: the quantization is moved before it; a Clip
+  followed by a 4-bit QuantizeLinear meets a fusion that reads 8/16-bit zero points only):
+  onnxruntime cannot load such a model at its default optimization level. Checked once the
   types are final (before the first pass after the last pass that may change them, or at the end),
   refused naming each node.
 """
@@ -126,10 +128,21 @@ def unloadable_4bit(model) -> list[str]:
 
     problems = []
     for node in [n for g in (model.graph, *body_graphs(model.graph)) for n in g.nodes]:
-        if node.op not in ("Conv", "MaxPool") or not node.inputs:
+        if node.op not in ("Conv", "MaxPool", "Clip") or not node.inputs:
+            continue
+        out = node.outputs[0].name if node.outputs else ""
+        written = model.quant[out].qtype if out in model.quant else None
+        if node.op == "Clip":   # Clip -> QuantizeLinear fusion: it reads 8/16-bit zero points only
+            if written in FOUR_BIT:
+                problems.append(f"node '{node.name}' (Clip) writes '{out}' as {written} (onnxruntime's "
+                                f"Clip/QuantizeLinear fusion has no {written} support)")
             continue
         x = node.inputs[0].name
         qt = _read_type(model, x, node)
+        if node.op == "MaxPool" and qt not in FOUR_BIT and written in FOUR_BIT:
+            problems.append(f"node '{node.name}' (MaxPool) writes '{out}' as {written} (onnxruntime moves "
+                            f"the quantization before it; MaxPool has no {written} kernel)")
+            continue
         if qt not in FOUR_BIT:
             continue
         if node.op == "Conv":

@@ -64,6 +64,28 @@ def _conv_in_if():
     return model
 
 
+def _pool_output_only():
+    """Found by the 4-bit fuzz: only MaxPool's output is quantized (Relu and Pad read it)."""
+    return parse("""
+        fuzz (float[1,1,1,1] x1) => (float[?,?,?,?] relu_4, float[?,?,?,?] pad_7) <int64[8] pads6 = {0,0,0,0,0,0,0,0}> {
+            maxp_2 = MaxPool <kernel_shape = [1, 1]> (x1)
+            relu_4 = Relu (maxp_2)
+            pad_7 = Pad <mode = "reflect"> (maxp_2, pads6)
+        }""", opset=13)
+
+
+def _clip_then_conv():
+    """Found by the 4-bit fuzz: a Clip kept in front of a quantized Conv."""
+    return parse("""
+        fuzz (float[1,1,1,1] x3) => (float[?,?,?,?] relu_6, float[?,?,?,?] conv_13)
+          <float lo8 = {0}, float hi9 = {6}, float[1,1,1,1] w12 = {0.12573022}> {
+            relu_4 = Relu (x3)
+            relu_6 = Relu (relu_4)
+            clip_10 = Clip (relu_4, lo8, hi9)
+            conv_13 = Conv <kernel_shape = [1, 1]> (clip_10, w12)
+        }""", opset=13)
+
+
 REFUSED = [
     ("uint4 activations into Conv", convs, {"activation_type": "uint4"}, "QLinearConv has no uint4 kernel"),
     ("int4 activations into Conv", convs, {"activation_type": "int4"}, "QLinearConv has no int4 kernel"),
@@ -77,6 +99,9 @@ REFUSED = [
      "reads 'r1' as int4"),
     ("uint4 activations into a Conv in an If branch", _conv_in_if, {"activation_type": "uint4"},
      "node 't_conv' (Conv) reads 't_r' as uint4"),
+    ("a uint4 MaxPool output", _pool_output_only, {"activation_type": "uint4"}, "(MaxPool) writes 'maxp_2' as uint4"),
+    ("a Clip before a uint4 QuantizeLinear", _clip_then_conv, {"activation_type": "uint4", "weight_type": "int16"},
+     "(Clip) writes 'clip_10' as uint4"),
 ]
 
 
