@@ -150,14 +150,5 @@ def choose(stats: ChannelStats, weights: list[np.ndarray], alphas: list[float], 
 
 def rereadable(data) -> bool:
     """Whether reading the calibration data here leaves it whole for calibrate: not a one-shot
-    iterator, not an onnxruntime-style reader without rewind() (qpasses.calibration.data wraps both)."""
-    if getattr(data, "_one_shot", False):
-        return False
-    for cell in getattr(getattr(data, "_make_iter", None), "__closure__", None) or ():
-        try:
-            held = cell.cell_contents
-        except ValueError:   # an empty cell
-            continue
-        if hasattr(held, "get_next") and not callable(getattr(held, "rewind", None)):
-            return False
-    return True
+    iterator, not an onnxruntime-style reader without rewind() (CalibrationData.rereadable)."""
+    return bool(getattr(data, "rereadable", True))

@@ -42,12 +42,15 @@ class CalibrationData:
     """Re-iterable calibration feeds. ``source`` names them in messages; ``count`` is the number of
     samples when known without reading them (else None)."""
 
-    def __init__(self, make_iter, source: str, count: int | None = None, *, one_shot: bool = False):
+    def __init__(self, make_iter, source: str, count: int | None = None, *, one_shot: bool = False,
+                 rereadable: bool = True):
         self._make_iter = make_iter
         self.source = source
         self.count = count
         self._one_shot = one_shot
         self._used = False
+        # a pass reading the feeds before calibrate must know it leaves them whole
+        self.rereadable = rereadable and not one_shot
 
     def __iter__(self) -> Iterator[Feed]:
         if self._one_shot and self._used:
@@ -255,7 +258,8 @@ def _open_reader(reader) -> CalibrationData:
         count = len(reader)
     except Exception:
         count = None
-    return CalibrationData(iterate, type(reader).__name__, count)
+    return CalibrationData(iterate, type(reader).__name__, count,
+                           rereadable=callable(getattr(reader, "rewind", None)))
 
 
 # -- validation -----------------------------------------------------------------------------------
