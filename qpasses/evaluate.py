@@ -9,7 +9,7 @@ import onnx
 
 from .calibration.data import InputSpec, validate
 from .calibration import segments
-from .errors import ModelError, first_line
+from .errors import ModelError
 from .ir import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
 
 

@@ -73,15 +73,6 @@ def promote(model: QModel, groups: list[list[str]], fallback: str, reasons: dict
         leave_float(model, {k: v.split(": ", 1)[-1] for k, v in float_reasons.items() if v}, "search-precision")
 
 
-def graph_order(model: QModel, roots: list[str]) -> list[str]:
-    """``roots`` in the order the graph first reads or writes them (neighbours stay together)."""
-    first: dict[str, int] = {}
-    for index, node in enumerate([*model.graph.nodes, *(n for n, _ in scopes(model).body_nodes())]):
-        for t in list(node.inputs) + list(node.outputs):
-            first.setdefault(t.name, index)
-    return sorted(roots, key=lambda r: (first.get(r, len(first)), r))
-
-
 def local_errors(model: QModel, entries: dict, feeds: list[dict]) -> dict[str, float]:
     """Root -> 20*log10(RMS error of quantizing it alone / median |non-zero value|) in dB (higher:
     worse), for each root -> its computed TensorQuant in ``entries``: weights from their values, activations from one float

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-import numpy as np
 import onnx
 from onnx import helper
 

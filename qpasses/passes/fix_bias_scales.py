@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..analysis.bias_fixes import bias_fixes, plan_bias_fixes  # noqa: F401 (tests import the plan here)
+from ..analysis.bias_fixes import bias_fixes
 from ..analysis.derivations import rederive
 from ..ir import QModel
 from ..pipeline import Pass, PassResult

@@ -1,7 +1,7 @@
 """fold-constants: evaluate every node whose inputs are all constants into initializers."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import ClassVar
 
 import numpy as np

@@ -7,7 +7,6 @@ import math
 from dataclasses import field
 from typing import ClassVar
 
-import numpy as np
 
 from ..analysis.sensitivity import local_errors, promotion_groups, promote
 from ..calibration.data import open_data

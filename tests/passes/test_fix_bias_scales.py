@@ -10,7 +10,8 @@ from qpasses.context import RunContext
 from qpasses.errors import PreconditionError
 from qpasses.ir import from_proto
 from qpasses.passes.compute_qparams import ComputeQParams
-from qpasses.passes.fix_bias_scales import FixBiasScales, plan_bias_fixes
+from qpasses.analysis.bias_fixes import plan_bias_fixes
+from qpasses.passes.fix_bias_scales import FixBiasScales
 from qpasses.pipeline import PassManager
 from qpasses.qparams import INT32_MAX, compute_qparams, dequantize, quantize
 from qpasses.qtypes import qtype
