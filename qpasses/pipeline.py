@@ -301,6 +301,14 @@ class PassManager:
             inst.failed(index, p, model, self.passes[index:], ctx)
 
 
-def run_nested(passes: str, model: QModel, ctx: RunContext) -> list[PassRecord]:
-    """Run a pipeline a pass applies to a copy of the model, with the run's instruments."""
-    return PassManager(passes).run(model, ctx.nested())
+def run_nested(passes, model: QModel, ctx: RunContext) -> list[PassRecord]:
+    """Run a pipeline (text or passes) a pass applies to a copy of the model, with the run's instruments."""
+    return PassManager(passes).run(model, ctx.nested()) if passes else []
+
+
+def split_after(passes: str, name: str) -> tuple[list[Pass], list[Pass]]:
+    """Pipeline text parsed and cut right after pass ``name`` (all of it in the second part when
+    ``name`` is absent): a pass that runs a nested pipeline can act between the two parts."""
+    parsed = parse_pipeline(passes)
+    cut = next((i + 1 for i, p in enumerate(parsed) if p.name == name), 0)
+    return parsed[:cut], parsed[cut:]

@@ -15,7 +15,7 @@ from ..errors import CalibrationDataError, first_line
 from ..evaluate import Reference, rerun_skip_reason
 from ..ir import QModel
 from ..objective import Objective
-from ..pipeline import Pass, PassResult, run_nested
+from ..pipeline import Pass, PassResult, run_nested, split_after
 from ..registry import register
 
 NAME = "search-precision"
@@ -158,14 +158,11 @@ class _Search:
         if key not in self.scores:
             trial = self.model.copy(share_weights=True)
             promote(trial, [self.groups[n] for n in promoted], self.fallback, {})
-            then = self.options.then.split(",")
-            cut = then.index("compute-qparams") + 1 if "compute-qparams" in then else 0
-            if cut:
-                run_nested(",".join(then[:cut]), trial, self.ctx)
+            first, rest = split_after(self.options.then, "compute-qparams")
+            run_nested(first, trial, self.ctx)
             if not promoted:   # its qparams measure the local errors
                 self.computed = {n: trial.quant.get(n) for n in self.groups}
-            if then[cut:]:
-                run_nested(",".join(then[cut:]), trial, self.ctx)
+            run_nested(rest, trial, self.ctx)
             self.evaluations += 1
             try:
                 result = self.check_ref.score(trial.to_proto(metadata=False), objective=self.objective)

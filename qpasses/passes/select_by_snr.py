@@ -12,7 +12,7 @@ from ..calibration.softmax import ROW_MAX_SUFFIX
 from ..errors import CalibrationDataError, first_line
 from ..evaluate import Reference, rerun_skip_reason
 from ..ir import QModel
-from ..pipeline import Pass, PassResult, run_nested
+from ..pipeline import Pass, PassResult, make_pass, run_nested, split_after
 from ..registry import register
 
 NAME = "select-by-snr"
@@ -161,7 +161,7 @@ class SelectBySnr(Pass):
         config = ctx.config
         axes = [a for a in (range_variants(model, config),
                             weight_variants(model, config, self.asymmetric_penalty_db)) if a]
-        bias = (self.bias_correction and "compute-qparams" in self.then.split(",")
+        bias = (self.bias_correction and bool(split_after(self.then, "compute-qparams")[0])
                 and BIAS_DECISION not in model.decisions and _has_biases(model))
         kept = ctx.cache.pop("kept_samples", None)   # scored from here on: freed before the rest
         if not axes and not bias:
@@ -252,14 +252,15 @@ class SelectBySnr(Pass):
         trial = model.copy(share_weights=True)
         for variant in combo:
             variant.apply(trial)
-        then, corrected = self.then.split(","), None
+        first, rest = split_after(self.then, "compute-qparams")
+        corrected = None
         if with_correct_bias:
-            cut = then.index("compute-qparams") + 1
             trial.decisions.pop(BIAS_DECISION, None)
-            run_nested(",".join(then[:cut] + [CORRECT_BIAS]), trial, ctx)
-            corrected, then = _changed_biases(model, trial), then[cut:]
-        if then:
-            run_nested(",".join(then), trial, ctx)
+            run_nested(first + [make_pass(CORRECT_BIAS)], trial, ctx)
+            corrected = _changed_biases(model, trial)
+        else:
+            rest = first + rest
+        run_nested(rest, trial, ctx)
         return trial.to_proto(metadata=False), corrected
 
     def _reference(self, model: QModel, ctx, kept) -> Reference | None:
