@@ -19,9 +19,6 @@ class Findings:
     def set(self, key: str, value) -> None:
         self._data[key] = value
 
-    def drop(self, key: str) -> None:
-        self._data.pop(key, None)
-
     def update(self, key: str, values: dict) -> None:
         """Merge ``values`` into the mapping under ``key``."""
         self._data.setdefault(key, {}).update(values)
@@ -39,13 +36,12 @@ class Findings:
 class RunContext:
     """The config (target defaults applied), calibration data, a transient cache and the findings."""
 
-    def __init__(self, config=None, calibration_data=None, *, config_source=None, data_source=None):
+    def __init__(self, config=None, calibration_data=None):
         from .targets import apply_target_defaults
 
         self.config: QuantConfig = apply_target_defaults(load_config(config))
-        # what the user gave, for a reproducer: a path (None when given as Python objects)
-        self.config_source = config_source if config_source is not None else _path_or_none(config)
-        self.data_source = data_source if data_source is not None else _path_or_none(calibration_data)
+        # the data's path, for a reproducer (None when given as Python objects)
+        self.data_source = _path_or_none(calibration_data)
         if calibration_data is not None and not hasattr(calibration_data, "validated"):
             from .calibration.data import open_data
 
