@@ -1,4 +1,4 @@
-"""The `qpasses` command line: run | passes | explain | compare.
+"""The `qpasses` command line: run (alias quantize) | check | passes | explain | compare | report.
 
 Exit codes: 0 success, 2 user error (one line on stderr), 1 internal error. A reader that closes
 stdout early (`qpasses passes | head -1`) ends the command quietly (exit 0).
@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"qpasses {_version()}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
 
-    run = sub.add_parser("run", help="run a pipeline on a model")
+    run = sub.add_parser("run", aliases=["quantize"], help="run a pipeline on a model (alias: quantize)")
     run.add_argument("model", help="input .onnx model (never modified)")
     run.add_argument("-o", "--output", required=True, help="output .onnx path")
     run.add_argument("--passes", help="pipeline text, e.g. 'fold-constants,cleanup' (default: the "
