@@ -103,6 +103,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--traceback", action="store_true", help="show a traceback on internal errors")
     run.set_defaults(func=cmd_run)
 
+    chk = sub.add_parser("check", help="before calibrating: what quantizing a model will do (exit 2: it cannot)")
+    chk.add_argument("model")
+    chk.add_argument("--config", help="quantization config (JSON or YAML)")
+    chk.set_defaults(func=cmd_check)
+
     ls = sub.add_parser("passes", help="list every registered pass")
     ls.set_defaults(func=cmd_passes)
 
@@ -286,6 +291,19 @@ _EVAL_SAMPLES = 32
 
 def _fmt_db(value: float) -> str:
     return "inf dB (identical)" if math.isinf(value) and value > 0 else f"{value:.2f} dB"
+
+
+def cmd_check(args) -> int:
+    from .paths import escape
+    from .preflight import check
+
+    result = check(args.model, args.config)
+    print("\n".join(escape(line) for line in result.lines))
+    if result.ok:
+        return 0
+    more = f" (and {len(result.problems) - 1} more, above)" if len(result.problems) > 1 else ""
+    print(escape(f"qpasses: error: {args.model} cannot be quantized: {result.problems[0]}{more}"), file=sys.stderr)
+    return 2
 
 
 def cmd_passes(args) -> int:
