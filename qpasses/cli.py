@@ -88,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--eval", help="data to measure the output SNR on (default: the calibration data)")
     run.add_argument("--metric", help=_METRIC_HELP)
     run.add_argument("--report", help="write a JSON run report here")
+    run.add_argument("--html", help="write the HTML report here (per-layer errors and plots; needs --calib)")
     run.add_argument("--verify-each", choices=("structure", "checker", "ort", "reload"),
                      help="check the IR and the model's facts after every pass (reload: also continue "
                           "from the saved form of the model after each pass)")
@@ -108,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     chk.add_argument("--config", help="quantization config (JSON or YAML)")
     chk.set_defaults(func=cmd_check)
 
+    from .report.command import add_parser as add_report
+
+    add_report(sub)
     ls = sub.add_parser("passes", help="list every registered pass")
     ls.set_defaults(func=cmd_passes)
 
@@ -158,6 +162,8 @@ def cmd_run(args) -> int:
     # every path read and written, checked before any work (paths.py); the pipeline text too
     guard = guard_run(args, [p.name for p in parse_pipeline(args.passes or default_pipeline(args.calib is not None))])
     objective = parse_metric(args.metric)  # a bad spec stops here, before anything is written
+    if args.html and not args.calib:
+        raise QpassesError("--html reports on a quantized model: give --calib")
     notes: list[str] = []   # printed once everything is written: a failure prints one line only
     say = (lambda *a: None) if args.quiet else (lambda *a: notes.append(" ".join(map(str, a))))
     timer = TimePasses()
@@ -226,6 +232,11 @@ def cmd_run(args) -> int:
         say(f"qpasses: {report['summary']}")
     if args.time_passes:
         say(timer.table())
+    if args.html:   # the per-layer page, on the data the SNR line used
+        from .report import build
+
+        write_text(staging.file(args.html, "--html"), build(src, staged, eval_data or ctx.calibration_data,
+                   objective=objective, run_report=report), Path(args.html))
     if args.report:   # strict JSON: NaN is null, infinities are "inf" / "-inf" (outputs.py)
         write_text(staging.file(args.report, "--report"), strict_json(report), Path(args.report))
     staging.commit()
