@@ -1,4 +1,4 @@
-"""The `qpasses` command line: run | passes | explain | compare.
+"""The `qpasses` command line: run (alias quantize) | check | passes | explain | compare | report.
 
 Exit codes: 0 success, 2 user error (one line on stderr), 1 internal error. A reader that closes
 stdout early (`qpasses passes | head -1`) ends the command quietly (exit 0).
@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"qpasses {_version()}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
 
-    run = sub.add_parser("run", help="run a pipeline on a model")
+    run = sub.add_parser("run", aliases=["quantize"], help="run a pipeline on a model (alias: quantize)")
     run.add_argument("model", help="input .onnx model (never modified)")
     run.add_argument("-o", "--output", required=True, help="output .onnx path")
     run.add_argument("--passes", help="pipeline text, e.g. 'fold-constants,cleanup' (default: the "
@@ -88,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--eval", help="data to measure the output SNR on (default: the calibration data)")
     run.add_argument("--metric", help=_METRIC_HELP)
     run.add_argument("--report", help="write a JSON run report here")
+    run.add_argument("--html", help="write the HTML report here (per-layer errors and plots; needs --calib)")
     run.add_argument("--verify-each", choices=("structure", "checker", "ort", "reload"),
                      help="check the IR and the model's facts after every pass (reload: also continue "
                           "from the saved form of the model after each pass)")
@@ -103,6 +104,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--traceback", action="store_true", help="show a traceback on internal errors")
     run.set_defaults(func=cmd_run)
 
+    chk = sub.add_parser("check", help="before calibrating: what quantizing a model will do (exit 2: it cannot)")
+    chk.add_argument("model")
+    chk.add_argument("--config", help="quantization config (JSON or YAML)")
+    chk.set_defaults(func=cmd_check)
+
+    from .report.command import add_parser as add_report
+
+    add_report(sub)
     ls = sub.add_parser("passes", help="list every registered pass")
     ls.set_defaults(func=cmd_passes)
 
@@ -153,6 +162,8 @@ def cmd_run(args) -> int:
     # every path read and written, checked before any work (paths.py); the pipeline text too
     guard = guard_run(args, [p.name for p in parse_pipeline(args.passes or default_pipeline(args.calib is not None))])
     objective = parse_metric(args.metric)  # a bad spec stops here, before anything is written
+    if args.html and not args.calib:
+        raise QpassesError("--html reports on a quantized model: give --calib")
     notes: list[str] = []   # printed once everything is written: a failure prints one line only
     say = (lambda *a: None) if args.quiet else (lambda *a: notes.append(" ".join(map(str, a))))
     timer = TimePasses()
@@ -221,6 +232,11 @@ def cmd_run(args) -> int:
         say(f"qpasses: {report['summary']}")
     if args.time_passes:
         say(timer.table())
+    if args.html:   # the per-layer page, on the data the SNR line used
+        from .report import build
+
+        write_text(staging.file(args.html, "--html"), build(src, staged, eval_data or ctx.calibration_data,
+                   objective=objective, run_report=report), Path(args.html))
     if args.report:   # strict JSON: NaN is null, infinities are "inf" / "-inf" (outputs.py)
         write_text(staging.file(args.report, "--report"), strict_json(report), Path(args.report))
     staging.commit()
@@ -286,6 +302,19 @@ _EVAL_SAMPLES = 32
 
 def _fmt_db(value: float) -> str:
     return "inf dB (identical)" if math.isinf(value) and value > 0 else f"{value:.2f} dB"
+
+
+def cmd_check(args) -> int:
+    from .paths import escape
+    from .preflight import check
+
+    result = check(args.model, args.config)
+    print("\n".join(escape(line) for line in result.lines))
+    if result.ok:
+        return 0
+    more = f" (and {len(result.problems) - 1} more, above)" if len(result.problems) > 1 else ""
+    print(escape(f"qpasses: error: {args.model} cannot be quantized: {result.problems[0]}{more}"), file=sys.stderr)
+    return 2
 
 
 def cmd_passes(args) -> int:

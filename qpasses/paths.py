@@ -215,6 +215,8 @@ def guard_run(args, pass_names: list[str]) -> PathGuard:
     guard.write_file("-o", args.output)
     if args.report:
         guard.write_file("--report", args.report)
+    if getattr(args, "html", None):
+        guard.write_file("--html", args.html)
     if args.dump_after:
         dumps = [f"{i + 1:03d}_{name}.onnx" for i, name in enumerate(pass_names)]
         guard.write_folder("--dump-after", args.dump_after, dumps + [f"{d}.data" for d in dumps])

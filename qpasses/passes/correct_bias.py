@@ -16,6 +16,7 @@ from ..errors import CalibrationDataError
 from ..evaluate import rerun_skip_reason
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
+from ..progress import progress
 from ..qdq import QParams, quantized_values
 from ..qparams import dequantize
 from ..qtypes import qtype
@@ -301,6 +302,7 @@ class CorrectBias(Pass):
         targets = find_targets(model, self.activation_bits)
         if not targets:
             return PassResult(model, False, {"layers": 0})
+        bar = progress(ctx, NAME, self.samples)
         try:
             shape_sess, names = shape_session(model, targets)   # the float model, run in parts when big
             feeds = open_data(ctx.calibration_data).validated(shape_sess.specs, self.samples)
@@ -321,9 +323,12 @@ class CorrectBias(Pass):
                 for k, value in enumerate(sess.run([t.probe for t in targets], feed)):
                     probes[k].append(taps(targets[k].node, value))
                 count += 1
+                bar.update(count)
         except CalibrationDataError as exc:
+            bar.close()
             ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({exc})"})
             return PassResult(model, False, {"layers": 0})
+        bar.close()
         if not targets:
             ctx.findings.set(NAME, {"skipped": "no layer with known shapes and padding to correct"})
             return PassResult(model, False, {"layers": 0})

@@ -16,6 +16,7 @@ from ..evaluate import Reference, rerun_skip_reason
 from ..ir import QModel
 from ..objective import Objective
 from ..pipeline import Pass, PassResult, run_nested, split_after
+from ..progress import progress
 from ..registry import register
 
 NAME = "search-precision"
@@ -115,6 +116,7 @@ class SearchPrecision(Pass):
         decision = {"metric": metric, "target": target, "fallback": fallback,
                     "feeds": len(check.feeds), "held_out": held_out, "quantized": _round(first)}
         chosen, reached = search.search() if first < target else ([], first)
+        search.bar.close()
         if chosen:
             total = len(groups)
             promote(model, [groups[name] for name in chosen], fallback, {
@@ -149,6 +151,7 @@ class _Search:
         self.objective, self.target, self.fallback = objective, target, fallback
         self.budget = int(2 * math.log2(max(len(groups), 2))) + 16
         self.evaluations = 0
+        self.bar = progress(ctx, NAME, self.budget, unit="evaluations")
         self.scores: dict[frozenset, float] = {}
         self.computed: dict = {}   # root -> its entry in the fully quantized trial (its qparams)
 
@@ -164,6 +167,7 @@ class _Search:
                 self.computed = {n: trial.quant.get(n) for n in self.groups}
             run_nested(rest, trial, self.ctx)
             self.evaluations += 1
+            self.bar.update(self.evaluations)
             try:
                 result = self.check_ref.score(trial.to_proto(metadata=False), objective=self.objective)
                 self.scores[key] = float(result["objective"]["overall"])

@@ -13,6 +13,7 @@ from ..errors import CalibrationDataError, first_line
 from ..evaluate import Reference, rerun_skip_reason
 from ..ir import QModel
 from ..pipeline import Pass, PassResult, make_pass, run_nested, split_after
+from ..progress import progress
 from ..registry import register
 
 NAME = "select-by-snr"
@@ -176,7 +177,10 @@ class SelectBySnr(Pass):
             return PassResult(model, False, {"variants": 0})
         fused = len(model.graph.nodes) <= self.fused_nodes   # the float graph's size, before Q/DQ
         scored, failed, best = [], [], None   # best: (combo, Contender) of the best variant so far
-        for combo in itertools.product(*axes):   # the order is the preference: the first wins ties
+        combos = list(itertools.product(*axes))   # the order is the preference: the first wins ties
+        bar = progress(ctx, NAME, len(combos), unit="variants")
+        for combo in combos:
+            bar.update(len(scored) + len(failed))
             try:
                 contender = reference.contender(self._quantized(model, ctx, combo)[0], optimize=fused,
                                                 penalty=sum(v.penalty_db for v in combo))
@@ -193,6 +197,8 @@ class SelectBySnr(Pass):
                 best = (combo, contender)
             else:
                 contender.close()
+        bar.update(len(combos))
+        bar.close()
         report = {"samples": len(reference.feeds)} | ({"failed": failed} if failed else {})
         if best is None:   # the passes after this one will meet the same problem and say so
             ctx.findings.set(NAME, report | {"skipped": "no variant could be quantized and run"})

@@ -1,0 +1,40 @@
+"""The self-contained HTML report of a quantized model (``qpasses report``, ``qpasses run --html``).
+
+``layers`` measures every quantized activation against the float model, ``svg`` draws the plots
+by hand, ``html`` lays out the page; ``build`` puts them together.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+LAYER_SAMPLES = 8    # feeds for the per-layer numbers (every quantized activation is fetched)
+EVAL_SAMPLES = 32    # feeds for the output SNR and objective (as qpasses run)
+
+
+def build(float_model, qdq_model, data, *, objective=None, run_report: dict | None = None,
+          layer_samples: int = LAYER_SAMPLES) -> str:
+    """The report page for a float model and its QDQ model (paths or QModels) on ``data`` (a
+    path or CalibrationData). ``run_report``: what ``qpasses run`` knows besides (time per pass)."""
+    from ..calibration.data import model_inputs, open_data
+    from ..decisions import float_reasons
+    from ..evaluate import compare
+    from ..ir import load
+    from ..objective import parse_metric
+    from ..summary import summary_line
+    from . import html, layers
+
+    names = [str(m) if isinstance(m, (str, Path)) else "(in memory)" for m in (float_model, qdq_model)]
+    fmodel = float_model if not isinstance(float_model, (str, Path)) else load(float_model)
+    qmodel = qdq_model if not isinstance(qdq_model, (str, Path)) else load(qdq_model)
+    objective = objective or parse_metric(None)
+    data = open_data(data)
+    feeds = list(data.validated(model_inputs(fmodel), max_samples=EVAL_SAMPLES))
+    accuracy = compare(fmodel, qmodel, feeds, objective=objective)
+    qproto = qmodel.to_proto(metadata=False)
+    rows = layers.layers(fmodel, qmodel, feeds[:layer_samples])
+    info = {"model": Path(names[1]).name, "float": names[0], "quantized": names[1],
+            "data": str(getattr(data, "source", "") or "data"), "accuracy": accuracy,
+            "objective": accuracy.get("objective"), "layer_samples": min(layer_samples, len(feeds)),
+            "summary": summary_line(qproto, float_reasons(qmodel)), "decisions": qmodel.decisions,
+            "floats": float_reasons(qmodel), "passes": (run_report or {}).get("passes")}
+    return html.page(info, rows, layers.precision_cells(qproto))

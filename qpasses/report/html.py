@@ -1,0 +1,180 @@
+"""The report page: one self-contained HTML file (inline CSS, SVG and a few lines of script; no
+network access)."""
+from __future__ import annotations
+
+import math
+from html import escape
+
+from . import svg
+
+WORST = 6   # histograms for this many tensors with the lowest local SNR
+
+CSS = """
+body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#202124;max-width:1200px}
+h1{font-size:22px}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}
+th{background:#f1f3f4;position:sticky;top:0}th.sort{cursor:pointer}td.n{text-align:right;font-variant-numeric:tabular-nums}
+.plot{width:100%;height:auto;max-width:900px}.tick{font-size:10px;fill:#5f6368}.label{font-size:11px;fill:#202124}
+.why{color:#5f6368;font-size:11px}.bad{color:#d93025}.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:8px}
+.empty{color:#5f6368}code{font-size:12px}
+"""
+
+# click a column header to sort by it (numbers by value; again: the other way)
+SCRIPT = """
+document.querySelectorAll('table.sortable th.sort').forEach(function (th) {
+  th.addEventListener('click', function () {
+    var col = Array.prototype.indexOf.call(th.parentNode.children, th);
+    var body = th.closest('table').tBodies[0];
+    var down = th.dataset.dir !== 'down';
+    th.dataset.dir = down ? 'down' : 'up';
+    var rows = Array.prototype.slice.call(body.rows);
+    rows.sort(function (a, b) {
+      var x = a.cells[col].dataset.v, y = b.cells[col].dataset.v;
+      var nx = parseFloat(x), ny = parseFloat(y);
+      var c = (isNaN(nx) || isNaN(ny)) ? String(x).localeCompare(String(y)) : nx - ny;
+      return down ? c : -c;
+    });
+    rows.forEach(function (r) { body.appendChild(r); });
+  });
+});
+"""
+
+
+def _db(value) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None or math.isnan(value):
+        return "n/a"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.2f}"
+
+
+def _sortkey(value) -> str:
+    if isinstance(value, float) and math.isinf(value):
+        return "1e9" if value > 0 else "-1e9"
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+
+
+def _short(values, n: int = 3) -> str:
+    values = list(values or [])
+    text = ", ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in values[:n])
+    return text + (f", ... ({len(values)})" if len(values) > n else "")
+
+
+def _table(headers: list[str], rows: list[list], *, sortable: bool = False, numeric=()) -> str:
+    head = "".join(f'<th class="sort">{escape(h)}</th>' if sortable else f"<th>{escape(h)}</th>" for h in headers)
+    body = []
+    for row in rows:
+        cells = []
+        for i, cell in enumerate(row):
+            shown, key = cell if isinstance(cell, tuple) else (cell, cell)
+            cls = ' class="n"' if i in numeric else ""
+            cells.append(f'<td{cls} data-v="{escape(_sortkey(key))}">{shown if isinstance(cell, tuple) else escape(str(shown))}</td>')
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    cls = ' class="sortable"' if sortable else ""
+    return f"<table{cls}><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _summary(info: dict) -> list[str]:
+    out = ["<h2>Summary</h2>", f"<p>{escape(info['summary'])}</p>"]
+    acc = info["accuracy"]
+    out.append(f"<p>Measured on {acc['samples']} samples of <code>{escape(info['data'])}</code>; "
+               f"the per-layer numbers on the first {info['layer_samples']}.</p>")
+    rows = [[name, (_db(r["snr_db"]), r["snr_db"]), f"{r['max_abs_error']:.4g}"] for name, r in acc["outputs"].items()]
+    out.append(_table(["output", "SNR (dB)", "max abs error"], rows, numeric=(1, 2)))
+    objective = info.get("objective")
+    if objective:
+        metric = objective.get("metric", "snr")
+        comps = [[name, f"{value:.4g}", objective.get("slices", {}).get(name, "")]
+                 for name, value in objective.get("components", {}).items()]
+        overall = objective.get("overall", math.nan)
+        out.append(f"<p>Objective ({escape(str(metric))}, worst component): <b>{overall:.4g}</b></p>")
+        out.append(_table(["component", str(metric), "where"], comps, numeric=(1,)))
+    passes = info.get("passes")
+    if passes:
+        total = sum(p["seconds"] for p in passes) or 1.0
+        rows = [[p["pass"], (f"{p['seconds']:.3f}", p["seconds"]), f"{100 * p['seconds'] / total:.1f}",
+                 "yes" if p["modified"] else "no", ", ".join(f"{k}={v}" for k, v in p["stats"].items())] for p in passes]
+        out += ["<h3>Time per pass</h3>", _table(["pass", "seconds", "%", "modified", "stats"], rows, numeric=(1, 2))]
+    else:
+        out.append("<p>Time per pass: not recorded here (<code>qpasses run ... --html</code> records it).</p>")
+    search = info.get("decisions", {}).get("precision_search")
+    if search:
+        promoted = search.get("promoted", [])
+        out.append(f"<p>search-precision: target {escape(str(search.get('target')))} {escape(str(search.get('metric')))}, "
+                   f"quantized {escape(str(search.get('quantized')))}, reached {escape(str(search.get('reached')))}; "
+                   f"{len(promoted)} tensors promoted to {escape(str(search.get('fallback')))}"
+                   + (": " + escape(", ".join(promoted)) if promoted else "") + "</p>")
+    floats = info.get("floats", {})
+    rows = [[name, row.get("pass", ""), row.get("reason", "")] for name, row in floats.items()]
+    out.append(f"<details><summary>{len(rows)} tensors left float, and why</summary>"
+               f"{_table(['tensor', 'pass', 'reason'], rows, sortable=True)}</details>")
+    return out
+
+
+def _layer_table(layers) -> list[str]:
+    rows = []
+    for r in layers:
+        why = "<br>".join(f'<span class="why">{escape(w)}</span>' for w in r.why)
+        rows.append([r.tensor, r.producer, r.qtype, (escape(_short(r.scale)), r.scale[0]),
+                     (escape(_short(r.zero_point)), r.zero_point[0]),
+                     (_db(r.local_snr), r.local_snr), (_db(r.accumulated_snr), r.accumulated_snr),
+                     (_db(r.sensitivity), r.sensitivity), (why, len(r.why)), r.order])
+    return ["<h2>Per-layer table</h2>",
+            "<p>Quantized activations of the main graph. Local SNR: the float tensor against its own grid; "
+            "accumulated SNR: against what the QDQ model's readers see (every quantized tensor before it "
+            "counts); sensitivity: RMS error of its grid relative to its typical value (dB, higher is worse; "
+            "search-precision ranks by it). Click a header to sort.</p>",
+            _table(["tensor", "producer", "type", "scale", "zero point", "local SNR (dB)", "accumulated SNR (dB)",
+                    "sensitivity (dB)", "why", "order"], rows, sortable=True, numeric=(3, 4, 5, 6, 7, 9))]
+
+
+def _growth(layers) -> list[str]:
+    """The accumulated-SNR plot and the tensors where it drops most."""
+    acc = [(r.order, r.accumulated_snr, f"{r.tensor} ({r.producer}): {_db(r.accumulated_snr)} dB") for r in layers]
+    loc = [(r.order, r.local_snr, f"{r.tensor} ({r.producer}): local {_db(r.local_snr)} dB") for r in layers]
+    plot = svg.line_plot({"accumulated SNR": acc, "local SNR": loc}, title="SNR along the graph",
+                         xlabel="node index in the QDQ graph (topological order)", ylabel="SNR (dB)",
+                         colors={"accumulated SNR": "#d93025", "local SNR": "#1a73e8"})
+    finite = [r for r in layers if math.isfinite(r.accumulated_snr)]
+    drops = sorted(((a.accumulated_snr - b.accumulated_snr, b) for a, b in zip(finite, finite[1:])),
+                   key=lambda d: -d[0])[:5]
+    items = "".join(f"<li><code>{escape(b.tensor)}</code> ({escape(b.producer)}): -{d:.1f} dB to {_db(b.accumulated_snr)} dB "
+                    f"(local {_db(b.local_snr)} dB)</li>" for d, b in drops if d > 0)
+    return ["<h2>Where the error grows</h2>", plot,
+            f"<p>Largest drops of the accumulated SNR from one quantized tensor to the next:</p><ol>{items}</ol>"]
+
+
+def _histograms(layers) -> list[str]:
+    worst = sorted((r for r in layers if r.counts and math.isfinite(r.local_snr)), key=lambda r: r.local_snr)[:WORST]
+    plots = []
+    for r in worst:
+        marks = {"clip min": r.clip[0], "clip max": r.clip[1]}
+        if r.calibrated:
+            marks |= {"calibrated min": r.calibrated[0], "calibrated max": r.calibrated[1]}
+        plots.append(f"<div><p><code>{escape(r.tensor)}</code> ({escape(r.producer)}, {escape(r.qtype)}): local "
+                     f"{_db(r.local_snr)} dB</p>{svg.histogram(r.counts, r.edges, title=r.tensor, marks=marks)}</div>")
+    return ["<h2>Value histograms of the worst tensors</h2>",
+            "<p>Lowest local SNR first; red dashes: the grid's clip range, green: the calibrated range.</p>",
+            f'<div class="grid">{"".join(plots)}</div>']
+
+
+def page(info: dict, layers, cells) -> str:
+    """The whole report: ``info`` (summary numbers), the per-layer rows, the precision map cells."""
+    body = [f"<h1>qpasses report: {escape(info['model'])}</h1>",
+            f"<p>float model <code>{escape(info['float'])}</code>, quantized model <code>{escape(info['quantized'])}</code></p>"]
+    body += _summary(info)
+    body += _growth(layers) if layers else ["<p>No quantized activation to compare per layer.</p>"]
+    body += _histograms(layers) if layers else []
+    counts = {}
+    for _, p in cells:
+        counts[p] = counts.get(p, 0) + 1
+    body += ["<h2>Mixed-precision map</h2>",
+             "<p>Every compute node in graph order, coloured by the type it reads through DequantizeLinear "
+             "(weighted ops: their weight's): " + escape(", ".join(f"{k} {v}" for k, v in sorted(counts.items()))) + ".</p>",
+             svg.precision_map(cells, title="precision per node")]
+    body += _layer_table(layers)
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>qpasses report: {escape(info['model'])}</title><style>{CSS}</style></head><body>"
+            + "\n".join(body) + f"<script>{SCRIPT}</script></body></html>\n")

@@ -1,0 +1,120 @@
+"""The HTML report: per-layer numbers in onnxruntime, a self-contained page, the CLI around it."""
+import math
+import re
+
+import numpy as np
+import pytest
+
+from qpasses.api import run_pipeline
+from qpasses.cli import main
+from qpasses.examples import write_example
+from qpasses.ir import load
+from qpasses.report import build
+from qpasses.report.layers import layers, precision_cells
+from qpasses.testing import model_from_text
+
+CONVS = """
+g (float[1, 4, 8, 8] x) => (float[1, 4, 8, 8] y)
+  <float[4, 4, 3, 3] w1 = {%s}, float[4, 4, 3, 3] w2 = {%s}> {
+  c1 = Conv <pads = [1, 1, 1, 1]> (x, w1)
+  r1 = Relu (c1)
+  y = Conv <pads = [1, 1, 1, 1]> (r1, w2)
+}"""
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    return write_example(tmp_path_factory.mktemp("example"))
+
+
+@pytest.fixture(scope="module")
+def convs():
+    rng = np.random.default_rng(0)
+    weights = [", ".join(f"{v:.4f}" for v in rng.normal(0, 0.3, 144)) for _ in range(2)]
+    text = CONVS % tuple(weights)
+    feeds = [{"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)} for _ in range(16)]
+    qdq, _ = run_pipeline(model_from_text(text), None, calibration_data=feeds)
+    return model_from_text(text), qdq, feeds
+
+
+def test_the_first_tensor_accumulates_only_its_own_error(convs):
+    float_model, qdq, feeds = convs
+    rows = {r.tensor: r for r in layers(float_model, qdq, feeds)}
+    assert set(rows) == {"x", "c1"}   # r1 is dropped: c1 takes its grid (Relu merged into the Conv)
+    x = rows["x"]
+    assert x.producer == "input" and x.qtype == "uint8"
+    assert x.accumulated_snr == pytest.approx(x.local_snr, abs=1e-6)
+    # uniform rounding error of a uint8 grid over N(0, 1) values: SNR ~ 10 log10(12 / scale^2)
+    assert x.local_snr == pytest.approx(10 * math.log10(12 / x.scale[0] ** 2), abs=1.5)
+    assert x.clip == pytest.approx(((0 - x.zero_point[0]) * x.scale[0], (255 - x.zero_point[0]) * x.scale[0]))
+    assert sum(x.counts) == 16 * 4 * 8 * 8
+    # c1 reads x through its grid and the quantized w1: more error than its own grid alone
+    assert rows["c1"].accumulated_snr < rows["c1"].local_snr
+    assert rows["c1"].clip[0] == 0.0 and rows["c1"].calibrated[0] == 0.0   # the Relu's range
+    assert all(math.isfinite(r.sensitivity) for r in rows.values())
+
+
+def test_the_precision_map_reads_the_qdq_graph(convs):
+    _, qdq, _ = convs
+    cells = precision_cells(qdq.to_proto(metadata=False))
+    assert [p for label, p in cells if label.startswith("Conv")] == ["int8", "int8"]
+
+
+def _self_contained(text: str) -> None:
+    for pattern in (r"<script[^>]+src", r"<link", r"url\(", r"@import", r"href=", r"<img", r"<iframe"):
+        assert not re.search(pattern, text, re.I), pattern
+
+
+def test_report_command_writes_one_self_contained_page(example, tmp_path, capsys):
+    model, calib, evals = example
+    q, page = tmp_path / "q.onnx", tmp_path / "r.html"
+    assert main(["run", str(model), "-o", str(q), "--calib", str(calib), "--quiet"]) == 0
+    assert main(["report", str(model), str(q), "--data", str(evals), "-o", str(page)]) == 0
+    text = page.read_text()
+    _self_contained(text)
+    assert text.count("<svg") >= 3 and "Where the error grows" in text and "Mixed-precision map" in text
+    table = text.split("<h2>Per-layer table</h2>")[1]
+    assert table.count("<tr>") - 1 == len(layers(load(model), load(q), [])) >= 5
+    assert "8-bit: 100 % of weighted ops" in text and "Time per pass: not recorded" in text
+
+
+def test_run_html_has_the_passes_and_the_output_snr(example, tmp_path, capsys):
+    model, calib, evals = example
+    page = tmp_path / "r.html"
+    code = main(["run", str(model), "-o", str(tmp_path / "q.onnx"), "--calib", str(calib), "--eval", str(evals),
+                 "--html", str(page)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    text = page.read_text()
+    snr = re.search(r"output SNR vs float: ([0-9.]+) dB", err).group(1)
+    assert f">{snr}<" in text   # the same number as the run's line
+    assert "<h3>Time per pass</h3>" in text and ">calibrate<" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--html", "{tmp}/r.html"], "--html reports on a quantized model: give --calib"),
+    (["--calib", "{calib}", "--html", "{model}"], "--html"),
+])
+def test_run_html_refusals_write_nothing(args, message, example, tmp_path, capsys):
+    model, calib, _ = example
+    args = [a.format(tmp=tmp_path, calib=calib, model=model) for a in args]
+    code = main(["run", str(model), "-o", str(tmp_path / "q.onnx"), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_report_bad_data_writes_nothing(example, tmp_path, capsys):
+    model = example[0]
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, wrong=np.zeros((2, 3), np.float32))
+    code = main(["report", str(model), str(model), "--data", str(bad), "-o", str(tmp_path / "r.html")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_build_on_a_float_model_against_itself_has_infinite_snr(example):
+    model, _, evals = example
+    text = build(model, model, evals)
+    assert "No quantized activation to compare per layer" in text and ">inf<" in text
