@@ -11,6 +11,7 @@ from ..analysis.scopes import unobserved
 from ..calibration.data import open_data
 from ..calibration.kept import KeptSamples
 from ..calibration.runner import calibrate_ranges
+from .. import executors
 from ..calibration.softmax import row_max_probes
 from ..config import CALIBRATION_METHODS, CalibrationConfig, QuantConfig, method_given
 from ..errors import CalibrationDataError
@@ -96,7 +97,8 @@ class Calibrate(Pass):
                 num_bins=int(cal.num_bins), bits=qtype(config.activation_type).bits,
                 symmetric=bool(cal.symmetric), moving_average=bool(cal.moving_average),
                 averaging_constant=float(cal.averaging_constant), max_samples=limit,
-                only=None if only is None else only | set(probes), kept=kept)
+                only=None if only is None else only | set(probes), kept=kept,
+                executor=executors.from_config(config))
         ctx.cache["kept_samples"] = kept if kept.feeds else None
         # as saved: a resumed run reads the same Python floats
         ranges = {k: (float(lo), float(hi)) for k, (lo, hi) in ranges.items()}
