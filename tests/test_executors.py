@@ -13,6 +13,7 @@ from qpasses.calibration.collectors import Histogram, TensorStats
 from qpasses.calibration.kept import KeptSamples
 from qpasses.calibration.runner import calibrate_ranges, collect_stats
 from qpasses.config import load_config
+from qpasses.context import RunContext
 from qpasses.errors import ConfigError
 from qpasses.examples import example_data, example_model
 from qpasses.executors.calibration import sharded_stats
@@ -136,3 +137,36 @@ def test_pipeline_model_is_byte_identical(monkeypatch, tmp_path):
         save(model, path)
         outputs.append(path.read_bytes())
     assert outputs[0] == outputs[1]
+
+
+def _select_findings(workers, monkeypatch, tmp_path):
+    monkeypatch.setitem(executors._cache, ("local", None), executors.LocalExecutor(workers))
+    ctx = RunContext({"per_channel": False}, example_data(SAMPLES))
+    model, _ = run_pipeline(example_model(), ctx=ctx)
+    return ctx.findings.as_dict()["select-by-snr"], save(model, tmp_path / f"s{workers}.onnx").read_bytes()
+
+
+def test_select_by_snr_scored_as_tasks_decides_the_same(monkeypatch, tmp_path):
+    """Four variants (ranges x weights) scored up front as tasks: the replayed duels give the same
+    scores, sample counts, early stops and choice as scoring them one after the other."""
+    local, local_bytes = _select_findings(1, monkeypatch, tmp_path)
+    tasks, task_bytes = _select_findings(3, monkeypatch, tmp_path)
+    assert len(local["variants"]) == 4
+    assert local == tasks and local_bytes == task_bytes
+
+
+def test_replayed_contender_fails_on_the_feed_that_failed():
+    from qpasses.evaluate import Reference
+    from qpasses.executors.scoring import Replayed
+
+    feeds = [{"x": np.zeros(1, np.float32)} for _ in range(6)]
+    reference = Reference(["y"], ["x"], feeds, [[np.ones(1)] for _ in feeds])
+    errors = np.arange(6.0).reshape(6, 1)
+    replay = Replayed(reference, {"errors": errors, "done": 4, "failure": RuntimeError("feed 4")}, penalty=0.5)
+    replay.advance(3)
+    assert replay.ran == 3 and replay.penalty == 0.5
+    with pytest.raises(RuntimeError, match="feed 4"):
+        replay.advance(6)
+    assert replay.ran == 4
+    with pytest.raises(ValueError, match="no session"):
+        Replayed(reference, {"errors": None, "done": -1, "failure": ValueError("no session")})

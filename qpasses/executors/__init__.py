@@ -40,6 +40,17 @@ class LocalExecutor:
             yield fn(item, shared)
 
 
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` if it can cross processes (pickle), else an exception of the same name and text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return type(type(exc).__name__, (Exception,), {})(str(exc))
+
+
 def parse(spec) -> tuple[str, str | None]:
     """(kind, address) of an executor spec: ``local``, ``ray`` or ``ray:ADDRESS`` (one-line ConfigError)."""
     text = str(spec or "local").strip()

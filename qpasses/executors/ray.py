@@ -1,15 +1,17 @@
 """The Ray executor: tasks on a Ray cluster, shared values in its object store.
 
-The driver's qpasses package is shipped to the workers with each task's runtime environment
-(``py_modules``), so the cluster needs only qpasses' dependencies (onnx, onnx-graphsurgeon, numpy,
-networkx, onnxruntime, pyyaml) and the same Ray version; tasks run the code the driver runs.
+When qpasses starts or joins the cluster (``ray.init``), the driver's qpasses package is shipped
+to the workers in the job's runtime environment (``py_modules``), so the cluster needs only
+qpasses' dependencies (onnx, onnx-graphsurgeon, numpy, networkx, onnxruntime, pyyaml) and the same
+Ray version; tasks run the code the driver runs. A program that calls ``ray.init`` itself passes
+``runtime_env=runtime_env()`` (or has qpasses installed on the cluster).
 """
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 from ..errors import QpassesError
+from . import portable
 
 INSTALL = "pip install 'qpasses[ray]'"
 
@@ -19,11 +21,7 @@ class _Failed:
     Ray's traceback text, so a user error stays one line)."""
 
     def __init__(self, exc: BaseException):
-        try:
-            pickle.dumps(exc)
-            self.exc = exc
-        except Exception:   # an exception type that cannot cross processes: keep its name and text
-            self.exc = type(type(exc).__name__, (Exception,), {})(str(exc))
+        self.exc = portable(exc)
 
 
 def _call(fn, item, shared):
@@ -40,7 +38,7 @@ def runtime_env() -> dict:
 
 class RayExecutor:
     """Tasks on the cluster at ``address`` (None: RAY_ADDRESS, else a new local one); an already
-    initialised Ray (``ray.init`` called by the user) is used as it is."""
+    initialised Ray (``ray.init`` called by the program) is used as it is."""
 
     name = "ray"
     parallel = True
@@ -53,12 +51,12 @@ class RayExecutor:
         self.ray = ray
         if not ray.is_initialized():
             try:
-                ray.init(address=address, log_to_driver=False, include_dashboard=False,
-                         configure_logging=False)
+                ray.init(address=address, runtime_env=runtime_env(), log_to_driver=False,
+                         include_dashboard=False, configure_logging=False)
             except Exception as exc:
                 raise QpassesError(f"--executor ray:{address or ''}: cannot reach a Ray cluster "
                                    f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})") from None
-        self._task = ray.remote(_call).options(runtime_env=runtime_env(), num_cpus=1)
+        self._task = ray.remote(_call).options(num_cpus=1)
 
     @property
     def workers(self) -> int:

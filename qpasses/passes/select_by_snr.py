@@ -14,6 +14,9 @@ from ..evaluate import Reference, rerun_skip_reason
 from ..ir import QModel
 from ..pipeline import Pass, PassResult, make_pass, run_nested, split_after
 from ..registry import register
+from .. import executors
+from ..executors import portable
+from ..executors.scoring import prescored
 
 NAME = "select-by-snr"
 CORRECT_BIAS = "correct-bias"
@@ -176,10 +179,11 @@ class SelectBySnr(Pass):
             return PassResult(model, False, {"variants": 0})
         fused = len(model.graph.nodes) <= self.fused_nodes   # the float graph's size, before Q/DQ
         scored, failed, best = [], [], None   # best: (combo, Contender) of the best variant so far
-        for combo in itertools.product(*axes):   # the order is the preference: the first wins ties
+        combos = list(itertools.product(*axes))   # the order is the preference: the first wins ties
+        contender_of = self._contenders(model, ctx, reference, combos, fused)
+        for i, combo in enumerate(combos):
             try:
-                contender = reference.contender(self._quantized(model, ctx, combo)[0], optimize=fused,
-                                                penalty=sum(v.penalty_db for v in combo))
+                contender = contender_of(i)
                 if best is None:
                     contender.advance(MIN_SAMPLES)
                 winner = self._duel(reference, best[1], contender) if best else contender
@@ -210,6 +214,23 @@ class SelectBySnr(Pass):
         best[1].close()
         ctx.findings.set(NAME, report)
         return PassResult(model, any(v.changes for v in best[0]) or decided, {"variants": len(scored)})
+
+    def _contenders(self, model: QModel, ctx, reference: Reference, combos: list, fused: bool):
+        """i -> the Contender of ``combos[i]``, quantized and given a session when asked; with a
+        parallel executor (config ``executor``), all quantized now and scored as parallel tasks
+        (qpasses.executors.scoring: the duels replay their per-feed errors, deciding as here)."""
+        penalties = [sum(v.penalty_db for v in combo) for combo in combos]
+        executor = executors.from_config(ctx.config)
+        if not executor.parallel or len(combos) < 2:
+            return lambda i: reference.contender(self._quantized(model, ctx, combos[i])[0], optimize=fused,
+                                                 penalty=penalties[i])
+        models = []
+        for combo in combos:
+            try:
+                models.append(self._quantized(model, ctx, combo)[0].SerializeToString())
+            except Exception as exc:   # raised when its turn comes, as above
+                models.append(portable(exc))
+        return prescored(executor, reference, models, penalties, optimize=fused)
 
     def _duel(self, reference: Reference, best, challenger):
         return reference.duel(best, challenger, min_samples=MIN_SAMPLES, z=self.early_stop)
