@@ -170,3 +170,24 @@ def test_replayed_contender_fails_on_the_feed_that_failed():
     assert replay.ran == 4
     with pytest.raises(ValueError, match="no session"):
         Replayed(reference, {"errors": None, "done": -1, "failure": ValueError("no session")})
+
+
+def test_ray_absent_is_one_line_naming_the_install(monkeypatch):
+    from qpasses.errors import QpassesError
+    from qpasses.executors.ray import RayExecutor
+
+    monkeypatch.setitem(sys.modules, "ray", None)   # import ray raises ImportError
+    with pytest.raises(QpassesError) as err:
+        RayExecutor()
+    assert str(err.value) == "--executor ray needs Ray, which is not installed: pip install 'qpasses[ray]'"
+
+
+def test_cli_rejects_a_bad_executor_before_writing(tmp_path):
+    from qpasses.cli import main
+    from qpasses.examples import write_example
+
+    write_example(tmp_path)
+    out = tmp_path / "out.onnx"
+    code = main(["run", str(tmp_path / "model.onnx"), "-o", str(out), "--calib", str(tmp_path / "calib.npz"),
+                 "--executor", "spark", "--quiet"])
+    assert code == 2 and not out.exists()
