@@ -114,7 +114,9 @@ class SelectBySnr(Pass):
     the same way against itself with correct-bias run after compute-qparams; its corrected biases
     are kept only if it wins. Writes: the chosen variant into ``model.ranges`` / the table (with a
     ``why`` line), the corrected bias values (or not) and ``model.decisions["bias_correction"]``
-    (so the correct-bias pass does nothing more); every score goes to the findings.
+    (so the correct-bias pass does nothing more); every score goes to the findings. With
+    ``config.executor`` ray, the variants are scored as parallel tasks and the duels replayed on
+    their per-feed errors (qpasses.executors.scoring): the same scores and choice.
     Invariants: the graph is not changed (copies share its weight arrays, read-only); nothing is
     done (and it says why) without re-readable calibration data or above ``max_weight_mb`` /
     ``max_nodes``.
