@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                           "(the worst output component must reach it on calibration feeds)")
     run.add_argument("--require-target", action="store_true",
                      help="exit 3 (writing nothing) when the target cannot be met")
+    run.add_argument("--executor", metavar="local|ray[:ADDRESS]",
+                     help="where calibration shards and scored variants run (default: config "
+                          "executor, local); ray needs pip install 'qpasses[ray]'")
     run.add_argument("--time-passes", action="store_true", help="print seconds per pass")
     run.add_argument("--quiet", action="store_true", help="print nothing but errors")
     run.add_argument("--traceback", action="store_true", help="show a traceback on internal errors")
@@ -178,6 +181,11 @@ def cmd_run(args) -> int:
     ctx = RunContext(args.config, args.calib)
     if args.target:
         _apply_target(ctx, args.target)
+    if args.executor:   # checked here (one line, nothing written); Ray is reached when a pass needs it
+        from .executors import parse
+
+        parse(args.executor)
+        ctx.config.executor = args.executor
     try:
         model, records = run_pipeline(model, args.passes, ctx=ctx, verify_each=args.verify_each,
                                       dump_after=dump, reproducer=repro, time_passes=timer, notify=say)

@@ -118,6 +118,7 @@ class QuantConfig:
     op_types_to_exclude_output_quantization: list[str] = field(default_factory=list)
     per_channel_axes: dict = field(default_factory=dict)  # op type -> weight channel axis
     force_quantize_no_input_check: bool = False   # quantize data-movement ops outside quantized regions
+    executor: str = "local"                       # local | ray | ray:ADDRESS (qpasses.executors)
 
     def __post_init__(self):
         problems = _Problems()
@@ -146,6 +147,12 @@ class QuantConfig:
             problems.append("tensor_overrides: expected a mapping of tensor name -> list of overrides")
         if not isinstance(self.mixed_precision, dict):
             problems.append(_not_a_mapping("mixed_precision", self.mixed_precision))
+        try:   # issue 18: where calibration shards and scored variants run
+            from .executors import parse
+
+            parse(self.executor)
+        except ConfigError as exc:
+            problems.append(str(exc))
         problems.raise_if_any()
 
     def to_dict(self) -> dict:

@@ -63,9 +63,9 @@ class Histogram:
     def _index(self, value: float, exponent: int) -> int:
         return math.floor(math.ldexp(value, -exponent))
 
-    def _exponent_for(self, lo: float, hi: float) -> int:
+    def _exponent_for(self, lo: float, hi: float, start: int | None = None) -> int:
         amax = max(abs(lo), abs(hi))
-        e = MIN_EXPONENT if self.exponent is None else self.exponent
+        e = start if start is not None else MIN_EXPONENT if self.exponent is None else self.exponent
         if amax > 0:
             e = max(e, _ceil_log2(amax) - INDEX_BITS)
         if hi > lo:
@@ -130,6 +130,37 @@ class Histogram:
         np.add.at(merged, absolute - k_lo, self.counts[occupied])
         self._dense, self.exponent, self.offset = merged, e, k_lo
 
+    # -- merging (sharded calibration, qpasses.executors) ----------------------------------------
+    # The width needed for a range grows with it and a wider grid only merges whole bins, so the
+    # grid is a function of the extremes alone: merging two histograms gives exactly the counts of
+    # one histogram fed both samples' values, in any order.
+    def merge(self, other: "Histogram") -> None:
+        """Add ``other``'s counts (same ``bins``): as if its values had been added here."""
+        if other.exponent is None:
+            return
+        lo, hi = min(self.lo, other.lo), max(self.hi, other.hi)
+        start = other.exponent if self.exponent is None else max(self.exponent, other.exponent)
+        e = self._exponent_for(lo, hi, start)
+        parts = [h._absolute(e) for h in (self, other) if h.exponent is not None]
+        keys, vals = _merged(np.concatenate([k for k, _ in parts]), np.concatenate([v for _, v in parts]))
+        self.exponent, self.offset = e, self._index(lo, e)
+        self.lo, self.hi, self.zeros = lo, hi, self.zeros + other.zeros
+        if keys.size <= SPARSE_BINS:
+            self._dense, self._keys, self._vals = None, keys, vals
+        else:
+            self._dense = np.zeros(self.bins, np.int64)
+            self._dense[keys - self.offset] = vals
+            self._keys = self._vals = np.zeros(0, np.int64)
+
+    def _absolute(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """(absolute bin, count) of the occupied bins on the grid of width 2**e (e >= exponent)."""
+        if self._dense is None:
+            keys, vals = self._keys, self._vals
+        else:
+            keys = np.flatnonzero(self._dense)
+            keys, vals = self.offset + keys, self._dense[keys]
+        return keys >> min(e - self.exponent, 62), vals
+
     # -- views for the finalisers --------------------------------------------------------------
     def occupied(self, zero_atom: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(edges, counts) over the occupied bins; the outer edges are the exact lo and hi. With
@@ -176,12 +207,16 @@ class TensorStats:
     """Running statistics of one tensor: raw min/max, optional moving-average min/max (onnxruntime's
     rule: ``m += c * (new - m)`` per sample) and an optional Histogram."""
 
-    def __init__(self, histogram_bins: int = 0, averaging_constant: float | None = None):
+    def __init__(self, histogram_bins: int = 0, averaging_constant: float | None = None,
+                 mergeable: bool = False):
         self.samples = 0
         self.min, self.max = math.inf, -math.inf
         self.avg: list[float] | None = None
         self.averaging_constant = averaging_constant
         self.hist = Histogram(histogram_bins) if histogram_bins else None
+        # mergeable: the moving average depends on the order of samples, so a shard keeps its
+        # per-sample (min, max) for ``merge`` to replay after the shards before it
+        self.ranges: list | None = [] if mergeable and averaging_constant is not None else None
 
     def update(self, x: np.ndarray, lo: float | None = None, hi: float | None = None) -> None:
         """Add one sample's values (non-finite values are ignored)."""
@@ -206,11 +241,27 @@ class TensorStats:
             return
         self.min, self.max = min(self.min, lo), max(self.max, hi)
         if self.averaging_constant is not None:
-            if self.avg is None:
-                self.avg = [lo, hi]
-            else:
-                c = self.averaging_constant
-                self.avg = [self.avg[0] + c * (lo - self.avg[0]), self.avg[1] + c * (hi - self.avg[1])]
+            self._average(lo, hi)
+
+    def _average(self, lo: float, hi: float) -> None:
+        if self.ranges is not None:
+            self.ranges.append((lo, hi))
+        if self.avg is None:
+            self.avg = [lo, hi]
+        else:
+            c = self.averaging_constant
+            self.avg = [self.avg[0] + c * (lo - self.avg[0]), self.avg[1] + c * (hi - self.avg[1])]
+
+    def merge(self, other: "TensorStats") -> None:
+        """Add the statistics of the samples that came after these (a later shard, ``mergeable``):
+        the result is the one of a single run over both, in that order."""
+        self.samples += other.samples
+        self.min, self.max = min(self.min, other.min), max(self.max, other.max)
+        if self.hist is not None and other.hist is not None:
+            self.hist.merge(other.hist)
+        if self.averaging_constant is not None:
+            for lo, hi in other.ranges or ():
+                self._average(lo, hi)
 
     @property
     def observed(self) -> tuple[float, float]:

@@ -19,6 +19,7 @@ order: the statistics are those of the sample-outer run.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 
@@ -176,12 +177,15 @@ class _Plan:
 def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int = 2048,
                   averaging_constant: float | None = None, max_samples: int = 0,
                   progress_stream=None, in_memory_weights: bool | None = None,
-                  only: set[str] | None = None, kept: "KeptSamples | None" = None) -> tuple[dict[str, TensorStats], int]:
+                  only: set[str] | None = None, kept: "KeptSamples | None" = None,
+                  shard_start: int | None = None) -> tuple[dict[str, TensorStats], int]:
     """Run ``model`` on every sample of ``data`` (validated one by one, read once) and return
     ({tensor name: TensorStats} in graph order, number of samples). ``only`` limits the tensors
     measured (fewer model outputs also leave onnxruntime's fusions, e.g. Conv+Relu, intact).
     ``kept``: filled with the first feeds and the model's outputs on them, when one session runs
-    the whole model (else left empty)."""
+    the whole model (else left empty). ``shard_start``: the data is a shard of a larger set
+    starting at that sample (qpasses.executors.calibration): errors number samples from there and
+    the statistics stay mergeable (``TensorStats.merge``; no tensor is dropped)."""
     data = open_data(data)
     use_hist = method in HISTOGRAM_METHODS
     total = data.count if not max_samples else min(max_samples, data.count or max_samples)
@@ -191,8 +195,9 @@ def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int 
     else:
         kept = None
     bins = histogram_bins(num_bins) if use_hist else 0
-    stats = {name: TensorStats(bins, averaging_constant) for name, _ in plan.tensors}
-    feeds = enumerate(data.validated(plan.specs, max_samples))
+    shard = shard_start is not None
+    stats = {name: TensorStats(bins, averaging_constant, mergeable=shard) for name, _ in plan.tensors}
+    feeds = enumerate(data.validated(plan.specs, max_samples), shard_start or 0)
     progress = lambda label, n: Progress(label, n, progress_stream)  # noqa: E731
     try:
         count = (_segment_outer(plan, feeds, stats, progress, total) if plan.budget
@@ -200,12 +205,17 @@ def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int 
     except RunError as exc:
         raise CalibrationDataError(f"{data.source}: sample {exc.index}: onnxruntime cannot run the model "
                                    f"on it ({exc})") from None
-    if count == 0:
+    if count == 0 and not shard:
         raise CalibrationDataError(f"{data.source}: no samples")
-    for name in plan.body:   # a body that never ran (or values that could not be threaded out): no range
-        if stats[name].min > stats[name].max:
-            del stats[name]
+    drop_unobserved(stats, [] if shard else plan.body)
     return stats, count
+
+
+def drop_unobserved(stats: dict, body) -> None:
+    """Forget the tensors of ``body`` that got no range."""
+    for name in body:   # a body that never ran (or values that could not be threaded out): no range
+        if name in stats and stats[name].min > stats[name].max:
+            del stats[name]
 
 
 def _sample_outer(plan: _Plan, feeds, stats: dict, progress, total, count: int = 0,
@@ -303,10 +313,16 @@ def calibrate_ranges(model: QModel, data, *, method: str = "minmax", percentile:
                      num_bins: int = 2048, bits: int = 8, symmetric: bool = False,
                      moving_average: bool = False, averaging_constant: float = 0.01,
                      max_samples: int = 0, progress_stream=None, only: set[str] | None = None,
-                     kept: KeptSamples | None = None):
+                     kept: KeptSamples | None = None, executor=None):
     """Collect statistics and finalise them: returns (ranges, observed, samples), both dicts of
-    tensor name -> (float, float) in graph order (``kept``: see collect_stats)."""
-    stats, samples = collect_stats(model, data, method=method, num_bins=num_bins,
+    tensor name -> (float, float) in graph order (``kept``: see collect_stats). A parallel
+    ``executor`` (qpasses.executors) collects them over shards of the data, with the same result."""
+    collect = collect_stats
+    if executor is not None and executor.parallel:
+        from ..executors.calibration import sharded_stats
+
+        collect = partial(sharded_stats, executor)
+    stats, samples = collect(model, data, method=method, num_bins=num_bins,
                                    averaging_constant=averaging_constant if moving_average else None,
                                    max_samples=max_samples, progress_stream=progress_stream, only=only,
                                    kept=kept)

@@ -11,6 +11,7 @@ from ..analysis.scopes import unobserved
 from ..calibration.data import open_data
 from ..calibration.kept import KeptSamples
 from ..calibration.runner import calibrate_ranges
+from .. import executors
 from ..calibration.softmax import row_max_probes
 from ..config import CALIBRATION_METHODS, CalibrationConfig, QuantConfig, method_given
 from ..errors import CalibrationDataError
@@ -40,6 +41,8 @@ class Calibrate(Pass):
     (Conv+Relu, ...) in the calibration run and makes it faster.
     Also ``ctx.cache["kept_samples"]``: the first 32 feeds and the float outputs on them (at most 64 MB;
     only when one session runs the whole model), so select-by-snr needs no second float run.
+    With ``config.executor`` ray, the samples run in shards as Ray tasks whose statistics merge
+    exactly (qpasses.executors.calibration): the same ranges.
     Invariants: the graph is not changed; memory does not grow with the number of samples.
     """
 
@@ -96,7 +99,8 @@ class Calibrate(Pass):
                 num_bins=int(cal.num_bins), bits=qtype(config.activation_type).bits,
                 symmetric=bool(cal.symmetric), moving_average=bool(cal.moving_average),
                 averaging_constant=float(cal.averaging_constant), max_samples=limit,
-                only=None if only is None else only | set(probes), kept=kept)
+                only=None if only is None else only | set(probes), kept=kept,
+                executor=executors.from_config(config))
         ctx.cache["kept_samples"] = kept if kept.feeds else None
         # as saved: a resumed run reads the same Python floats
         ranges = {k: (float(lo), float(hi)) for k, (lo, hi) in ranges.items()}

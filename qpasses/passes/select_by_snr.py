@@ -15,6 +15,9 @@ from ..ir import QModel
 from ..pipeline import Pass, PassResult, make_pass, run_nested, split_after
 from ..progress import progress
 from ..registry import register
+from .. import executors
+from ..executors import portable
+from ..executors.scoring import prescored
 
 NAME = "select-by-snr"
 CORRECT_BIAS = "correct-bias"
@@ -112,7 +115,9 @@ class SelectBySnr(Pass):
     the same way against itself with correct-bias run after compute-qparams; its corrected biases
     are kept only if it wins. Writes: the chosen variant into ``model.ranges`` / the table (with a
     ``why`` line), the corrected bias values (or not) and ``model.decisions["bias_correction"]``
-    (so the correct-bias pass does nothing more); every score goes to the findings.
+    (so the correct-bias pass does nothing more); every score goes to the findings. With
+    ``config.executor`` ray, the variants are scored as parallel tasks and the duels replayed on
+    their per-feed errors (qpasses.executors.scoring): the same scores and choice.
     Invariants: the graph is not changed (copies share its weight arrays, read-only); nothing is
     done (and it says why) without re-readable calibration data or above ``max_weight_mb`` /
     ``max_nodes``.
@@ -179,11 +184,11 @@ class SelectBySnr(Pass):
         scored, failed, best = [], [], None   # best: (combo, Contender) of the best variant so far
         combos = list(itertools.product(*axes))   # the order is the preference: the first wins ties
         bar = progress(ctx, NAME, len(combos), unit="variants")
-        for combo in combos:
+        contender_of = self._contenders(model, ctx, reference, combos, fused)
+        for i, combo in enumerate(combos):
             bar.update(len(scored) + len(failed))
             try:
-                contender = reference.contender(self._quantized(model, ctx, combo)[0], optimize=fused,
-                                                penalty=sum(v.penalty_db for v in combo))
+                contender = contender_of(i)
                 if best is None:
                     contender.advance(MIN_SAMPLES)
                 winner = self._duel(reference, best[1], contender) if best else contender
@@ -216,6 +221,23 @@ class SelectBySnr(Pass):
         best[1].close()
         ctx.findings.set(NAME, report)
         return PassResult(model, any(v.changes for v in best[0]) or decided, {"variants": len(scored)})
+
+    def _contenders(self, model: QModel, ctx, reference: Reference, combos: list, fused: bool):
+        """i -> the Contender of ``combos[i]``, quantized and given a session when asked; with a
+        parallel executor (config ``executor``), all quantized now and scored as parallel tasks
+        (qpasses.executors.scoring: the duels replay their per-feed errors, deciding as here)."""
+        penalties = [sum(v.penalty_db for v in combo) for combo in combos]
+        executor = executors.from_config(ctx.config)
+        if not executor.parallel or len(combos) < 2:
+            return lambda i: reference.contender(self._quantized(model, ctx, combos[i])[0], optimize=fused,
+                                                 penalty=penalties[i])
+        models = []
+        for combo in combos:
+            try:
+                models.append(self._quantized(model, ctx, combo)[0].SerializeToString())
+            except Exception as exc:   # raised when its turn comes, as above
+                models.append(portable(exc))
+        return prescored(executor, reference, models, penalties, optimize=fused)
 
     def _duel(self, reference: Reference, best, challenger):
         return reference.duel(best, challenger, min_samples=MIN_SAMPLES, z=self.early_stop)

@@ -1,0 +1,56 @@
+"""Variants scored as parallel tasks: each task runs one quantized model on every reference feed
+and returns its squared error per feed and output; the driver replays the duels on those errors
+(``Replayed``), so it decides what the one-process run decides, sample counts and early stops
+included. The reference (feeds and float outputs) goes to the object store once."""
+from __future__ import annotations
+
+from ..evaluate import Contender, Reference
+from . import portable
+
+
+def errors_task(model, shared) -> dict:
+    """Runs on a worker: ``model`` (ONNX bytes, or the exception that stopped building it) run on
+    every feed of the shared reference; ``done`` feeds ran before ``failure`` (-1: no session)."""
+    reference, optimize = shared
+    if isinstance(model, BaseException):
+        return {"errors": None, "done": -1, "failure": model}
+    try:
+        contender = Contender(reference, model, optimize=optimize)
+    except Exception as exc:
+        return {"errors": None, "done": -1, "failure": portable(exc)}
+    failure = None
+    for i in range(len(reference.feeds)):
+        try:
+            contender.advance(i + 1)
+        except Exception as exc:
+            failure = portable(exc)
+            break
+    return {"errors": contender.errors, "done": contender.ran, "failure": failure}
+
+
+class Replayed(Contender):
+    """A Contender whose runs happened in a task: ``advance`` reveals the errors feed by feed and
+    raises the task's failure on the feed that failed, as the Contender would have."""
+
+    def __init__(self, reference: Reference, result: dict, *, penalty: float = 0.0):
+        if result["done"] < 0:
+            raise result["failure"]
+        self.reference, self.penalty, self.dropped, self.session = reference, penalty, False, None
+        self.errors, self.ran = result["errors"], 0
+        self._done, self._failure = result["done"], result["failure"]
+
+    def advance(self, upto: int) -> None:
+        upto = min(upto, len(self.reference.feeds))
+        if self._failure is not None and upto > self._done:
+            self.ran = max(self.ran, self._done)
+            raise self._failure
+        self.ran = max(self.ran, upto)
+
+
+def prescored(executor, reference: Reference, models: list, penalties: list[float], *, optimize: bool = True):
+    """Score ``models`` (ONNX bytes, or the exception that stopped building one) as tasks of
+    ``executor``; returns ``contender(i)``: model i's Replayed contender (raises what its
+    build or session raised)."""
+    shared = executor.put((reference, optimize))
+    results = list(executor.map(errors_task, models, shared))
+    return lambda i: Replayed(reference, results[i], penalty=penalties[i])
