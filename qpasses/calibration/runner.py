@@ -176,14 +176,16 @@ class _Plan:
 def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int = 2048,
                   averaging_constant: float | None = None, max_samples: int = 0,
                   progress_stream=None, in_memory_weights: bool | None = None,
-                  only: set[str] | None = None, kept: "KeptSamples | None" = None) -> tuple[dict[str, TensorStats], int]:
+                  only: set[str] | None = None, kept: "KeptSamples | None" = None,
+                  collector=None) -> tuple[dict[str, TensorStats], int]:
     """Run ``model`` on every sample of ``data`` (validated one by one, read once) and return
     ({tensor name: TensorStats} in graph order, number of samples). ``only`` limits the tensors
     measured (fewer model outputs also leave onnxruntime's fusions, e.g. Conv+Relu, intact).
     ``kept``: filled with the first feeds and the model's outputs on them, when one session runs
-    the whole model (else left empty)."""
+    the whole model (else left empty). ``collector``: a factory of objects with ``update(array)``
+    (and ``min``/``max``) fed every whole array instead of TensorStats (e.g. weightonly.hessian)."""
     data = open_data(data)
-    use_hist = method in HISTOGRAM_METHODS
+    use_hist = method in HISTOGRAM_METHODS or collector is not None
     total = data.count if not max_samples else min(max_samples, data.count or max_samples)
     plan = _Plan(model, use_hist, in_memory_weights, only, samples=total, capture=kept is not None)
     if kept is not None and plan.capture and not plan.budget:
@@ -191,7 +193,7 @@ def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int 
     else:
         kept = None
     bins = histogram_bins(num_bins) if use_hist else 0
-    stats = {name: TensorStats(bins, averaging_constant) for name, _ in plan.tensors}
+    stats = {name: collector() if collector else TensorStats(bins, averaging_constant) for name, _ in plan.tensors}
     feeds = enumerate(data.validated(plan.specs, max_samples))
     progress = lambda label, n: Progress(label, n, progress_stream)  # noqa: E731
     try:
