@@ -26,7 +26,7 @@ class WeightOnlyConfig:
     format: str = "qdq"
     exclude: list = field(default_factory=list)   # node or weight names, or fnmatch patterns
     damping: float = 0.01           # gptq: fraction of the mean Hessian diagonal added to it
-    act_order: bool = True          # gptq: columns in order of decreasing Hessian diagonal
+    act_order: bool = False         # gptq: columns in order of decreasing Hessian diagonal (static blocks)
 
     def __post_init__(self):
         problems = _Problems()

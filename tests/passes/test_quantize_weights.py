@@ -148,7 +148,10 @@ def test_gptq_and_awq_beat_rtn_with_outlier_channels(fmt):
     ref = outputs(proto, feeds)
     scores = {alg: snr(ref, outputs(quantized(proto, feeds, algorithm=alg, format=fmt)[1], feeds))
               for alg in ("rtn", "gptq", "awq", "hqq")}
+    scores["gptq_act_order"] = snr(ref, outputs(quantized(proto, feeds, algorithm="gptq", format=fmt,
+                                                         act_order=True)[1], feeds))
     assert scores["gptq"] > scores["rtn"] + 1.0, scores
+    assert scores["gptq_act_order"] > scores["rtn"] + 1.0, scores
     assert scores["awq"] > scores["rtn"] + 0.5, scores
     assert scores["hqq"] > scores["rtn"] - 1.5, scores
 
