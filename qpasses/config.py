@@ -82,6 +82,9 @@ class AccuracyConfig:
         problems.raise_if_any()
 
 
+MODES = ("static", "weight_only")
+
+
 def method_given(calibration: CalibrationConfig) -> bool:
     """Whether the user chose the calibration method (written in a config, or not the default)."""
     written = getattr(calibration, "_given", None)
@@ -119,6 +122,8 @@ class QuantConfig:
     per_channel_axes: dict = field(default_factory=dict)  # op type -> weight channel axis
     force_quantize_no_input_check: bool = False   # quantize data-movement ops outside quantized regions
     executor: str = "local"                       # local | ray | ray:ADDRESS (qpasses.executors)
+    mode: str = "static"                          # or weight_only (pipeline.default_pipeline)
+    weight_only: object = field(default_factory=lambda: _weight_only({}))  # weightonly.config.WeightOnlyConfig
 
     def __post_init__(self):
         problems = _Problems()
@@ -143,6 +148,16 @@ class QuantConfig:
             self.accuracy = _build(AccuracyConfig, self.accuracy, "accuracy.", problems)
         elif not isinstance(self.accuracy, AccuracyConfig):
             problems.append(_not_a_mapping("accuracy", self.accuracy))
+        self.mode = str(self.mode).lower().replace("-", "_")
+        if self.mode not in MODES:
+            problems.append(f"mode: {self.mode!r} is not one of {', '.join(MODES)}")
+        if isinstance(self.weight_only, dict):
+            try:
+                self.weight_only = _weight_only(self.weight_only)
+            except ConfigError as exc:
+                problems.take(exc)
+        elif type(self.weight_only).__name__ != "WeightOnlyConfig":
+            problems.append(_not_a_mapping("weight_only", self.weight_only))
         if not isinstance(self.tensor_overrides, dict):
             problems.append("tensor_overrides: expected a mapping of tensor name -> list of overrides")
         if not isinstance(self.mixed_precision, dict):
@@ -176,6 +191,12 @@ class QuantConfig:
             if value != default:
                 out.add(f.name)
         return frozenset(out)
+
+
+def _weight_only(data: dict):
+    from .weightonly.config import build
+
+    return build(data)
 
 
 def _qtype_name(problems: list, key: str, value):

@@ -218,8 +218,15 @@ QUANTIZE_PIPELINE = (BASE_PIPELINE + ",smooth-quant,annotate-types,propagate-mix
                      "select-by-snr,search-precision,compute-qparams,correct-bias,fix-bias-scales,insert-qdq,insert-converts,cleanup")
 
 
-def default_pipeline(quantize: bool) -> str:
-    """The pipeline `qpasses run` uses without --passes: quantize when calibration data is given."""
+WEIGHT_ONLY_PIPELINE = BASE_PIPELINE + ",quantize-weights,cleanup"
+MODE_PIPELINES = {"weight_only": WEIGHT_ONLY_PIPELINE}   # config ``mode`` -> pipeline (any data)
+
+
+def default_pipeline(quantize: bool, mode: str = "static") -> str:
+    """The pipeline `qpasses run` uses without --passes: the ``mode``'s (config), else quantize
+    when calibration data is given."""
+    if mode in MODE_PIPELINES:
+        return MODE_PIPELINES[mode]
     return QUANTIZE_PIPELINE if quantize else BASE_PIPELINE
 
 

@@ -1,0 +1,122 @@
+"""quantize-weights: weight-only block-wise quantization of MatMul/Gemm weights (mode: weight_only)."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from ..decisions import leave_float
+from ..errors import CalibrationDataError
+from ..ir import QModel
+from ..pipeline import Pass, PassResult
+from ..qdq import new_namer, require_opset
+from ..registry import register
+from ..weightonly import awq
+from ..weightonly.emit import QDQ_OPSET, to_dequantize, to_matmulnbits
+from ..weightonly.gptq import quantize_gptq
+from ..weightonly.hessian import input_stats
+from ..weightonly.hqq import quantize_hqq
+from ..weightonly.rtn import quantize_rtn
+from ..weightonly.scaling import divide_input
+from ..weightonly.targets import find_targets
+
+NAME = "quantize-weights"
+DECISIONS = "weight_only"
+EXAMPLE = """
+g (float[2,32] x) => (float[2,2] y) <float[32,2] w = {%s}>
+{
+  y = MatMul(x, w)
+}
+""" % ", ".join(f"{((i * 37) % 101 - 50) / 40:g}" for i in range(32 * 2))
+
+
+@register
+class QuantizeWeights(Pass):
+    """Quantize MatMul/Gemm weights per block along K (RTN, HQQ, GPTQ or AWQ; QDQ or MatMulNBits).
+
+    Reads: the config's ``weight_only`` block (bits, block_size, symmetric, algorithm, format,
+    exclude, damping, act_order) and, for gptq and awq, the calibration data (X^T X and mean |x| of
+    every weight's input, one streamed float run). Writes: each constant 2-D weight of a MatMul (or a
+    Gemm with alpha = beta = 1) read by nothing else becomes int4/int8 codes with a scale (and zero
+    point) per block of ``block_size`` input channels: a DequantizeLinear(axis, block_size) feeding
+    the node (opset 21), or the node becomes com.microsoft.MatMulNBits. awq also divides each input
+    by its channel scales (folded into a LayerNormalization that only those weights read, else a
+    Mul). ``model.decisions["weight_only"]`` holds what each weight became; weights left float are
+    in ``model.decisions["float"]`` with the reason. Weights are processed one at a time (each float
+    weight is dropped once quantized). Invariants: codes within 2^bits levels; outputs run in
+    onnxruntime; a second run finds nothing left to quantize.
+    """
+
+    name: ClassVar[str] = NAME
+    example: ClassVar[str] = EXAMPLE
+    example_config: ClassVar[dict] = {"mode": "weight_only", "weight_only": {"block_size": 16}}
+
+    def run(self, model: QModel, ctx) -> PassResult:
+        cfg = ctx.config.weight_only
+        targets, skipped = find_targets(model.graph, cfg.exclude)
+        known = model.decisions.get("float", {})
+        news = {w: why for w, why in skipped.items() if known.get(w, {}).get("reason") != why}
+        leave_float(model, news, NAME)
+        if not targets:
+            return PassResult(model, bool(news), {"quantized": 0, "left_float": len(skipped)})
+        stats = self._statistics(model, ctx, targets) if cfg.algorithm in ("gptq", "awq") else {}
+        if cfg.format == "qdq":
+            require_opset(model, QDQ_OPSET)
+        namer = new_namer(model)
+        prepared = self._awq(model, targets, stats, cfg, namer) if cfg.algorithm == "awq" else {}
+        replaced, added = {}, {}
+        done = model.decisions.setdefault(DECISIONS, {})
+        for target in targets:
+            name = target.weight.name
+            blocked = prepared.pop(name, None) or self._quantize(target, stats, cfg)
+            if cfg.format == "matmulnbits":
+                replaced[id(target.node)] = to_matmulnbits(target, blocked, namer)
+            else:
+                added.setdefault(id(target.node), []).append(to_dequantize(target, blocked, namer))
+            target.weight.values = np.zeros(0, np.float32)   # drop the float weight now
+            done[name] = (f"{NAME}: {cfg.algorithm} {'u' if not blocked.symmetric else ''}int{cfg.bits} "
+                          f"block {cfg.block_size} along K -> {cfg.format}")
+        nodes = []
+        for node in model.graph.nodes:
+            nodes.extend(added.get(id(node), []))
+            nodes.append(replaced.get(id(node), node))
+        model.graph.nodes = nodes
+        model.graph.cleanup(remove_unused_graph_inputs=False)
+        model.decisions[DECISIONS] = dict(sorted(done.items()))
+        return PassResult(model, True, {"quantized": len(targets), "left_float": len(skipped)})
+
+    @staticmethod
+    def _statistics(model, ctx, targets) -> dict:
+        if ctx.calibration_data is None:
+            raise CalibrationDataError(f"weight_only.algorithm {ctx.config.weight_only.algorithm} "
+                                       "needs calibration data (--calib)")
+        return input_stats(model, ctx.calibration_data, {t.activation.name for t in targets})
+
+    @staticmethod
+    def _quantize(target, stats, cfg):
+        w = target.matrix
+        if cfg.algorithm == "hqq":
+            return quantize_hqq(w, cfg.bits, cfg.block_size, integer_zero_points=cfg.format == "qdq")
+        st = stats.get(target.activation.name)
+        if cfg.algorithm == "gptq" and st is not None:
+            return quantize_gptq(w, st.hessian, cfg.bits, cfg.block_size, cfg.symmetric, cfg.damping, cfg.act_order)
+        return quantize_rtn(w, cfg.bits, cfg.block_size, cfg.symmetric)
+
+    @staticmethod
+    def _awq(model, targets, stats, cfg, namer) -> dict:
+        """Search each input's channel scales over the weights reading it; rewire the input."""
+        groups: dict[str, list] = {}
+        for t in targets:
+            groups.setdefault(t.activation.name, []).append(t)
+        out = {}
+        for act, members in groups.items():
+            st = stats.get(act)
+            if st is None:
+                continue
+            scales, quantized, _ = awq.search([t.matrix for t in members], st.hessian, st.mean_abs,
+                                              cfg.bits, cfg.block_size, cfg.symmetric)
+            if not np.allclose(scales, 1.0):
+                divide_input(model, members[0].activation, [t.node for t in members], scales, namer)
+            out.update((t.weight.name, q) for t, q in zip(members, quantized))
+        return out

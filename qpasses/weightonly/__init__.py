@@ -1,0 +1,7 @@
+"""Weight-only quantization of MatMul/Gemm weights, block-wise along K (the quantize-weights pass).
+
+blocks.py: the blocked layout and round-to-nearest on given parameters; rtn.py, hqq.py, gptq.py,
+awq.py: the algorithms choosing those parameters (and codes); hessian.py: the per-input statistics
+GPTQ and AWQ read from the calibration data; matmulnbits.py and emit.py: the two output forms
+(com.microsoft.MatMulNBits, opset-21 block-wise DequantizeLinear); targets.py: which weights.
+"""

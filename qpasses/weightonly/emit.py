@@ -1,0 +1,46 @@
+"""Graph edits: a quantized weight as com.microsoft.MatMulNBits or as a block-wise DequantizeLinear."""
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from .blocks import Blocked
+from .matmulnbits import dq_inputs, nbits_attrs, nbits_inputs
+from .targets import Target
+
+QDQ_OPSET = 21   # int4/uint4 and DequantizeLinear's block_size
+
+
+def to_matmulnbits(target: Target, w: Blocked, namer) -> gs.Node:
+    """Replace the MatMul/Gemm by MatMulNBits (a Gemm's bias becomes the op's bias input)."""
+    node, base = target.node, target.weight.name
+    dtype = np.dtype(target.weight.values.dtype)
+    arrays = nbits_inputs(w, dtype)
+    inputs = [node.inputs[0], gs.Constant(namer(f"{base}_Q{w.bits}"), arrays["B"]),
+              gs.Constant(namer(f"{base}_scales"), arrays["scales"])]
+    if arrays["zero_points"] is not None:
+        inputs.append(gs.Constant(namer(f"{base}_zero_points"), arrays["zero_points"]))
+    if node.op == "Gemm" and len(node.inputs) > 2 and node.inputs[2].name:
+        bias = np.asarray(node.inputs[2].values).reshape(-1).astype(dtype)
+        inputs += [gs.Variable.empty()] * (5 - len(inputs)) + [gs.Constant(namer(f"{base}_bias"), bias)]
+    n = w.codes.shape[0]
+    new = gs.Node("MatMulNBits", node.name, attrs=nbits_attrs(w, n), inputs=inputs,
+                  outputs=list(node.outputs), domain="com.microsoft")
+    node.outputs.clear()
+    node.inputs.clear()
+    return new
+
+
+def to_dequantize(target: Target, w: Blocked, namer) -> gs.Node:
+    """A DequantizeLinear(axis, block_size) writing the weight's float value for the node to read."""
+    node, base = target.node, target.weight.name
+    dtype = np.dtype(target.weight.values.dtype)
+    arrays = dq_inputs(w, target.transposed, dtype)
+    inputs = [gs.Constant(namer(f"{base}_q"), arrays["x"]), gs.Constant(namer(f"{base}_scale"), arrays["scale"])]
+    if arrays["zero_point"] is not None:
+        inputs.append(gs.Constant(namer(f"{base}_zero_point"), arrays["zero_point"]))
+    out = gs.Variable(namer(f"{base}_dequantized"), dtype=dtype, shape=list(target.weight.shape))
+    dq = gs.Node("DequantizeLinear", namer(f"{base}_DequantizeLinear"), inputs=inputs, outputs=[out],
+                 attrs={"axis": 1 if target.transposed else 0, "block_size": int(w.block_size)})
+    node.inputs[1] = out
+    return dq

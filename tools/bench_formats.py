@@ -1,0 +1,231 @@
+"""Weight-only int4 (block 32) side by side with onnxruntime's matmul_nbits_quantizer, in one run.
+
+    python tools/bench_formats.py [--models decoder,encoder_block] [--layers 4] [--algorithms rtn,hqq,gptq,awq]
+
+Models: ``decoder``, a GPT-2-small-shaped pre-LN decoder stack built here with onnx.helper (d 768,
+12 heads, MLP 3072, causal attention, tanh-free erf GELU, ``--layers`` layers, seeded weights; the
+LayerNorm gains of 3 residual channels are 20-60x the others, as the outlier dimensions of trained
+GPT-2) and ``encoder_block`` (tools/models.py). Per algorithm: output SNR on held-out data, the
+time to quantize (ModelProto in, ModelProto out, both sides) and its ratio to onnxruntime's, and the
+median latency of the MatMulNBits models (ours / onnxruntime's RTN). onnxruntime's RTN is its
+DEFAULT algorithm (C++), HQQ and GPTQ its own implementations; AWQ has no onnxruntime CPU
+counterpart (nvidia_awq needs ModelOpt and a tokenizer) and is compared with our RTN. Needs onnx-ir
+(onnxruntime's quantizer imports it) and torch (its HQQ).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("QPASSES_NO_PROGRESS", "1")
+logging.disable(logging.WARNING)
+
+from qpasses.api import run_pipeline  # noqa: E402
+from qpasses.context import RunContext  # noqa: E402
+
+D, HEADS, FF, SEQ = 768, 12, 3072, 64
+
+
+def decoder(layers: int, seed: int = 0) -> onnx.ModelProto:
+    """A pre-LN GPT-2-shaped decoder stack: input ``hidden`` (1, SEQ, D) -> output ``out`` (1, SEQ, D)."""
+    rng = np.random.default_rng(seed)
+    inits, nodes = [], []
+
+    def const(name, value):
+        inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def node(op, ins, name, **attrs):
+        nodes.append(helper.make_node(op, ins, [name], name=name, **attrs))
+        return name
+
+    def linear(x, k, n, name):
+        w = const(f"{name}.w", (rng.standard_normal((k, n)) * 0.02).astype(np.float32))
+        b = const(f"{name}.b", (rng.standard_normal(n) * 0.01).astype(np.float32))
+        return node("Add", [node("MatMul", [x, w], f"{name}.mm"), b], f"{name}.out")
+
+    def layernorm(x, name):
+        gain = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+        gain[[11, 373, 590]] = [20.0, 40.0, 60.0]   # trained-like outlier channels
+        return node("LayerNormalization", [x, const(f"{name}.g", gain), const(f"{name}.b", np.zeros(D, np.float32))],
+                    f"{name}.out", axis=-1, epsilon=1e-5)
+
+    heads = const("heads_shape", np.array([1, SEQ, HEADS, D // HEADS], np.int64))
+    merged = const("merged_shape", np.array([1, SEQ, D], np.int64))
+    mask = const("causal", np.triu(np.full((SEQ, SEQ), -1e4, np.float32), 1))
+    scale = const("attn_scale", np.array(1 / np.sqrt(D // HEADS), np.float32))
+    half, one, sqrt2 = const("half", np.array(0.5, np.float32)), const("one", np.array(1, np.float32)), \
+        const("sqrt2", np.array(np.sqrt(2), np.float32))
+    x = "hidden"
+    for i in range(layers):
+        p = f"h{i}"
+        qkv = linear(layernorm(x, f"{p}.ln1"), D, 3 * D, f"{p}.qkv")
+        parts = [f"{p}.{t}" for t in "qkv"]
+        nodes.append(helper.make_node("Split", [qkv, const(f"{p}.split", np.array([D] * 3, np.int64))], parts,
+                                      name=f"{p}.split", axis=-1))
+        q, k, v = (node("Transpose", [node("Reshape", [t, heads], f"{t}.r")], f"{t}.t", perm=[0, 2, 1, 3])
+                   for t in parts)
+        kt = node("Transpose", [k], f"{p}.kt", perm=[0, 1, 3, 2])
+        scores = node("Add", [node("Mul", [node("MatMul", [q, kt], f"{p}.qk"), scale], f"{p}.sc"), mask], f"{p}.masked")
+        ctx = node("MatMul", [node("Softmax", [scores], f"{p}.probs", axis=-1), v], f"{p}.ctx")
+        ctx = node("Reshape", [node("Transpose", [ctx], f"{p}.ctx.t", perm=[0, 2, 1, 3]), merged], f"{p}.ctx.m")
+        x = node("Add", [x, linear(ctx, D, D, f"{p}.proj")], f"{p}.res1")
+        h = linear(layernorm(x, f"{p}.ln2"), D, FF, f"{p}.fc")
+        gelu = node("Mul", [node("Mul", [h, half], f"{p}.gh"),
+                            node("Add", [node("Erf", [node("Div", [h, sqrt2], f"{p}.gd")], f"{p}.ge"), one], f"{p}.ga")],
+                    f"{p}.gelu")
+        x = node("Add", [x, linear(gelu, FF, D, f"{p}.fc2")], f"{p}.res2")
+    nodes.append(helper.make_node("Identity", [x], ["out"], name="out"))
+    graph = helper.make_graph(nodes, "decoder", [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, [1, SEQ, D])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, SEQ, D])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def decoder_data(count: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"hidden": rng.standard_normal((1, SEQ, D)).astype(np.float32)} for _ in range(count)]
+
+
+def load(name: str, layers: int):
+    if name == "decoder":
+        return decoder(layers), decoder_data(32, 1), decoder_data(8, 2)
+    from models import encoder_block, encoder_data   # tools/models.py
+
+    def split(d):
+        return [{k: v[i] for k, v in d.items()} for i in range(len(next(iter(d.values()))))]
+    return encoder_block(), split(encoder_data(16, 1)), split(encoder_data(8, 2))
+
+
+def session(proto):
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def outputs(proto, feeds):
+    s = session(proto)
+    return [s.run(None, f)[0] for f in feeds]
+
+
+def snr(ref, out) -> float:
+    num = sum(float(np.sum(r.astype(np.float64) ** 2)) for r in ref)
+    den = sum(float(np.sum((r.astype(np.float64) - o) ** 2)) for r, o in zip(ref, out))
+    return 10 * np.log10(num / den)
+
+
+def latency(proto, feed, repeats: int = 30) -> float:
+    s = session(proto)
+    for _ in range(3):
+        s.run(None, feed)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        s.run(None, feed)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+class _Reader:
+    def __init__(self, feeds):
+        self.feeds, self.i = feeds, 0
+
+    def get_next(self):
+        self.i += 1
+        return self.feeds[self.i - 1] if self.i <= len(self.feeds) else None
+
+    def rewind(self):
+        self.i = 0
+
+    def __iter__(self):   # onnxruntime's GPTQ (its neural_compressor copy) iterates the reader
+        return iter(self.feeds)
+
+
+def ours(proto, algorithm, fmt, calib):
+    cfg = {"mode": "weight_only", "weight_only": {"algorithm": algorithm, "format": fmt, "bits": 4, "block_size": 32}}
+    t = time.perf_counter()
+    model, _ = run_pipeline(copy.deepcopy(proto), "quantize-weights", ctx=RunContext(cfg, calib))
+    out = model.to_proto(metadata=False)
+    return out, time.perf_counter() - t
+
+
+def theirs(proto, algorithm, calib):
+    from onnxruntime.quantization import matmul_nbits_quantizer as mq
+
+    config = {"rtn": lambda: mq.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, bits=4),
+              "hqq": lambda: mq.HQQWeightOnlyQuantConfig(block_size=32, bits=4),
+              "gptq": lambda: mq.GPTQWeightOnlyQuantConfig(calibration_data_reader=_Reader(calib))}[algorithm]()
+    t = time.perf_counter()
+    q = mq.MatMulNBitsQuantizer(copy.deepcopy(proto), block_size=32, is_symmetric=True, bits=4, algo_config=config)
+    q.process()
+    out = q.model.model
+    return out, time.perf_counter() - t
+
+
+def run(name: str, layers: int, algorithms: list[str]) -> list[str]:
+    proto, calib, evald = load(name, layers)
+    ref = outputs(proto, evald)
+    rows, models = [], {}
+    for alg in algorithms:
+        q, secs = ours(proto, alg, "matmulnbits", calib)
+        models[alg] = q
+        row = {"alg": alg, "snr": snr(ref, outputs(q, evald)), "secs": secs}
+        if alg != "awq":
+            try:
+                tq, tsecs = theirs(proto, alg, calib)
+                row.update(ort_snr=snr(ref, outputs(tq, evald)), ort_secs=tsecs)
+                models[f"ort_{alg}"] = tq
+            except Exception as exc:   # an onnxruntime algorithm that cannot run here: say so
+                row["ort_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+        rows.append(row)
+    qdq, _ = ours(proto, "rtn", "qdq", calib)
+    lines = [f"### {name}" + (f" ({layers} layers)" if name == "decoder" else ""), "",
+             "| algorithm | SNR ours (dB) | SNR onnxruntime (dB) | ours - ort (dB) | time ours (s) | time ort (s) | time ratio |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "ort_snr" in r:
+            lines.append(f"| {r['alg']} | {r['snr']:.2f} | {r['ort_snr']:.2f} | {r['snr'] - r['ort_snr']:+.2f} | "
+                         f"{r['secs']:.2f} | {r['ort_secs']:.2f} | {r['secs'] / r['ort_secs']:.2f} |")
+        else:
+            rtn = next((x["snr"] for x in rows if x["alg"] == "rtn"), float("nan"))
+            note = f"vs our rtn {r['snr'] - rtn:+.2f}" if r["alg"] == "awq" else r.get("ort_error", "")
+            lines.append(f"| {r['alg']} | {r['snr']:.2f} | - | {note} | {r['secs']:.2f} | - | - |")
+    lines.append(f"| rtn as QDQ (DequantizeLinear block 32) | {snr(ref, outputs(qdq, evald)):.2f} | | | | | |")
+    if "rtn" in models and "ort_rtn" in models:
+        feed = evald[0]
+        a, b = latency(models["rtn"], feed), latency(models["ort_rtn"], feed)
+        f = latency(proto, feed)
+        lines += ["", f"MatMulNBits latency (1 thread, median): ours {a * 1e3:.2f} ms, onnxruntime's {b * 1e3:.2f} ms, "
+                      f"ratio {a / b:.3f}; float {f * 1e3:.2f} ms; QDQ rtn {latency(qdq, feed) * 1e3:.2f} ms"]
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="decoder,encoder_block")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--algorithms", default="rtn,hqq,gptq,awq")
+    args = ap.parse_args(argv)
+    try:
+        import onnx_ir  # noqa: F401
+    except ImportError:
+        print("bench_formats: onnxruntime's matmul_nbits_quantizer needs onnx-ir: pip install onnx-ir", file=sys.stderr)
+        return 2
+    for name in args.models.split(","):
+        print("\n".join(run(name, args.layers, args.algorithms.split(","))), flush=True)
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
