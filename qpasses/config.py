@@ -9,6 +9,7 @@ import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .config_ort import ORT_NAMES, normalise, not_a_mapping
 from .errors import ConfigError
 from .qtypes import QTYPES, qtype
 
@@ -143,11 +144,11 @@ class QuantConfig:
             if self.calibration is not None:
                 self.calibration._given = written
         elif not isinstance(self.calibration, CalibrationConfig):
-            problems.append(_not_a_mapping("calibration", self.calibration))
+            problems.append(not_a_mapping("calibration", self.calibration))
         if isinstance(self.accuracy, dict):
             self.accuracy = _build(AccuracyConfig, self.accuracy, "accuracy.", problems)
         elif not isinstance(self.accuracy, AccuracyConfig):
-            problems.append(_not_a_mapping("accuracy", self.accuracy))
+            problems.append(not_a_mapping("accuracy", self.accuracy))
         self.mode = str(self.mode).lower().replace("-", "_")
         if self.mode not in MODES:
             problems.append(f"mode: {self.mode!r} is not one of {', '.join(MODES)}")
@@ -157,11 +158,11 @@ class QuantConfig:
             except ConfigError as exc:
                 problems.take(exc)
         elif type(self.weight_only).__name__ != "WeightOnlyConfig":
-            problems.append(_not_a_mapping("weight_only", self.weight_only))
+            problems.append(not_a_mapping("weight_only", self.weight_only))
         if not isinstance(self.tensor_overrides, dict):
             problems.append("tensor_overrides: expected a mapping of tensor name -> list of overrides")
         if not isinstance(self.mixed_precision, dict):
-            problems.append(_not_a_mapping("mixed_precision", self.mixed_precision))
+            problems.append(not_a_mapping("mixed_precision", self.mixed_precision))
         try:   # issue 18: where calibration shards and scored variants run
             from .executors import parse
 
@@ -224,14 +225,6 @@ def _boolean(problems: list, obj, key: str, prefix: str = "") -> None:
         problems.append(f"{prefix}{key}: expected true or false, got {value!r}")
 
 
-_MAPPING_EXAMPLES = {"calibration": " such as {method: minmax}", "extra_options": " of onnxruntime option -> value",
-                     "mixed_precision": " of tensor name -> type"}
-
-
-def _not_a_mapping(key: str, value) -> str:
-    return f"{key}: expected a mapping{_MAPPING_EXAMPLES.get(key, '')}, got {value!r}"
-
-
 _BOOL_KEYS = ("per_channel", "activation_symmetric", "activation_restricted_asymmetric", "reduce_range",
               "quantize_bias", "fix_bias_scales", "keep_removable_activations",
               "force_quantize_no_input_check")
@@ -263,38 +256,6 @@ def _check_types(cfg: "QuantConfig", problems: list) -> None:
         problems.append(f"target: expected a preset name, got {cfg.target!r}")
 
 
-# onnxruntime names (quantize_static arguments and extra_options) -> our keys
-ORT_NAMES = {
-    "ActivationSymmetric": "activation_symmetric",
-    "WeightSymmetric": "weight_symmetric",
-    "ActivationRestrictedAsymmetric": "activation_restricted_asymmetric",
-    "MinimumRealRange": "minimum_real_range",
-    "TensorQuantOverrides": "tensor_overrides",
-    "QuantizeBias": "quantize_bias",
-    "ForceQuantizeNoInputCheck": "force_quantize_no_input_check",
-    "QDQKeepRemovableActivations": "keep_removable_activations",
-    "OpTypesToExcludeOutputQuantization": "op_types_to_exclude_output_quantization",
-    "AddQDQPairToWeight": None,
-    "DedicatedQDQPair": None,
-    "CalibStridedMinMax": None,          # memory/speed only: calibration is streamed anyway
-    "CalibMaxIntermediateOutputs": None,
-    "QDQOpTypePerChannelSupportToAxis": "per_channel_axes",
-    "UseQDQContribOps": None,
-    "EnableSubgraph": None,
-    "calibrate_method": "calibration.method",
-    "quant_format": None,
-    "CalibMovingAverage": "calibration.moving_average",
-    "CalibMovingAverageConstant": "calibration.averaging_constant",
-    "CalibTensorRangeSymmetric": "calibration.symmetric",
-    "CalibPercentile": "calibration.percentile",
-    "CalibNumBins": "calibration.num_bins",
-}
-_INVERTED = {"QDQDisableWeightAdjustForInt32Bias": "fix_bias_scales"}
-# onnxruntime options that change the result when set (truthy) and that qpasses does not implement
-_UNSUPPORTED = ("SmoothQuant", "BlockSize")
-_IGNORED = ("SmoothQuantAlpha", "SmoothQuantFolding", "MatMulConstBOnly")  # no effect without the above / on QDQ
-
-
 def load_config(source=None) -> QuantConfig:
     """A QuantConfig from a dict, a JSON/YAML file path, or None (the defaults).
 
@@ -310,7 +271,7 @@ def load_config(source=None) -> QuantConfig:
     if not isinstance(source, dict):
         raise ConfigError(f"{where}: expected a mapping at the top level")
     problems = _Problems()
-    data = _normalise(source, problems)
+    data = normalise(source, problems)
     config = _build(QuantConfig, data, "", problems)
     problems.raise_if_any(where)
     config._given = frozenset(data)
@@ -341,45 +302,6 @@ def _read_file(path: Path) -> dict:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     return data if data is not None else {}
-
-
-def _normalise(raw: dict, problems: list) -> dict:
-    """Map onnxruntime spellings onto our keys; flatten ``extra_options``."""
-    out: dict = {}
-    extra = raw.get("extra_options")
-    if not isinstance(extra, (dict, type(None))):
-        problems.append(_not_a_mapping("extra_options", extra))
-        extra = None
-    for key, value in list(raw.items()) + list((extra or {}).items()):
-        if key == "extra_options":
-            continue
-        if not isinstance(key, str):
-            out[key] = value  # reported by _build
-            continue
-        if key in _IGNORED or (key in _UNSUPPORTED and not value):
-            continue
-        if key in _UNSUPPORTED:
-            problems.append(f"onnxruntime option '{key}' is not supported by qpasses")
-            continue
-        if key == "quant_format" and "qoperator" in str(getattr(value, "name", value)).lower():
-            problems.append("quant_format QOperator is not supported (qpasses writes QDQ models)")
-            continue
-        if key in _INVERTED:
-            key, value = _INVERTED[key], not value
-        elif key in ORT_NAMES:
-            key = ORT_NAMES[key]
-            if key is None:
-                continue
-        if key.startswith("calibration."):
-            out.setdefault("calibration", {})[key.split(".", 1)[1]] = value
-        elif key == "calibration":
-            if isinstance(value, dict):
-                out.setdefault("calibration", {}).update(value)
-            else:
-                problems.append(_not_a_mapping("calibration", value))
-        else:
-            out[key] = value
-    return out
 
 
 def _build(cls, data: dict, prefix: str, problems: list):
