@@ -93,8 +93,14 @@ _CALIB_ALIASES = {"max": "minmax", "min_max": "minmax", "kl": "entropy", "distri
                   "calibrationmethod.entropy": "entropy", "calibrationmethod.percentile": "percentile"}
 
 
+MODES = ("static", "dynamic")    # pipeline.MODE_PIPELINES: the default pipeline of each mode
+FORMATS = ("qdq",)
+
+
 @dataclass
 class QuantConfig:
+    mode: str = "static"
+    format: str = "qdq"                           # qoperator: lower-qoperator rewrites node units
     activation_type: str = "uint8"
     weight_type: str = "int8"
     per_channel: bool = True
@@ -126,6 +132,9 @@ class QuantConfig:
         self.weight_type = _qtype_name(problems, "weight_type", self.weight_type)
         if self.weight_symmetric is None and self.weight_type in QTYPES:
             self.weight_symmetric = qtype(self.weight_type).signed
+        for key, allowed in (("mode", MODES), ("format", FORMATS)):
+            if getattr(self, key) not in allowed:
+                problems.append(f"{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
         if self.scale_type not in ("float32", "float16"):
             problems.append(f"scale_type: {self.scale_type!r} is not float32 or float16")
         if self.minimum_real_range is not None:

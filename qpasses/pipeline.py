@@ -218,8 +218,17 @@ QUANTIZE_PIPELINE = (BASE_PIPELINE + ",smooth-quant,annotate-types,propagate-mix
                      "select-by-snr,search-precision,compute-qparams,correct-bias,fix-bias-scales,insert-qdq,insert-converts,cleanup")
 
 
-def default_pipeline(quantize: bool) -> str:
-    """The pipeline `qpasses run` uses without --passes: quantize when calibration data is given."""
+# config ``mode`` -> its default pipeline (``static``: QUANTIZE_PIPELINE with calibration data)
+MODE_PIPELINES = {"dynamic": BASE_PIPELINE + ",quantize-dynamic,cleanup"}
+
+
+def default_pipeline(quantize: bool, mode: str = "static", format: str = "qdq") -> str:
+    """The pipeline `qpasses run` uses without --passes: quantize when calibration data is given
+    (or the config's ``mode`` needs none); ``format: qoperator`` appends lower-qoperator."""
+    if mode in MODE_PIPELINES:
+        return MODE_PIPELINES[mode]
+    if quantize and format == "qoperator":
+        return QUANTIZE_PIPELINE + ",lower-qoperator,cleanup"
     return QUANTIZE_PIPELINE if quantize else BASE_PIPELINE
 
 
