@@ -94,7 +94,7 @@ _CALIB_ALIASES = {"max": "minmax", "min_max": "minmax", "kl": "entropy", "distri
 
 
 MODES = ("static", "dynamic")    # pipeline.MODE_PIPELINES: the default pipeline of each mode
-FORMATS = ("qdq",)
+FORMATS = ("qdq", "qoperator")
 
 
 @dataclass
@@ -263,7 +263,6 @@ ORT_NAMES = {
     "UseQDQContribOps": None,
     "EnableSubgraph": None,
     "calibrate_method": "calibration.method",
-    "quant_format": None,
     "CalibMovingAverage": "calibration.moving_average",
     "CalibMovingAverageConstant": "calibration.averaging_constant",
     "CalibTensorRangeSymmetric": "calibration.symmetric",
@@ -342,9 +341,8 @@ def _normalise(raw: dict, problems: list) -> dict:
         if key in _UNSUPPORTED:
             problems.append(f"onnxruntime option '{key}' is not supported by qpasses")
             continue
-        if key == "quant_format" and "qoperator" in str(getattr(value, "name", value)).lower():
-            problems.append("quant_format QOperator is not supported (qpasses writes QDQ models)")
-            continue
+        if key == "quant_format":   # onnxruntime's QuantFormat.QDQ / QOperator
+            key, value = "format", str(getattr(value, "name", value)).lower()
         if key in _INVERTED:
             key, value = _INVERTED[key], not value
         elif key in ORT_NAMES:
