@@ -13,7 +13,7 @@ from ..ir import QModel, make_constant
 from ..pipeline import Pass, PassResult
 from ..qdq import new_namer, require_opset, to_onnx_storage
 from ..qparams import compute_qparams, quantize, value_range
-from ..qtypes import qtype
+from ..qtypes import PER_AXIS_MIN_OPSET, qtype
 from ..registry import register
 
 NAME = "quantize-dynamic"
@@ -216,7 +216,8 @@ g (float[2,4] x) => (float[2,2] y) <float[4,2] w = {0.5, -1, 0.25, 2, -0.75, 1, 
             ctx.findings.update(NAME, {"float": plan.skipped})
         if not plan.targets:
             return PassResult(model, False, dict(stats))
-        if require_opset(model, MIN_OPSET):
+        per_axis = self.form == "qdq" and any(t.axis is not None for t in plan.targets)
+        if require_opset(model, PER_AXIS_MIN_OPSET if per_axis else MIN_OPSET):
             plan = plan_dynamic(model, ctx.config)
         stats.update(apply_plan(model, plan, ctx.config, self.form))
         model.touch()

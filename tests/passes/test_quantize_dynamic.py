@@ -68,8 +68,10 @@ def test_outputs_equal_quantize_dynamic(tmp_path, options):
         np.testing.assert_array_equal(my_inits[name], ort_inits[name])
 
 
-def test_qdq_form_runs_close_to_the_integer_form():
+@pytest.mark.parametrize("opset", [11, 17])
+def test_qdq_form_runs_close_to_the_integer_form(opset):
     proto = _model()
+    proto.opset_import[0].version = opset
     integer, qdq = (qpasses.run_pipeline(proto, f"quantize-dynamic{{form={f}}},cleanup")[0].to_proto()
                     for f in ("integer", "qdq"))
     onnx.checker.check_model(qdq, full_check=True)
