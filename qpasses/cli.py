@@ -223,8 +223,8 @@ def cmd_run(args) -> int:
                            for v in selected["variants"])
         say(f"qpasses: select-by-snr chose {selected['chosen']} ({scores}; "
             f"{total} calibration samples)")
-    if "qdq-inserted" in model.facts:
-        data = eval_data or ctx.calibration_data
+    data = eval_data or ctx.calibration_data
+    if data is not None and ("qdq-inserted" in model.facts or ctx.config.mode != "static"):
         # a failing user metric is a user error: nothing is committed (as for every failure)
         report["accuracy"] = compare(ort_source(src), ort_source(staged), data, max_samples=_EVAL_SAMPLES,
                                      objective=objective)

@@ -83,9 +83,6 @@ class AccuracyConfig:
         problems.raise_if_any()
 
 
-MODES = ("static", "weight_only")
-
-
 def method_given(calibration: CalibrationConfig) -> bool:
     """Whether the user chose the calibration method (written in a config, or not the default)."""
     written = getattr(calibration, "_given", None)
@@ -97,8 +94,14 @@ _CALIB_ALIASES = {"max": "minmax", "min_max": "minmax", "kl": "entropy", "distri
                   "calibrationmethod.entropy": "entropy", "calibrationmethod.percentile": "percentile"}
 
 
+MODES = ("static", "weight_only", "dynamic")    # pipeline.MODE_PIPELINES: the default pipeline of each mode
+FORMATS = ("qdq", "qoperator")
+
+
 @dataclass
 class QuantConfig:
+    mode: str = "static"                          # weight_only | dynamic: pipeline.default_pipeline
+    format: str = "qdq"                           # qoperator: lower-qoperator rewrites node units
     activation_type: str = "uint8"
     weight_type: str = "int8"
     per_channel: bool = True
@@ -123,7 +126,6 @@ class QuantConfig:
     per_channel_axes: dict = field(default_factory=dict)  # op type -> weight channel axis
     force_quantize_no_input_check: bool = False   # quantize data-movement ops outside quantized regions
     executor: str = "local"                       # local | ray | ray:ADDRESS (qpasses.executors)
-    mode: str = "static"                          # or weight_only (pipeline.default_pipeline)
     weight_only: object = field(default_factory=lambda: _weight_only({}))  # weightonly.config.WeightOnlyConfig
 
     def __post_init__(self):
@@ -133,6 +135,10 @@ class QuantConfig:
         self.weight_type = _qtype_name(problems, "weight_type", self.weight_type)
         if self.weight_symmetric is None and self.weight_type in QTYPES:
             self.weight_symmetric = qtype(self.weight_type).signed
+        self.mode = str(self.mode).lower().replace("-", "_")
+        for key, allowed in (("mode", MODES), ("format", FORMATS)):
+            if getattr(self, key) not in allowed:
+                problems.append(f"{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
         if self.scale_type not in ("float32", "float16"):
             problems.append(f"scale_type: {self.scale_type!r} is not float32 or float16")
         if self.minimum_real_range is not None:
@@ -149,9 +155,6 @@ class QuantConfig:
             self.accuracy = _build(AccuracyConfig, self.accuracy, "accuracy.", problems)
         elif not isinstance(self.accuracy, AccuracyConfig):
             problems.append(not_a_mapping("accuracy", self.accuracy))
-        self.mode = str(self.mode).lower().replace("-", "_")
-        if self.mode not in MODES:
-            problems.append(f"mode: {self.mode!r} is not one of {', '.join(MODES)}")
         if isinstance(self.weight_only, dict):
             try:
                 self.weight_only = _weight_only(self.weight_only)

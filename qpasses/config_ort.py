@@ -30,7 +30,6 @@ ORT_NAMES = {
     "UseQDQContribOps": None,
     "EnableSubgraph": None,
     "calibrate_method": "calibration.method",
-    "quant_format": None,
     "CalibMovingAverage": "calibration.moving_average",
     "CalibMovingAverageConstant": "calibration.averaging_constant",
     "CalibTensorRangeSymmetric": "calibration.symmetric",
@@ -61,9 +60,8 @@ def normalise(raw: dict, problems: list) -> dict:
         if key in _UNSUPPORTED:
             problems.append(f"onnxruntime option '{key}' is not supported by qpasses")
             continue
-        if key == "quant_format" and "qoperator" in str(getattr(value, "name", value)).lower():
-            problems.append("quant_format QOperator is not supported (qpasses writes QDQ models)")
-            continue
+        if key == "quant_format":   # onnxruntime's QuantFormat.QDQ / QOperator
+            key, value = "format", str(getattr(value, "name", value)).lower()
         if key in _INVERTED:
             key, value = _INVERTED[key], not value
         elif key in ORT_NAMES:

@@ -219,14 +219,17 @@ QUANTIZE_PIPELINE = (BASE_PIPELINE + ",smooth-quant,annotate-types,propagate-mix
 
 
 WEIGHT_ONLY_PIPELINE = BASE_PIPELINE + ",quantize-weights,cleanup"
-MODE_PIPELINES = {"weight_only": WEIGHT_ONLY_PIPELINE}   # config ``mode`` -> pipeline (any data)
+# config ``mode`` -> its default pipeline, with or without data (``static``: QUANTIZE_PIPELINE with data)
+MODE_PIPELINES = {"weight_only": WEIGHT_ONLY_PIPELINE, "dynamic": BASE_PIPELINE + ",quantize-dynamic,cleanup"}
 
 
-def default_pipeline(quantize: bool, mode: str = "static") -> str:
+def default_pipeline(quantize: bool, mode: str = "static", format: str = "qdq") -> str:
     """The pipeline `qpasses run` uses without --passes: the ``mode``'s (config), else quantize
-    when calibration data is given."""
+    when calibration data is given; ``format: qoperator`` appends lower-qoperator."""
     if mode in MODE_PIPELINES:
         return MODE_PIPELINES[mode]
+    if quantize and format == "qoperator":
+        return QUANTIZE_PIPELINE + ",lower-qoperator,cleanup"
     return QUANTIZE_PIPELINE if quantize else BASE_PIPELINE
 
 

@@ -54,6 +54,8 @@ def quantize(x, scale, zero_point, qt: QType | str, axis: int | None = None) -> 
     compute = np.float64 if qt.bits > 16 else np.float32
     q = np.array(x, dtype=compute)   # a copy: the ops below work in place
     q /= _broadcast(scale, q, axis).astype(compute)
+    if qt.is_float:   # FP8 (zero point 0): saturate, then round to nearest even in the cast
+        return np.asarray(np.clip(q, qt.qmin, qt.qmax).astype(qt.storage))
     np.rint(q, out=q)
     q += _broadcast(zero_point, q, axis).astype(compute)
     np.clip(q, qt.qmin, qt.qmax, out=q)
@@ -64,7 +66,7 @@ def dequantize(q, scale, zero_point, axis: int | None = None) -> np.ndarray:
     """(q - zero_point) * scale as float32 (ONNX DequantizeLinear). Integers of up to 16 bits and
     their differences are exact in float32, so one float32 product is the correctly rounded result."""
     q = np.asarray(q)
-    compute = np.float32 if q.dtype.itemsize <= 2 else np.float64
+    compute = np.float32 if q.dtype.itemsize <= 2 or q.dtype.kind == "V" else np.float64
     out = np.array(q, dtype=compute)
     out -= _broadcast(zero_point, out, axis).astype(compute)
     out *= _broadcast(scale, out, axis).astype(compute)
@@ -124,6 +126,8 @@ def compute_qparams(rmin, rmax, qt: QType | str, *, symmetric: bool = False, red
     the zero point is re-derived so the range stays covered.
     """
     qt = qtype(qt)
+    if qt.is_float:
+        return _float8_qparams(rmin, rmax, qt, minimum_real_range, scale_type, min_scale)
     qmin, qmax = qt.limits(symmetric, reduce_range)
     lo, hi = (b.astype(np.float64) for b in prepare_range(rmin, rmax, minimum_real_range, symmetric))
     fixed_zp = _restricted_zero_point(lo, qt, qmin, qmax) if restricted and not symmetric else None
@@ -149,6 +153,20 @@ def compute_qparams(rmin, rmax, qt: QType | str, *, symmetric: bool = False, red
     else:
         zp = np.clip(np.rint(qmin - lo / scale), qmin, qmax)
     return stored, np.where(degenerate, 0, zp).astype(np.int64)
+
+
+def _float8_qparams(rmin, rmax, qt: QType, minimum_real_range, scale_type: str, min_scale):
+    """FP8: scale = amax / the type's largest finite value (448 for e4m3fn, 57344 for e5m2), zero
+    point 0; symmetric by nature (no reduce_range, restricted or power-of-two grids)."""
+    lo, hi = prepare_range(rmin, rmax, minimum_real_range, symmetric=True)
+    scale = hi.astype(np.float64) / qt.qmax
+    if min_scale is not None:
+        scale = np.maximum(scale, fit_scale(min_scale, scale_type))
+    degenerate = ~(scale >= F32_TINY)
+    scale = np.where(degenerate, DEGENERATE_SCALE, scale)
+    stored = (np.asarray(np.minimum(scale, F32_MAX).astype(np.float32), np.float64) if scale_type == "float32"
+              else fit_scale(scale, scale_type))
+    return stored, np.zeros(stored.shape, np.int64)
 
 
 def _restricted_zero_point(lo, qt: QType, qmin: int, qmax: int):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
@@ -19,9 +20,12 @@ class QType:
     storage: type  # numpy dtype used to hold quantized values before export
     reduced: tuple[int, int] | None = None  # reduce_range limits (onnxruntime's, symmetric or not)
     narrow: bool = False  # symmetric quantization drops qmin (int8/int16 only, as in onnxruntime)
+    is_float: bool = False  # FP8: qmin/qmax are the largest finite values; zero point 0, no rounding to integers
 
     @property
     def bits(self) -> int:
+        if self.is_float:
+            return 8 * np.dtype(self.storage).itemsize
         return int(np.log2(self.qmax - self.qmin + 1))
 
     @property
@@ -51,6 +55,8 @@ QTYPES: dict[str, QType] = {
         QType("uint4", TensorProto.UINT4, 0, 15, 21, np.uint8, (0, 7)),
         QType("int4", TensorProto.INT4, -8, 7, 21, np.int8, (-4, 3)),
         QType("int32", TensorProto.INT32, -(2**31), 2**31 - 1, 10, np.int32),
+        QType("float8e4m3fn", TensorProto.FLOAT8E4M3FN, -448, 448, 19, ml_dtypes.float8_e4m3fn, is_float=True),
+        QType("float8e5m2", TensorProto.FLOAT8E5M2, -57344, 57344, 19, ml_dtypes.float8_e5m2, is_float=True),
     )
 }
 
@@ -58,6 +64,8 @@ QTYPES: dict[str, QType] = {
 _ALIASES = {
     "quint8": "uint8", "qint8": "int8", "quint16": "uint16", "qint16": "int16",
     "quint4": "uint4", "qint4": "int4", "u8": "uint8", "s8": "int8", "u16": "uint16", "s16": "int16",
+    "qfloat8e4m3fn": "float8e4m3fn", "float8_e4m3fn": "float8e4m3fn", "fp8": "float8e4m3fn", "e4m3": "float8e4m3fn",
+    "float8_e5m2": "float8e5m2", "e5m2": "float8e5m2",
 }
 
 PER_AXIS_MIN_OPSET = 13

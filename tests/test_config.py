@@ -79,7 +79,8 @@ def test_calibration_method_spellings(method, name):
     ({"calibrate_method": "median"}, "calibration.method: unknown method 'median'"),
     ({"extra_options": {"SmoothQuant": True}}, "onnxruntime option 'SmoothQuant' is not supported"),
     ({"extra_options": {"BlockSize": 32}}, "onnxruntime option 'BlockSize' is not supported"),
-    ({"quant_format": "QOperator"}, "quant_format QOperator is not supported"),
+    ({"quant_format": "QLinear"}, "format: 'qlinear' is not one of qdq, qoperator"),
+    ({"format": "onnx"}, "format: 'onnx' is not one of qdq, qoperator"),
     ({"target": 3}, "target: expected a preset name"),
     ([1, 2], "expected a mapping at the top level"),
 ])

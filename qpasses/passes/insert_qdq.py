@@ -13,6 +13,7 @@ from ..analysis.bias_fixes import clipping_biases
 from ..analysis.dtypes import float_types
 from ..decisions import leave_float
 from ..errors import ModelError, PreconditionError
+from ..fp8 import guard_relus
 from ..ir import QModel, relaxed_gc
 from ..pipeline import Pass, PassResult
 from ..analysis.scopes import scopes
@@ -290,9 +291,10 @@ class InsertQDQ(Pass):
     all in the graph holding the tensor (main graph or If/Loop/Scan body), and each body reading a
     quantized outer tensor gets a DQ of its own (onnxruntime fuses DQs with readers of their graph);
     a Relu/Clip whose input shares its output's qparams is dropped when the Q clamps exactly as it
-    does. Scales are stored in the tensor's float type (Q/DQ need it), zero points in the qtype.
+    does. With FP8 activations, a Relu with one reader becomes Max(x, 0) (onnxruntime drops a Relu
+    before an FP8 QuantizeLinear: qpasses/fp8.py). Scales are stored in the tensor's float type (Q/DQ need it), zero points in the qtype.
     Raises the default opset when the types need it (per-axis 13, float16 scales 19,
-    int16/uint16/int4/uint4 21), rewriting ops with onnx.version_converter if a plain bump is unsafe.
+    int16/uint16/int4/uint4 21, float8 19), rewriting ops with onnx.version_converter if a plain bump is unsafe.
     Invariants: graph inputs/outputs keep names and float types; tensors that already have Q/DQ are
     left alone, so a second run changes nothing. With config ``fix_bias_scales`` (the default) it
     refuses an int32 bias that fix-bias-scales would still fix (a PreconditionError), so
@@ -320,5 +322,7 @@ class InsertQDQ(Pass):
             plan = plan_qdq(model.quant, analyse(model))
         with relaxed_gc():
             stats.update(apply_plan(model, plan))
+        if any(i.how == "pair" and i.qparams.qtype.is_float for i in plan.inserts):
+            stats["relus_as_max"] = guard_relus(model)   # onnxruntime would drop them (qpasses/fp8.py)
         stats["opset_raised_to"] = model.opset if raised else 0
         return PassResult(model, True, dict(stats))
