@@ -133,6 +133,9 @@ def _parser() -> argparse.ArgumentParser:
     cmp_.add_argument("quant_model")
     cmp_.add_argument("--data", required=True, help="input data (.npz, folder)")
     cmp_.add_argument("--metric", help=_METRIC_HELP)
+    from .report.compare_command import add_arguments as add_per_layer
+
+    add_per_layer(cmp_)   # --per-layer, --provider, --report, --samples (report/compare_command.py)
     cmp_.set_defaults(func=cmd_compare)
     return p
 
@@ -375,6 +378,10 @@ def cmd_compare(args) -> int:
     from .ir import load
     from .objective import parse_metric
 
+    if args.per_layer or args.provider or args.report or args.samples is not None:
+        from .report.compare_command import cmd_per_layer
+
+        return cmd_per_layer(args)
     objective = parse_metric(args.metric)
     models = [load(path) for path in (args.float_model, args.quant_model)]  # one-line errors naming the file
     result = compare(*models, open_data(args.data), objective=objective)

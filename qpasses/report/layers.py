@@ -72,11 +72,30 @@ def _fake_quant(x: np.ndarray, tq) -> np.ndarray:
     return dequantize(quantize(x, tq.scale[0], tq.zero_point[0], tq.qtype), tq.scale[0], tq.zero_point[0])
 
 
+def quantized_names(proto: onnx.ModelProto, names) -> dict[str, str]:
+    """Tensor -> the output of its QuantizeLinear (the integer tensor) when a DequantizeLinear reads
+    it, in the QDQ graph (main graph)."""
+    q_of = {n.input[0]: n.output[0] for n in proto.graph.node if n.op_type == "QuantizeLinear"}
+    read = {n.input[0] for n in proto.graph.node if n.op_type == "DequantizeLinear"}
+    return {name: q_of[name] for name in names if name in q_of and q_of[name] in read}
+
+
 def simulated_names(proto: onnx.ModelProto, names) -> dict[str, str]:
     """Tensor -> the output of the DequantizeLinear its readers see in the QDQ graph (main graph)."""
-    q_of = {n.input[0]: n.output[0] for n in proto.graph.node if n.op_type == "QuantizeLinear"}
     dq_of = {n.input[0]: n.output[0] for n in proto.graph.node if n.op_type == "DequantizeLinear"}
-    return {name: dq_of[q_of[name]] for name in names if name in q_of and q_of[name] in dq_of}
+    return {name: dq_of[q] for name, q in quantized_names(proto, names).items()}
+
+
+def quantized_activations(fproto: onnx.ModelProto, qdq: QModel, qproto: onnx.ModelProto) -> dict[str, tuple]:
+    """Every quantized activation of ``qdq``'s main graph (``qproto``) that the float model
+    ``fproto`` also computes and a Q -> DQ pair realises: name -> (TensorQuant, producer op type
+    ("input" for a graph input), the producer's index in the QDQ graph)."""
+    made = {o: (i, n.op_type) for i, n in enumerate(qproto.graph.node) for o in n.output}
+    made.update({i.name: (-1, "input") for i in qproto.graph.input})
+    in_float = {o for n in fproto.graph.node for o in n.output} | {i.name for i in fproto.graph.input}
+    entries = {name: tq for name, tq in qdq.quant.items()
+               if tq.role == "activation" and tq.scale and name in made and name in in_float}
+    return {name: (entries[name], made[name][1], made[name][0]) for name in quantized_names(qproto, entries)}
 
 
 def _with_outputs(proto: onnx.ModelProto, names) -> bytes:
@@ -92,16 +111,12 @@ def layers(float_model: QModel, qdq: QModel, feeds: list[dict], *, probe_samples
     computes, in the QDQ graph's order, measured on ``feeds``."""
     qproto = qdq.to_proto(metadata=False)
     fproto = float_model.to_proto(metadata=False)
-    made = {o: (i, n.op_type) for i, n in enumerate(qproto.graph.node) for o in n.output}
-    made.update({i.name: (-1, "input") for i in qproto.graph.input})
-    in_float = {o for n in fproto.graph.node for o in n.output} | {i.name for i in fproto.graph.input}
-    entries = {name: tq for name, tq in qdq.quant.items()
-               if tq.role == "activation" and tq.scale and name in made and name in in_float}
+    found = quantized_activations(fproto, qdq, qproto)
+    entries = {name: tq for name, (tq, _, _) in found.items()}
     seen = simulated_names(qproto, entries)
-    entries = {name: tq for name, tq in entries.items() if name in seen}
-    rows = {name: Layer(name, made[name][1], made[name][0], tq.qtype, list(tq.scale), list(tq.zero_point),
+    rows = {name: Layer(name, op, order, tq.qtype, list(tq.scale), list(tq.zero_point),
                         list(tq.why), _clip(tq), _calibrated(qdq, name))
-            for name, tq in entries.items()}
+            for name, (tq, op, order) in found.items()}
     if not rows:
         return []
     names = list(rows)
