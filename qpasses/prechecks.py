@@ -110,6 +110,19 @@ class LoadableTypes(Instrument):
                               "for the Conv, or keep the node float: nodes_to_exclude)")
 
 
+def _quantized_after(model, node) -> bool:
+    """Whether ``node``'s output is quantized, or read only by Relu/Clip nodes whose outputs are
+    (onnxruntime drops a Relu/Clip in front of a QuantizeLinear and fuses what is left)."""
+    if not node.outputs:
+        return False
+    out = node.outputs[0]
+    if out.name in model.quant:
+        return True
+    readers = list(out.outputs)
+    return bool(readers) and all(r.op in ("Relu", "Clip") and r.outputs and r.outputs[0].name in model.quant
+                                 for r in readers)
+
+
 def _read_type(model, name: str, node) -> str | None:
     """The type ``node`` reads tensor ``name`` as (its convert's type if it is a converted reader)."""
     tq = model.quant.get(name)
@@ -146,7 +159,7 @@ def unloadable_4bit(model) -> list[str]:
         if qt not in FOUR_BIT:
             continue
         if node.op == "Conv":
-            if not node.outputs or node.outputs[0].name not in model.quant:
+            if not _quantized_after(model, node):
                 continue   # no Q after it: nothing to fuse
             wq = model.quant.get(node.inputs[1].name) if len(node.inputs) > 1 else None
             if wq is not None and wq.qtype not in ("int8", "uint8"):

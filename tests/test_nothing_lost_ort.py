@@ -86,6 +86,17 @@ def _clip_then_conv():
         }""", opset=13)
 
 
+def _conv_then_relus():
+    """Found by the 4-bit fuzz: the Conv's output kept float, the Relus reading it quantized."""
+    return parse("""
+        fuzz (float[1,1,1,1] x1) => (float[?,?,?,?] relu_5, float[?,?,?,?] relu_6) <float[1,1,1,1] w2 = {0.12573022}> {
+            conv_3 = Conv <kernel_shape = [1, 1]> (x1, w2)
+            relu_4 = Relu (conv_3)
+            relu_5 = Relu (relu_4)
+            relu_6 = Relu (conv_3)
+        }""", opset=13)
+
+
 REFUSED = [
     ("uint4 activations into Conv", convs, {"activation_type": "uint4"}, "QLinearConv has no uint4 kernel"),
     ("int4 activations into Conv", convs, {"activation_type": "int4"}, "QLinearConv has no int4 kernel"),
@@ -112,6 +123,17 @@ def test_4_bit_types_onnxruntime_cannot_load_are_refused_up_front(model, config,
     line = assert_refused(capsys, tmp_path, ws.run("--config", ws.config, "--passes", PIPELINE, "--report", ws.report,
                                                    "--dump-after", ws.out_dir / "d"), fragment)
     assert "onnxruntime cannot load such a model" in line
+
+
+def test_a_conv_whose_output_search_precision_keeps_float_is_still_checked():
+    """Found by the 4-bit fuzz: search-precision keeps conv_3 float, the Relus reading it stay
+    uint4; onnxruntime drops those Relus in front of their QuantizeLinear and fuses the Conv into
+    a QLinearConv reading uint4, which it cannot load."""
+    import qpasses
+
+    feeds = [{"x1": np.full((1, 1, 1, 1), v, np.float32)} for v in (0.12573022, -0.13210486, 0.64042264, 0.10490011)]
+    with pytest.raises(qpasses.QpassesError, match=r"\(Conv\) reads 'x1' as uint4"):
+        qpasses.quantize(_conv_then_relus(), feeds, config={"activation_type": "uint4"})
 
 
 def test_the_refusal_comes_before_calibration(tmp_path, capsys, monkeypatch):
