@@ -81,8 +81,7 @@ def has_vnni() -> bool | None:
 
 def compare_per_layer(float_model, qdq_model, data, *, provider: str = "ort-int8", samples: int = SAMPLES) -> dict:
     """The per-layer comparison as a JSON-able dict (see the module docstring)."""
-    from ..calibration.data import open_data, validate
-    from ..evaluate import _input_specs, session
+    from ..evaluate import checked_feeds, session
     from ..ir import load
     from .layers import quantized_activations, quantized_names
 
@@ -92,9 +91,7 @@ def compare_per_layer(float_model, qdq_model, data, *, provider: str = "ort-int8
     found = {n: v for n, v in quantized_activations(fproto, qmodel, qproto).items() if len(v[0].scale) == 1}
     q_of = quantized_names(qproto, found)
     fsess = session(with_outputs(fproto, list(found)))
-    data = open_data(data)   # checked against the session's inputs, as `qpasses compare` does
-    specs, source = _input_specs(fsess), getattr(data, "source", "")
-    feeds = [validate(feed, specs, i, source) for i, feed in zip(range(samples), data)]
+    feeds = checked_feeds(fsess, data, samples)   # against the session's inputs, as `qpasses compare` does
     if not feeds:
         raise QpassesError("--data holds no samples")
     backend = PROVIDERS[provider](qproto, [q_of[n] for n in found])
