@@ -89,6 +89,7 @@ def test_run_html_has_the_passes_and_the_output_snr(example, tmp_path, capsys):
     snr = re.search(r"output SNR vs float: ([0-9.]+) dB", err).group(1)
     assert f">{snr}<" in text   # the same number as the run's line
     assert "<h3>Time per pass</h3>" in text and ">calibrate<" in text
+    assert f"<code>{tmp_path / 'q.onnx'}</code>" in text and ".qpasses-" not in text   # not the staged file
 
 
 @pytest.mark.parametrize("args, message", [
@@ -102,6 +103,15 @@ def test_run_html_refusals_write_nothing(args, message, example, tmp_path, capsy
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err
     assert not list(tmp_path.iterdir())
+
+
+def test_long_tables_are_capped_and_names_wrap():
+    from qpasses.report import html
+
+    name = "block." * 50 + "conv"
+    text = html._table(["tensor", "x"], [[name, i] for i in range(html.CAP + 1)], sortable=True, cap=html.CAP)
+    assert f'data-cap="{html.CAP}"' in text and f'<td class="name" data-v="{name}">{name}</td>' in text
+    assert "data-cap" not in html._table(["tensor"], [["a"]] * html.CAP, cap=html.CAP)
 
 
 def test_report_bad_data_writes_nothing(example, tmp_path, capsys):

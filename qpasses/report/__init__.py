@@ -24,6 +24,8 @@ def build(float_model, qdq_model, data, *, objective=None, run_report: dict | No
     from . import html, layers
 
     names = [str(m) if isinstance(m, (str, Path)) else "(in memory)" for m in (float_model, qdq_model)]
+    if run_report and run_report.get("output"):   # `run --html` reads the staged file: name its destination
+        names[1] = str(run_report["output"])
     fmodel = float_model if not isinstance(float_model, (str, Path)) else load(float_model)
     qmodel = qdq_model if not isinstance(qdq_model, (str, Path)) else load(qdq_model)
     objective = objective or parse_metric(None)
