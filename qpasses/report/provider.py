@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import QpassesError
 from .backends import INT_KERNELS, OpenVino, OrtInt8, with_outputs
+from .localise import lines as localised, localise
 
 from .compare_command import SAMPLES
 
@@ -103,8 +104,10 @@ def compare_per_layer(float_model, qdq_model, data, *, provider: str = "ort-int8
     fnames, snames = [o.name for o in fsess.get_outputs()], [o.name for o in ssess.get_outputs()]
     sums = {n: np.zeros(7) for n in rows}   # values, off, over 1, sum |d|, signal, sim error, provider error
     out_sums = {o: np.zeros(5) for o in outputs}   # signal, sim, deployed, exposed errors, max |exposed - deployed|
+    refs = []   # per feed, the float outputs (for the localisation)
     for feed in feeds:
         ref = {**dict(zip(fnames, fsess.run(fnames, feed))), **feed}
+        refs.append([ref[o] for o in outputs])
         sim = dict(zip(snames, ssess.run(snames, feed)))
         got, deployed = backend.run(feed), backend.deployed(feed)
         for n, row in rows.items():
@@ -127,10 +130,17 @@ def compare_per_layer(float_model, qdq_model, data, *, provider: str = "ort-int8
         row.mean_lsb = total / max(count, 1)
         row.sim_snr, row.provider_snr = _snr(signal, es), _snr(signal, ep)
     first = _explain(rows, upstream(qproto, {n: r.q_output for n, r in rows.items()}), backend)
+    snrs = {o: {"sim_snr_db": _snr(v[0], v[1]), "provider_snr_db": _snr(v[0], v[2]),
+                "provider_read_snr_db": _snr(v[0], v[3]), "read_vs_deployed_max_abs": v[4]} for o, v in out_sums.items()}
+    read = [r.q_output for r in sorted(rows.values(), key=lambda r: (r.order, r.tensor))]
+    changes = localise(backend, read, feeds, refs, min(v["provider_snr_db"] for v in snrs.values()),
+                       min(v["provider_read_snr_db"] for v in snrs.values())) if snrs else None
+    if changes:   # name the tensors, not their QuantizeLinear outputs
+        tensor_of = {r.q_output: r.tensor for r in rows.values()}
+        for hit in changes["found"]:
+            hit["tensor"] = tensor_of[hit["tensor"]]
     return {"provider": backend.name, "samples": len(feeds), "notes": backend.notes, "vnni": has_vnni(),
-            "outputs": {o: {"sim_snr_db": _snr(v[0], v[1]), "provider_snr_db": _snr(v[0], v[2]),
-                            "provider_read_snr_db": _snr(v[0], v[3]), "read_vs_deployed_max_abs": v[4]}
-                        for o, v in out_sums.items()},
+            "outputs": snrs, "read_changes": changes,
             "tensors": [asdict(r) for r in sorted(rows.values(), key=lambda r: (r.order, r.tensor))],
             "unread": sorted(n for n in found if n not in rows),
             "first_divergence": asdict(first) if first else None}
@@ -183,7 +193,7 @@ def table(result: dict) -> list[str]:
         lines.append(f"output {name}: SNR vs float {_db(o['sim_snr_db'])} simulated, {_db(o['provider_snr_db'])} "
                      f"on the provider ({_db(o['provider_read_snr_db'])} with the tensors read; "
                      f"max |difference| {o['read_vs_deployed_max_abs']:.3g})")
-    return lines + [f"note: {n}" for n in result["notes"]]
+    return lines + localised(result.get("read_changes")) + [f"note: {n}" for n in result["notes"]]
 
 
 def _db(value: float) -> str:
