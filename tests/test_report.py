@@ -52,6 +52,7 @@ def test_the_first_tensor_accumulates_only_its_own_error(convs):
     assert rows["c1"].accumulated_snr < rows["c1"].local_snr
     assert rows["c1"].clip[0] == 0.0 and rows["c1"].calibrated[0] == 0.0   # the Relu's range
     assert all(math.isfinite(r.sensitivity) for r in rows.values())
+    assert rows["c1"].upstream == ["x"] and x.upstream == []   # what "where the error grows" compares
 
 
 def test_the_precision_map_reads_the_qdq_graph(convs):

@@ -15,7 +15,7 @@ body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24p
 h1{font-size:22px}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}
 th{background:#f1f3f4;position:sticky;top:0}th.sort{cursor:pointer}td.n{text-align:right;font-variant-numeric:tabular-nums}
-.plot{width:100%;height:auto;max-width:900px}.tick{font-size:10px;fill:#5f6368}.label{font-size:11px;fill:#202124}
+.plot{width:100%;height:auto;max-width:900px}.tick{font-size:12px;fill:#5f6368}.label{font-size:13px;fill:#202124}
 .why{color:#5f6368;font-size:11px}.bad{color:#d93025}.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:8px}
 .empty{color:#5f6368}code{font-size:12px;overflow-wrap:anywhere}td.name{min-width:16em;max-width:28em;overflow-wrap:anywhere}
 table.capped tbody tr:nth-child(n+CAP1){display:none}button.all{margin:4px 0;font-size:12px}
@@ -160,13 +160,19 @@ def _growth(layers) -> list[str]:
     plot = svg.line_plot({"accumulated SNR": acc, "local SNR": loc}, title="SNR along the graph",
                          xlabel="node index in the QDQ graph (topological order)", ylabel="SNR (dB)",
                          colors={"accumulated SNR": "#d93025", "local SNR": "#1a73e8"})
-    finite = [r for r in layers if math.isfinite(r.accumulated_snr)]
-    drops = sorted(((a.accumulated_snr - b.accumulated_snr, b) for a, b in zip(finite, finite[1:])),
-                   key=lambda d: -d[0])[:5]
+    by_name = {r.tensor: r for r in layers if math.isfinite(r.accumulated_snr)}
+    drops = []   # along the data flow: from the worst quantized input of a tensor's producer to it
+    for b in by_name.values():
+        inputs = [by_name[u] for u in b.upstream if u in by_name]
+        if inputs:
+            a = min(inputs, key=lambda r: r.accumulated_snr)
+            drops.append((a.accumulated_snr - b.accumulated_snr, a, b))
+    drops.sort(key=lambda d: -d[0])
     items = "".join(f"<li><code>{escape(b.tensor)}</code> ({escape(b.producer)}): -{d:.1f} dB to {_db(b.accumulated_snr)} dB "
-                    f"(local {_db(b.local_snr)} dB)</li>" for d, b in drops if d > 0)
+                    f"from <code>{escape(a.tensor)}</code> (local {_db(b.local_snr)} dB)</li>" for d, a, b in drops[:5] if d > 0)
     return ["<h2>Where the error grows</h2>", plot,
-            f"<p>Largest drops of the accumulated SNR from one quantized tensor to the next:</p><ol>{items}</ol>"]
+            "<p>Largest drops of the accumulated SNR from a tensor's quantized inputs (the worst of them, "
+            f"through float ops) to it:</p><ol>{items}</ol>"]
 
 
 def _histograms(layers) -> list[str]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import QpassesError
 from .backends import INT_KERNELS, OpenVino, OrtInt8, with_outputs
+from .layers import upstream
 from .localise import lines as localised, localise
 
 from .compare_command import SAMPLES
@@ -51,23 +52,6 @@ def _snr(signal: float, error: float) -> float:
     if error == 0:
         return math.inf
     return -math.inf if signal == 0 else 10 * math.log10(signal / error)
-
-
-def upstream(proto, q_of: dict[str, str]) -> dict[str, list[str]]:
-    """Tensor -> the quantized tensors (keys of ``q_of``) whose DequantizeLinear outputs reach
-    its producer through float ops only (no other Q/DQ on the way); the graph is sorted."""
-    tensor_of = {q: t for t, q in q_of.items()}
-    reach: dict[str, set] = {}
-    for node in proto.graph.node:
-        if node.op_type == "QuantizeLinear":
-            continue
-        if node.op_type == "DequantizeLinear":
-            reach[node.output[0]] = {tensor_of[node.input[0]]} if node.input[0] in tensor_of else set()
-            continue
-        found = set().union(*(reach.get(i, ()) for i in node.input))
-        for out in node.output:
-            reach[out] = found
-    return {t: sorted(reach.get(t, ())) for t in q_of}
 
 
 def has_vnni() -> bool | None:
