@@ -180,7 +180,7 @@ def cmd_run(args) -> int:
     dump = DumpAfter(staging.folder(args.dump_after, "--dump-after")) if args.dump_after else None
     repro = Reproducer(args.reproducer, write_to=staging.folder(args.reproducer, "--reproducer"),
                        announce=False) if args.reproducer else None
-    eval_data = _checked_eval_data(args.eval, model) if args.eval else None
+    eval_data = _checked_eval_data(args.eval, src) if args.eval else None
     ctx = RunContext(args.config, args.calib)
     if args.target:
         _apply_target(ctx, args.target)
@@ -298,13 +298,15 @@ def _objective_lines(objective, accuracy: dict, summary: dict | None, *, always:
     return lines + [overall]
 
 
-def _checked_eval_data(source, model):
-    """Open --eval data and check the samples the report uses, before anything is written."""
-    from .calibration.data import model_inputs, open_data
+def _checked_eval_data(source, model_path):
+    """Open --eval data and check the samples the report uses (against the inputs onnxruntime's
+    session of the float model takes, as compare does), before anything is written."""
+    from .calibration.data import open_data
+    from .evaluate import checked_feeds
+    from .outputs import ort_source
 
     data = open_data(source)
-    for _ in data.validated(model_inputs(model), max_samples=_EVAL_SAMPLES):
-        pass
+    checked_feeds(ort_source(model_path), data, _EVAL_SAMPLES)
     return data
 
 

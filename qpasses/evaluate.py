@@ -70,8 +70,10 @@ def _check_same_signature(ref_inputs: list[str], ref_outputs: list[str], test_se
         raise ModelError(f"the compared model lacks the reference output(s) {', '.join(missing_out)}")
 
 
-def _input_specs(sess) -> list:
-    """The session's inputs as calibration InputSpecs (overridable initializers are optional)."""
+def session_inputs(sess) -> list:
+    """The session's inputs as calibration InputSpecs (overridable initializers are optional): what
+    data is checked against before running a model (compare, report, compare --per-layer). A dimension
+    onnxruntime leaves free (symbolic, or -1 in the model) takes any size."""
     def spec(arg, optional):
         elem = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(_ORT_TYPES[arg.type])) if arg.type in _ORT_TYPES else None
         shape = (tuple(d if isinstance(d, (int, str)) else None for d in arg.shape)
@@ -80,6 +82,15 @@ def _input_specs(sess) -> list:
 
     return ([spec(a, False) for a in sess.get_inputs()]
             + [spec(a, True) for a in sess.get_overridable_initializers()])
+
+
+def checked_feeds(model, data, max_samples: int | None = None) -> list[dict]:
+    """The first ``max_samples`` feeds of ``data`` (any data source) checked and normalised against
+    the inputs of onnxruntime's session of ``model`` (a session, or what ``session`` opens)."""
+    from .calibration.data import open_data
+
+    sess = model if hasattr(model, "get_inputs") else session(model)
+    return list(open_data(data).validated(session_inputs(sess), max_samples or 0))
 
 
 _ORT_TYPES = {f"tensor({name})": value for name, value in (
@@ -132,7 +143,7 @@ class Reference:
                 reference_model = reference_model.to_proto(metadata=False)
             ref_sess = session(reference_model)
             names = [o.name for o in ref_sess.get_outputs()]
-            specs = _input_specs(ref_sess)
+            specs = session_inputs(ref_sess)
             inputs = [i.name for i in ref_sess.get_inputs()]
         kept, outs = [], []
         for index, feed in enumerate(feeds):
@@ -289,7 +300,7 @@ def compare(reference_model, test_model, feeds, max_samples: int | None = None, 
 def _check_comparable(reference: Reference, test_sess) -> None:
     """The test model takes the reference model's feeds (ranks, shapes, types) and the reference
     outputs are finite (else no SNR can be measured): one-line ModelErrors naming the tensor."""
-    for spec in _input_specs(test_sess):
+    for spec in session_inputs(test_sess):
         value = reference.feeds[0].get(spec.name) if reference.feeds else None
         if value is None:
             continue

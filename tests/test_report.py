@@ -52,6 +52,7 @@ def test_the_first_tensor_accumulates_only_its_own_error(convs):
     assert rows["c1"].accumulated_snr < rows["c1"].local_snr
     assert rows["c1"].clip[0] == 0.0 and rows["c1"].calibrated[0] == 0.0   # the Relu's range
     assert all(math.isfinite(r.sensitivity) for r in rows.values())
+    assert rows["c1"].upstream == ["x"] and x.upstream == []   # what "where the error grows" compares
 
 
 def test_the_precision_map_reads_the_qdq_graph(convs):
@@ -89,6 +90,7 @@ def test_run_html_has_the_passes_and_the_output_snr(example, tmp_path, capsys):
     snr = re.search(r"output SNR vs float: ([0-9.]+) dB", err).group(1)
     assert f">{snr}<" in text   # the same number as the run's line
     assert "<h3>Time per pass</h3>" in text and ">calibrate<" in text
+    assert f"<code>{tmp_path / 'q.onnx'}</code>" in text and ".qpasses-" not in text   # not the staged file
 
 
 @pytest.mark.parametrize("args, message", [
@@ -102,6 +104,15 @@ def test_run_html_refusals_write_nothing(args, message, example, tmp_path, capsy
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err
     assert not list(tmp_path.iterdir())
+
+
+def test_long_tables_are_capped_and_names_wrap():
+    from qpasses.report import html
+
+    name = "block." * 50 + "conv"
+    text = html._table(["tensor", "x"], [[name, i] for i in range(html.CAP + 1)], sortable=True, cap=html.CAP)
+    assert f'data-cap="{html.CAP}"' in text and f'<td class="name" data-v="{name}">{name}</td>' in text
+    assert "data-cap" not in html._table(["tensor"], [["a"]] * html.CAP, cap=html.CAP)
 
 
 def test_report_bad_data_writes_nothing(example, tmp_path, capsys):
@@ -118,3 +129,29 @@ def test_build_on_a_float_model_against_itself_has_infinite_snr(example):
     model, _, evals = example
     text = build(model, model, evals)
     assert "No quantized activation to compare per layer" in text and ">inf<" in text
+
+
+def test_a_minus_one_batch_dimension_takes_any_batch(tmp_path, capsys):
+    """Exporters write -1 for a dynamic batch: the data is checked against onnxruntime's session
+    inputs, as `qpasses compare` does, so `report`, `run --eval --html` and `compare --per-layer` take it."""
+    rng = np.random.default_rng(1)
+    text = CONVS % tuple(", ".join(f"{v:.4f}" for v in rng.normal(0, 0.3, 144)) for _ in range(2))
+    proto = model_from_text(text).to_proto()
+    for value in (*proto.graph.input, *proto.graph.output):
+        value.type.tensor_type.shape.dim[0].dim_value = -1
+    model, calib, evals = tmp_path / "m.onnx", tmp_path / "c.npz", tmp_path / "e.npz"
+    model.write_bytes(proto.SerializeToString())
+    np.savez(calib, x=rng.standard_normal((8, 1, 4, 8, 8)).astype(np.float32))
+    np.savez(evals, x=rng.standard_normal((4, 2, 4, 8, 8)).astype(np.float32))   # batch 2
+    q, page = tmp_path / "q.onnx", tmp_path / "r.html"
+    assert main(["run", str(model), "-o", str(q), "--calib", str(calib), "--eval", str(evals),
+                 "--html", str(tmp_path / "run.html"), "--quiet"]) == 0, capsys.readouterr().err
+    assert main(["report", str(model), str(q), "--data", str(evals), "-o", str(page)]) == 0, capsys.readouterr().err
+    text = page.read_text()
+    assert "Measured on 4 samples" in text and ">c1<" in text
+    assert main(["compare", str(model), str(q), "--data", str(evals), "--per-layer"]) == 0
+    assert "no tensor is more than 1 LSB apart" in capsys.readouterr().out
+    bad = tmp_path / "bad.npz"   # the fixed dimensions are still checked
+    np.savez(bad, x=rng.standard_normal((2, 2, 3, 8, 8)).astype(np.float32))
+    assert main(["report", str(model), str(q), "--data", str(bad), "-o", str(tmp_path / "b.html")]) == 2
+    assert "input 'x' has shape (2, 3, 8, 8)" in capsys.readouterr().err

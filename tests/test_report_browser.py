@@ -24,6 +24,10 @@ var col = Array.prototype.indexOf.call(th.parentNode.children, th);
 var rows = th.closest('table').tBodies[0].rows;
 document.body.setAttribute('data-sorted', Array.prototype.map.call(rows, function (r) {
   return r.cells[col].dataset.v; }).join(' '));
+var shown = function () { return Array.prototype.filter.call(rows, function (r) { return r.offsetParent; }).length; };
+var before = shown();
+th.closest('table').nextSibling.click();   // "show all"
+document.body.setAttribute('data-shown', before + ' ' + shown() + ' ' + rows.length);
 </script></body>"""
 
 
@@ -36,7 +40,8 @@ def _chromium(tmp_path, page, *args):
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
-def test_the_report_renders_without_console_errors_and_sorts(tmp_path, capsys):
+def test_the_report_renders_without_console_errors_and_sorts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("qpasses.report.html.CAP", 3)   # long tables show 3 rows until "show all"
     model, calib, evals = write_example(tmp_path)
     page = tmp_path / "report.html"
     assert main(["run", str(model), "-o", str(tmp_path / "q.onnx"), "--calib", str(calib), "--eval", str(evals),
@@ -52,3 +57,5 @@ def test_the_report_renders_without_console_errors_and_sorts(tmp_path, capsys):
     assert proc.returncode == 0 and not console, console
     values = [float(v) for v in re.search(r'data-sorted="([^"]*)"', proc.stdout).group(1).split()]
     assert len(values) >= 5 and values == sorted(values)
+    before, after, total = map(int, re.search(r'data-shown="([^"]*)"', proc.stdout).group(1).split())
+    assert (before, after) == (3, total) and total >= 5

@@ -15,21 +15,26 @@ def build(float_model, qdq_model, data, *, objective=None, run_report: dict | No
           layer_samples: int = LAYER_SAMPLES) -> str:
     """The report page for a float model and its QDQ model (paths or QModels) on ``data`` (a
     path or CalibrationData). ``run_report``: what ``qpasses run`` knows besides (time per pass)."""
-    from ..calibration.data import model_inputs, open_data
+    from ..calibration.data import open_data
     from ..decisions import float_reasons
-    from ..evaluate import compare
+    from ..evaluate import Reference
     from ..ir import load
     from ..objective import parse_metric
     from ..summary import summary_line
     from . import html, layers
 
     names = [str(m) if isinstance(m, (str, Path)) else "(in memory)" for m in (float_model, qdq_model)]
+    if run_report and run_report.get("output"):   # `run --html` reads the staged file: name its destination
+        names[1] = str(run_report["output"])
     fmodel = float_model if not isinstance(float_model, (str, Path)) else load(float_model)
     qmodel = qdq_model if not isinstance(qdq_model, (str, Path)) else load(qdq_model)
     objective = objective or parse_metric(None)
     data = open_data(data)
-    feeds = list(data.validated(model_inputs(fmodel), max_samples=EVAL_SAMPLES))
-    accuracy = compare(fmodel, qmodel, feeds, objective=objective)
+    reference = Reference.run(fmodel, data, EVAL_SAMPLES)   # the data checked as `qpasses compare` checks it
+    feeds = reference.feeds
+    if objective.components is None:
+        objective = objective.for_model(fmodel)
+    accuracy = reference.score(qmodel, objective=objective)
     qproto = qmodel.to_proto(metadata=False)
     rows = layers.layers(fmodel, qmodel, feeds[:layer_samples])
     info = {"model": Path(names[1]).name, "float": names[0], "quantized": names[1],

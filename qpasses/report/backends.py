@@ -57,6 +57,7 @@ class OrtInt8:
         self.qnames = list(qnames)
         self.source = {n.name for n in qproto.graph.node}
         exposed = with_outputs(qproto, self.qnames)
+        self.qproto = qproto
         self._deployed, self._exposed = _ort(qproto), _ort(exposed)
         plain, graph = _ort_graph(qproto), _ort_graph(exposed)
         self._producer = {o: n for n in graph.node for o in n.output}
@@ -71,6 +72,11 @@ class OrtInt8:
 
     def deployed(self, feed) -> list[np.ndarray]:
         return self._deployed.run(self.outputs, feed)
+
+    def reading(self, names):
+        """The model compiled with ``names`` read: a function of a feed giving its outputs."""
+        sess = _ort(with_outputs(self.qproto, names))
+        return lambda feed: sess.run(self.outputs, feed)
 
     def _writer(self, name: str):
         """The node computing ``name``, past the Transposes the layout optimizer inserted."""
@@ -163,11 +169,8 @@ class OpenVino:
         self.q_node = {n.output[0]: n.name for n in quantizers}
         writer = {o: n.name for n in qproto.graph.node for o in n.output}
         self.compute = {n.output[0]: writer.get(n.input[0], "") for n in quantizers}  # the float op quantized
-        core = ov.Core()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "model.onnx"
-            path.write_bytes(qproto.SerializeToString())
-            plain, exposed = core.read_model(str(path)), core.read_model(str(path))
+        self._core, self._bytes = ov.Core(), qproto.SerializeToString()
+        core, plain, exposed = self._core, self._read(), self._read()
         known = {name for op in exposed.get_ordered_ops() for port in op.outputs() for name in port.get_names()}
         self.qnames = [q for q in qnames if q in known]
         self.readable = set(self.qnames)
@@ -189,9 +192,21 @@ class OpenVino:
         return {name: np.asarray(value) for port, value in result.items() for name in port.get_names()}
 
     def deployed(self, feed) -> list[np.ndarray]:
-        result = self._deployed.create_infer_request().infer(feed)
-        by_name = {name: np.asarray(value) for port, value in result.items() for name in port.get_names()}
-        return [by_name[o] for o in self.outputs]
+        return _ov_outputs(self._deployed, feed, self.outputs)
+
+    def _read(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "model.onnx"
+            path.write_bytes(self._bytes)
+            return self._core.read_model(str(path))
+
+    def reading(self, names):
+        """The model compiled with ``names`` read: a function of a feed giving its outputs."""
+        model = self._read()
+        if names:
+            model.add_outputs(list(names))
+        compiled = self._core.compile_model(model, "CPU")
+        return lambda feed: _ov_outputs(compiled, feed, self.outputs)
 
     def _layer(self, qname: str, layers: dict) -> tuple | None:
         return layers.get(self.q_node.get(qname))
@@ -218,6 +233,12 @@ class OpenVino:
         if kind == "Subgraph":
             return f"float subgraph (Snippets) in {runtime}, then quantized"
         return f"{kind} in {runtime}"
+
+
+def _ov_outputs(compiled, feed, outputs: list[str]) -> list[np.ndarray]:
+    result = compiled.create_infer_request().infer(feed)
+    by_name = {name: np.asarray(value) for port, value in result.items() for name in port.get_names()}
+    return [by_name[o] for o in outputs]
 
 
 def _ov_layers(compiled) -> dict[str, tuple]:

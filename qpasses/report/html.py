@@ -8,15 +8,17 @@ from html import escape
 from . import svg
 
 WORST = 6   # histograms for this many tensors with the lowest local SNR
+CAP = 30    # rows a long table shows until its "show all" button is pressed
 
 CSS = """
 body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#202124;max-width:1200px}
 h1{font-size:22px}h2{font-size:18px;margin-top:28px;border-bottom:1px solid #ddd}
 table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}
 th{background:#f1f3f4;position:sticky;top:0}th.sort{cursor:pointer}td.n{text-align:right;font-variant-numeric:tabular-nums}
-.plot{width:100%;height:auto;max-width:900px}.tick{font-size:10px;fill:#5f6368}.label{font-size:11px;fill:#202124}
+.plot{width:100%;height:auto;max-width:900px}.tick{font-size:12px;fill:#5f6368}.label{font-size:13px;fill:#202124}
 .why{color:#5f6368;font-size:11px}.bad{color:#d93025}.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:8px}
-.empty{color:#5f6368}code{font-size:12px}
+.empty{color:#5f6368}code{font-size:12px;overflow-wrap:anywhere}td.name{min-width:16em;max-width:28em;overflow-wrap:anywhere}
+table.capped tbody tr:nth-child(n+CAP1){display:none}button.all{margin:4px 0;font-size:12px}
 """
 
 # click a column header to sort by it (numbers by value; again: the other way)
@@ -36,6 +38,22 @@ document.querySelectorAll('table.sortable th.sort').forEach(function (th) {
     });
     rows.forEach(function (r) { body.appendChild(r); });
   });
+});
+// long tables show their first rows (in the current sort order) until "show all" is pressed
+document.querySelectorAll('table[data-cap]').forEach(function (table) {
+  var cap = +table.dataset.cap, n = table.tBodies[0].rows.length;
+  if (n <= cap) return;
+  var button = document.createElement('button');
+  button.type = 'button';
+  button.className = 'all';
+  var label = function () {
+    button.textContent = table.classList.contains('capped') ? 'show all ' + n + ' rows (' + cap + ' shown)'
+                                                            : 'show the first ' + cap + ' rows';
+  };
+  table.classList.add('capped');
+  label();
+  button.addEventListener('click', function () { table.classList.toggle('capped'); label(); });
+  table.parentNode.insertBefore(button, table.nextSibling);
 });
 """
 
@@ -62,17 +80,21 @@ def _short(values, n: int = 3) -> str:
     return text + (f", ... ({len(values)})" if len(values) > n else "")
 
 
-def _table(headers: list[str], rows: list[list], *, sortable: bool = False, numeric=()) -> str:
+def _table(headers: list[str], rows: list[list], *, sortable: bool = False, numeric=(), names=(0,),
+           cap: int | None = None) -> str:
+    """A table; columns ``numeric`` right-aligned, ``names`` (tensor names) wrapped anywhere; with
+    ``cap``, the page's script shows that many rows until "show all" is pressed (without
+    scripts, every row shows)."""
     head = "".join(f'<th class="sort">{escape(h)}</th>' if sortable else f"<th>{escape(h)}</th>" for h in headers)
     body = []
     for row in rows:
         cells = []
         for i, cell in enumerate(row):
             shown, key = cell if isinstance(cell, tuple) else (cell, cell)
-            cls = ' class="n"' if i in numeric else ""
+            cls = ' class="n"' if i in numeric else ' class="name"' if i in names else ""
             cells.append(f'<td{cls} data-v="{escape(_sortkey(key))}">{shown if isinstance(cell, tuple) else escape(str(shown))}</td>')
         body.append("<tr>" + "".join(cells) + "</tr>")
-    cls = ' class="sortable"' if sortable else ""
+    cls = (' class="sortable"' if sortable else "") + (f' data-cap="{cap}"' if cap and len(rows) > cap else "")
     return f"<table{cls}><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
@@ -109,7 +131,7 @@ def _summary(info: dict) -> list[str]:
     floats = info.get("floats", {})
     rows = [[name, row.get("pass", ""), row.get("reason", "")] for name, row in floats.items()]
     out.append(f"<details><summary>{len(rows)} tensors left float, and why</summary>"
-               f"{_table(['tensor', 'pass', 'reason'], rows, sortable=True)}</details>")
+               f"{_table(['tensor', 'pass', 'reason'], rows, sortable=True, cap=CAP)}</details>")
     return out
 
 
@@ -125,9 +147,10 @@ def _layer_table(layers) -> list[str]:
             "<p>Quantized activations of the main graph. Local SNR: the float tensor against its own grid; "
             "accumulated SNR: against what the QDQ model's readers see (every quantized tensor before it "
             "counts); sensitivity: RMS error of its grid relative to its typical value (dB, higher is worse; "
-            "search-precision ranks by it). Click a header to sort.</p>",
+            "search-precision ranks by it). Click a header to sort (all rows; long tables then show the first "
+            f"{CAP}).</p>",
             _table(["tensor", "producer", "type", "scale", "zero point", "local SNR (dB)", "accumulated SNR (dB)",
-                    "sensitivity (dB)", "why", "order"], rows, sortable=True, numeric=(3, 4, 5, 6, 7, 9))]
+                    "sensitivity (dB)", "why", "order"], rows, sortable=True, numeric=(3, 4, 5, 6, 7, 9), cap=CAP)]
 
 
 def _growth(layers) -> list[str]:
@@ -137,13 +160,19 @@ def _growth(layers) -> list[str]:
     plot = svg.line_plot({"accumulated SNR": acc, "local SNR": loc}, title="SNR along the graph",
                          xlabel="node index in the QDQ graph (topological order)", ylabel="SNR (dB)",
                          colors={"accumulated SNR": "#d93025", "local SNR": "#1a73e8"})
-    finite = [r for r in layers if math.isfinite(r.accumulated_snr)]
-    drops = sorted(((a.accumulated_snr - b.accumulated_snr, b) for a, b in zip(finite, finite[1:])),
-                   key=lambda d: -d[0])[:5]
+    by_name = {r.tensor: r for r in layers if math.isfinite(r.accumulated_snr)}
+    drops = []   # along the data flow: from the worst quantized input of a tensor's producer to it
+    for b in by_name.values():
+        inputs = [by_name[u] for u in b.upstream if u in by_name]
+        if inputs:
+            a = min(inputs, key=lambda r: r.accumulated_snr)
+            drops.append((a.accumulated_snr - b.accumulated_snr, a, b))
+    drops.sort(key=lambda d: -d[0])
     items = "".join(f"<li><code>{escape(b.tensor)}</code> ({escape(b.producer)}): -{d:.1f} dB to {_db(b.accumulated_snr)} dB "
-                    f"(local {_db(b.local_snr)} dB)</li>" for d, b in drops if d > 0)
+                    f"from <code>{escape(a.tensor)}</code> (local {_db(b.local_snr)} dB)</li>" for d, a, b in drops[:5] if d > 0)
     return ["<h2>Where the error grows</h2>", plot,
-            f"<p>Largest drops of the accumulated SNR from one quantized tensor to the next:</p><ol>{items}</ol>"]
+            "<p>Largest drops of the accumulated SNR from a tensor's quantized inputs (the worst of them, "
+            f"through float ops) to it:</p><ol>{items}</ol>"]
 
 
 def _histograms(layers) -> list[str]:
@@ -176,5 +205,6 @@ def page(info: dict, layers, cells) -> str:
              svg.precision_map(cells, title="precision per node")]
     body += _layer_table(layers)
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>qpasses report: {escape(info['model'])}</title><style>{CSS}</style></head><body>"
+            f"<title>qpasses report: {escape(info['model'])}</title><style>{CSS.replace('CAP1', str(CAP + 1))}</style>"
+            "</head><body>"
             + "\n".join(body) + f"<script>{SCRIPT}</script></body></html>\n")

@@ -44,6 +44,7 @@ class Layer:
     sensitivity: float = math.nan
     counts: list = field(default_factory=list)   # histogram of the float values
     edges: list = field(default_factory=list)
+    upstream: list = field(default_factory=list)  # the quantized tensors its producer reads (through float ops)
 
 
 def _snr(signal: float, error: float) -> float:
@@ -98,6 +99,23 @@ def quantized_activations(fproto: onnx.ModelProto, qdq: QModel, qproto: onnx.Mod
     return {name: (entries[name], made[name][1], made[name][0]) for name in quantized_names(qproto, entries)}
 
 
+def upstream(proto, q_of: dict[str, str]) -> dict[str, list[str]]:
+    """Tensor -> the quantized tensors (keys of ``q_of``) whose DequantizeLinear outputs reach
+    its producer through float ops only (no other Q/DQ on the way); the graph is sorted."""
+    tensor_of = {q: t for t, q in q_of.items()}
+    reach: dict[str, set] = {}
+    for node in proto.graph.node:
+        if node.op_type == "QuantizeLinear":
+            continue
+        if node.op_type == "DequantizeLinear":
+            reach[node.output[0]] = {tensor_of[node.input[0]]} if node.input[0] in tensor_of else set()
+            continue
+        found = set().union(*(reach.get(i, ()) for i in node.input))
+        for out in node.output:
+            reach[out] = found
+    return {t: sorted(reach.get(t, ())) for t in q_of}
+
+
 def _with_outputs(proto: onnx.ModelProto, names) -> bytes:
     present = {o.name for o in proto.graph.output} | {i.name for i in proto.graph.input}
     out = onnx.ModelProto()
@@ -142,10 +160,12 @@ def layers(float_model: QModel, qdq: QModel, feeds: list[dict], *, probe_samples
             inside = np.clip(x[np.isfinite(x)], rows[n].edges[0], rows[n].edges[-1])
             rows[n].counts = list(np.add(rows[n].counts, np.histogram(inside, bins=rows[n].edges)[0]).astype(int))
     sensitivity = local_errors(float_model, entries, feeds[:max(1, probe_samples)]) if feeds else {}
+    ups = upstream(qproto, quantized_names(qproto, entries))
     for n, row in rows.items():
         signal, acc, loc = sums[n]
         row.accumulated_snr, row.local_snr = _snr(signal, acc), _snr(signal, loc)
         row.sensitivity = sensitivity.get(n, math.nan)
+        row.upstream = [u for u in ups.get(n, []) if u in rows]
     return sorted(rows.values(), key=lambda r: (r.order, r.tensor))
 
 

@@ -17,6 +17,8 @@ import numpy as np
 
 from ..errors import QpassesError
 from .backends import INT_KERNELS, OpenVino, OrtInt8, with_outputs
+from .layers import upstream
+from .localise import lines as localised, localise
 
 from .compare_command import SAMPLES
 
@@ -52,23 +54,6 @@ def _snr(signal: float, error: float) -> float:
     return -math.inf if signal == 0 else 10 * math.log10(signal / error)
 
 
-def upstream(proto, q_of: dict[str, str]) -> dict[str, list[str]]:
-    """Tensor -> the quantized tensors (keys of ``q_of``) whose DequantizeLinear outputs reach
-    its producer through float ops only (no other Q/DQ on the way); the graph is sorted."""
-    tensor_of = {q: t for t, q in q_of.items()}
-    reach: dict[str, set] = {}
-    for node in proto.graph.node:
-        if node.op_type == "QuantizeLinear":
-            continue
-        if node.op_type == "DequantizeLinear":
-            reach[node.output[0]] = {tensor_of[node.input[0]]} if node.input[0] in tensor_of else set()
-            continue
-        found = set().union(*(reach.get(i, ()) for i in node.input))
-        for out in node.output:
-            reach[out] = found
-    return {t: sorted(reach.get(t, ())) for t in q_of}
-
-
 def has_vnni() -> bool | None:
     """Whether this CPU has VNNI (u8 x s8 products summed in int32 without int16 saturation);
     None where /proc/cpuinfo cannot tell."""
@@ -81,8 +66,7 @@ def has_vnni() -> bool | None:
 
 def compare_per_layer(float_model, qdq_model, data, *, provider: str = "ort-int8", samples: int = SAMPLES) -> dict:
     """The per-layer comparison as a JSON-able dict (see the module docstring)."""
-    from ..calibration.data import open_data, validate
-    from ..evaluate import _input_specs, session
+    from ..evaluate import checked_feeds, session
     from ..ir import load
     from .layers import quantized_activations, quantized_names
 
@@ -92,9 +76,7 @@ def compare_per_layer(float_model, qdq_model, data, *, provider: str = "ort-int8
     found = {n: v for n, v in quantized_activations(fproto, qmodel, qproto).items() if len(v[0].scale) == 1}
     q_of = quantized_names(qproto, found)
     fsess = session(with_outputs(fproto, list(found)))
-    data = open_data(data)   # checked against the session's inputs, as `qpasses compare` does
-    specs, source = _input_specs(fsess), getattr(data, "source", "")
-    feeds = [validate(feed, specs, i, source) for i, feed in zip(range(samples), data)]
+    feeds = checked_feeds(fsess, data, samples)   # against the session's inputs, as `qpasses compare` does
     if not feeds:
         raise QpassesError("--data holds no samples")
     backend = PROVIDERS[provider](qproto, [q_of[n] for n in found])
@@ -106,8 +88,10 @@ def compare_per_layer(float_model, qdq_model, data, *, provider: str = "ort-int8
     fnames, snames = [o.name for o in fsess.get_outputs()], [o.name for o in ssess.get_outputs()]
     sums = {n: np.zeros(7) for n in rows}   # values, off, over 1, sum |d|, signal, sim error, provider error
     out_sums = {o: np.zeros(5) for o in outputs}   # signal, sim, deployed, exposed errors, max |exposed - deployed|
+    refs = []   # per feed, the float outputs (for the localisation)
     for feed in feeds:
         ref = {**dict(zip(fnames, fsess.run(fnames, feed))), **feed}
+        refs.append([ref[o] for o in outputs])
         sim = dict(zip(snames, ssess.run(snames, feed)))
         got, deployed = backend.run(feed), backend.deployed(feed)
         for n, row in rows.items():
@@ -130,10 +114,17 @@ def compare_per_layer(float_model, qdq_model, data, *, provider: str = "ort-int8
         row.mean_lsb = total / max(count, 1)
         row.sim_snr, row.provider_snr = _snr(signal, es), _snr(signal, ep)
     first = _explain(rows, upstream(qproto, {n: r.q_output for n, r in rows.items()}), backend)
+    snrs = {o: {"sim_snr_db": _snr(v[0], v[1]), "provider_snr_db": _snr(v[0], v[2]),
+                "provider_read_snr_db": _snr(v[0], v[3]), "read_vs_deployed_max_abs": v[4]} for o, v in out_sums.items()}
+    read = [r.q_output for r in sorted(rows.values(), key=lambda r: (r.order, r.tensor))]
+    changes = localise(backend, read, feeds, refs, min(v["provider_snr_db"] for v in snrs.values()),
+                       min(v["provider_read_snr_db"] for v in snrs.values())) if snrs else None
+    if changes:   # name the tensors, not their QuantizeLinear outputs
+        tensor_of = {r.q_output: r.tensor for r in rows.values()}
+        for hit in changes["found"]:
+            hit["tensor"] = tensor_of[hit["tensor"]]
     return {"provider": backend.name, "samples": len(feeds), "notes": backend.notes, "vnni": has_vnni(),
-            "outputs": {o: {"sim_snr_db": _snr(v[0], v[1]), "provider_snr_db": _snr(v[0], v[2]),
-                            "provider_read_snr_db": _snr(v[0], v[3]), "read_vs_deployed_max_abs": v[4]}
-                        for o, v in out_sums.items()},
+            "outputs": snrs, "read_changes": changes,
             "tensors": [asdict(r) for r in sorted(rows.values(), key=lambda r: (r.order, r.tensor))],
             "unread": sorted(n for n in found if n not in rows),
             "first_divergence": asdict(first) if first else None}
@@ -186,7 +177,7 @@ def table(result: dict) -> list[str]:
         lines.append(f"output {name}: SNR vs float {_db(o['sim_snr_db'])} simulated, {_db(o['provider_snr_db'])} "
                      f"on the provider ({_db(o['provider_read_snr_db'])} with the tensors read; "
                      f"max |difference| {o['read_vs_deployed_max_abs']:.3g})")
-    return lines + [f"note: {n}" for n in result["notes"]]
+    return lines + localised(result.get("read_changes")) + [f"note: {n}" for n in result["notes"]]
 
 
 def _db(value: float) -> str:
