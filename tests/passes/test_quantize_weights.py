@@ -86,7 +86,7 @@ def test_plain_rtn_is_onnxruntimes_matmulnbits_bit_for_bit(bits, symmetric):
     node = next(n for n in theirs.graph.node if n.op_type == "MatMulNBits" and n.input[0] == "x")
     inits = {i.name: numpy_helper.to_array(i) for i in theirs.graph.initializer}
     w1 = numpy_helper.to_array(proto.graph.initializer[0])
-    mine = nbits_inputs(quantize_rtn(w1, bits, 32, symmetric, shrinks=(1.0,)))
+    mine = nbits_inputs(quantize_rtn(w1, bits, 32, symmetric, refine=0))
     np.testing.assert_array_equal(inits[node.input[1]], mine["B"])
     np.testing.assert_array_equal(inits[node.input[2]].reshape(-1), mine["scales"])
     if symmetric:
