@@ -45,17 +45,49 @@ def choose_params(blocks: np.ndarray, bits: int, symmetric: bool, refine: int = 
 
 
 def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool,
-                 refine: int = REFINE, channel_weights=None) -> Blocked:
+                 refine: int = REFINE, channel_weights=None, clip_search: bool = False) -> Blocked:
     """W [K, N] -> Blocked (codes in W's layout). ``channel_weights`` [K]: importance of each input
-    channel in the error."""
+    channel in the error; ``clip_search``: ranges from search_clip instead of min/max."""
     blocks = columns_of(weight, block_size)                 # [n_blocks, block_size, N]
     weights = None
     if channel_weights is not None:
         padded = np.zeros(blocks.shape[0] * block_size, np.float32)
         padded[:len(channel_weights)] = channel_weights
         weights = padded.reshape(blocks.shape[0], block_size, 1)
-    scales, zps = choose_params(blocks, bits, symmetric, refine, weights, axis=1)
+    if clip_search:
+        scales, zps = search_clip(blocks, bits, symmetric, weights, axis=1)
+    else:
+        scales, zps = choose_params(blocks, bits, symmetric, refine, weights, axis=1)
     q = centered_codes(blocks, scales, zps, bits, axis=1)
     q += zps[:, None, :]
     return Blocked(q.astype(np.uint8), np.ascontiguousarray(scales.T), np.ascontiguousarray(zps.T.astype(np.uint8)),
                    weight.shape[0], bits, symmetric, columns=True)
+
+
+CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)   # range factors searched by search_clip
+
+
+def squared_error(blocks, scales, zero_points, bits: int, weights=None, axis: int = -1) -> np.ndarray:
+    """Per-block (optionally weighted) squared error of rounding with these parameters."""
+    q = centered_codes(blocks, scales, zero_points, bits, axis)
+    q *= np.expand_dims(scales, axis)
+    q -= blocks
+    q *= q
+    if weights is not None:
+        q *= weights
+    return q.sum(axis=axis)
+
+
+def search_clip(blocks: np.ndarray, bits: int, symmetric: bool, weights=None, axis: int = -1, clips=CLIPS):
+    """Per block, the clipped range (then one least-squares refit) of least weighted error."""
+    best = None
+    for clip in clips:
+        s, z = minmax_params(blocks, bits, symmetric, clip, axis=axis)
+        s = refit_scales(blocks, s, z, bits, weights, axis)
+        e = squared_error(blocks, s, z, bits, weights, axis)
+        if best is None:
+            best = [s, z, e]
+            continue
+        better = e < best[2]
+        best = [np.where(better, s, best[0]), np.where(better, z, best[1]), np.minimum(e, best[2])]
+    return best[0], best[1]
