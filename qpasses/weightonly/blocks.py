@@ -101,7 +101,7 @@ def minmax_params(blocks: np.ndarray, bits: int, symmetric: bool, shrink=1.0, ax
     shrink = np.asarray(shrink, np.float32)
     if symmetric:
         lo, hi = blocks.min(axis=axis), blocks.max(axis=axis)
-        extreme = np.where(-lo > hi, lo, hi)   # the value of largest magnitude
+        extreme = np.where(-lo >= hi, lo, hi)   # of largest magnitude; a tie takes the negative, as onnxruntime
         scales = (extreme * shrink / -(2 ** (bits - 1))).astype(np.float32)
         return scales, np.full(scales.shape, 2 ** (bits - 1), np.float32)
     lo = np.minimum(blocks.min(axis=axis), 0) * shrink
