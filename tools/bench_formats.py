@@ -7,7 +7,11 @@ Models: ``decoder``, a GPT-2-small-shaped pre-LN decoder stack built here with o
 LayerNorm gains of 3 residual channels are 20-60x the others, as the outlier dimensions of trained
 GPT-2) and ``encoder_block`` (tools/models.py). Per algorithm: output SNR on held-out data, the
 time to quantize (ModelProto in, ModelProto out, both sides) and its ratio to onnxruntime's, and the
-median latency of the MatMulNBits models (ours / onnxruntime's RTN). onnxruntime's RTN is its
+median latency of the MatMulNBits models (ours / onnxruntime's RTN, runs interleaved). RTN times are
+the median of ``--repeats`` runs after a warm-up (first-call imports excluded on both sides); the
+slower algorithms run once. numpy's BLAS runs on one thread on both sides (OPENBLAS_NUM_THREADS=1
+unless set): on 2 shared cores its threads thrash (a 1024 x 1024 Cholesky took 2.5 s threaded,
+0.1 s on one thread). onnxruntime's RTN is its
 DEFAULT algorithm (C++), HQQ and GPTQ its own implementations; AWQ has no onnxruntime CPU
 counterpart (nvidia_awq needs ModelOpt and a tokenizer) and is compared with our RTN. Needs onnx-ir
 (onnxruntime's quantizer imports it) and torch (its HQQ).
@@ -22,10 +26,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import onnx
-import onnxruntime as ort
-from onnx import TensorProto, helper, numpy_helper
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # both sides' numpy/LAPACK on one thread (2 shared cores)
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("QPASSES_NO_PROGRESS", "1")
@@ -124,16 +130,29 @@ def snr(ref, out) -> float:
     return 10 * np.log10(num / den)
 
 
-def latency(proto, feed, repeats: int = 30) -> float:
-    s = session(proto)
-    for _ in range(3):
-        s.run(None, feed)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        s.run(None, feed)
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+def latencies(protos, feed, repeats: int = 100) -> list[float]:
+    """Median seconds per run of each model (1 thread), runs interleaved round-robin after 5
+    warm-up runs each, so a change of machine load falls on every model alike."""
+    sessions = [session(p) for p in protos]
+    for s in sessions:
+        for _ in range(5):
+            s.run(None, feed)
+    times = [[] for _ in sessions]
+    for r in range(repeats):
+        order = range(len(sessions)) if r % 2 == 0 else reversed(range(len(sessions)))
+        for i in order:
+            t = time.perf_counter()
+            sessions[i].run(None, feed)
+            times[i].append(time.perf_counter() - t)
+    return [float(np.median(t)) for t in times]
+
+
+def timed(fn, repeats: int):
+    """(result, median seconds) of ``repeats`` calls after one untimed call when repeats > 1."""
+    if repeats > 1:
+        fn()
+    results = [fn() for _ in range(repeats)]
+    return results[-1][0], float(np.median([r[1] for r in results]))
 
 
 class _Reader:
@@ -172,17 +191,18 @@ def theirs(proto, algorithm, calib):
     return out, time.perf_counter() - t
 
 
-def run(name: str, layers: int, algorithms: list[str]) -> list[str]:
+def run(name: str, layers: int, algorithms: list[str], repeats: int) -> list[str]:
     proto, calib, evald = load(name, layers)
     ref = outputs(proto, evald)
     rows, models = [], {}
     for alg in algorithms:
-        q, secs = ours(proto, alg, "matmulnbits", calib)
+        times = repeats if alg == "rtn" else 1   # the others run for seconds to minutes
+        q, secs = timed(lambda: ours(proto, alg, "matmulnbits", calib), times)
         models[alg] = q
         row = {"alg": alg, "snr": snr(ref, outputs(q, evald)), "secs": secs}
         if alg != "awq":
             try:
-                tq, tsecs = theirs(proto, alg, calib)
+                tq, tsecs = timed(lambda: theirs(proto, alg, calib), times)
                 row.update(ort_snr=snr(ref, outputs(tq, evald)), ort_secs=tsecs)
                 models[f"ort_{alg}"] = tq
             except Exception as exc:   # an onnxruntime algorithm that cannot run here: say so
@@ -202,11 +222,9 @@ def run(name: str, layers: int, algorithms: list[str]) -> list[str]:
             lines.append(f"| {r['alg']} | {r['snr']:.2f} | - | {note} | {r['secs']:.2f} | - | - |")
     lines.append(f"| rtn as QDQ (DequantizeLinear block 32) | {snr(ref, outputs(qdq, evald)):.2f} | | | | | |")
     if "rtn" in models and "ort_rtn" in models:
-        feed = evald[0]
-        a, b = latency(models["rtn"], feed), latency(models["ort_rtn"], feed)
-        f = latency(proto, feed)
-        lines += ["", f"MatMulNBits latency (1 thread, median): ours {a * 1e3:.2f} ms, onnxruntime's {b * 1e3:.2f} ms, "
-                      f"ratio {a / b:.3f}; float {f * 1e3:.2f} ms; QDQ rtn {latency(qdq, feed) * 1e3:.2f} ms"]
+        a, b, f, d = latencies([models["rtn"], models["ort_rtn"], proto, qdq], evald[0])
+        lines += ["", f"MatMulNBits latency (1 thread, median of 100 interleaved runs): ours {a * 1e3:.2f} ms, "
+                      f"onnxruntime's {b * 1e3:.2f} ms, ratio {a / b:.3f}; float {f * 1e3:.2f} ms; QDQ rtn {d * 1e3:.2f} ms"]
     return lines
 
 
@@ -215,6 +233,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="decoder,encoder_block")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--algorithms", default="rtn,hqq,gptq,awq")
+    ap.add_argument("--repeats", type=int, default=5, help="timed rtn runs per side (median, after one warm-up)")
     args = ap.parse_args(argv)
     try:
         import onnx_ir  # noqa: F401
@@ -222,7 +241,7 @@ def main(argv=None) -> int:
         print("bench_formats: onnxruntime's matmul_nbits_quantizer needs onnx-ir: pip install onnx-ir", file=sys.stderr)
         return 2
     for name in args.models.split(","):
-        print("\n".join(run(name, args.layers, args.algorithms.split(","))), flush=True)
+        print("\n".join(run(name, args.layers, args.algorithms.split(","), args.repeats)), flush=True)
         print()
     return 0
 

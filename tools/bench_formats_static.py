@@ -1,7 +1,7 @@
 """Formats beside onnxruntime, in one run: dynamic quantization vs quantize_dynamic, FP8 beside
 int8, QOperator vs QDQ.
 
-    python tools/bench_formats_static.py [--models example,light_squeezenet,...] [--repeats 5]
+    python tools/bench_formats_static.py [--models example,light_squeezenet,...] [--repeats 5] [--parts dynamic,fp8,qoperator]
 
 Per model it prints (markdown):
 - dynamic: output SNR of qpasses `mode: dynamic` and of onnxruntime's quantize_dynamic (per channel,
@@ -114,11 +114,19 @@ def quiet_quantize(proto, feeds, config, passes=None):
     return qpasses.run_pipeline(proto, passes, config=config, calibration_data=feeds, notify=lambda line: None)[0]
 
 
-def bench(name: str, repeats: int, tmp: Path) -> dict:
+def bench(name: str, repeats: int, tmp: Path, parts=("dynamic", "fp8", "qoperator")) -> dict:
     proto, calib, evald = load(name)
     ref = outputs(session(proto, ort.GraphOptimizationLevel.ORT_DISABLE_ALL), evald)
     row = {"model": name}
-    # dynamic
+    if "dynamic" in parts:
+        row.update(bench_dynamic(name, proto, ref, evald, repeats, tmp))
+    if "fp8" in parts or "qoperator" in parts:
+        row.update(bench_static(proto, ref, calib, evald, repeats, parts))
+    return row
+
+
+def bench_dynamic(name, proto, ref, evald, repeats: int, tmp: Path) -> dict:
+    row = {}
     src, theirs = tmp / f"{name}.onnx", tmp / f"{name}.ortdyn.onnx"
     onnx.save(proto, src)
     mine = qpasses.run_pipeline(str(src), config={"mode": "dynamic"}, notify=lambda line: None)[0].to_proto(metadata=False)
@@ -137,15 +145,21 @@ def bench(name: str, repeats: int, tmp: Path) -> dict:
     t = latency({"ort": s_ort, "qp": s_mine, "qdq": s_qdq}, evald, repeats)
     row["dyn_lat"], row["dyn_qdq_lat"] = t["qp"] / t["ort"], t["qdq"] / t["ort"]
     row["dyn_snr_qdq"] = worst_snr(ref, outputs(s_qdq, evald))
-    # FP8 beside int8 (static pipeline)
-    for key, cfg in (("int8", {}), ("e4m3", {"activation_type": "float8e4m3fn", "weight_type": "float8e4m3fn"}),
-                     ("e5m2", {"activation_type": "float8e5m2", "weight_type": "float8e5m2"})):
+    return row
+
+
+def bench_static(proto, ref, calib, evald, repeats: int, parts) -> dict:
+    """FP8 beside int8 (static pipeline) and the int8 model lowered to QOperator."""
+    row = {}
+    fp8 = (("e4m3", {"activation_type": "float8e4m3fn", "weight_type": "float8e4m3fn"}),
+           ("e5m2", {"activation_type": "float8e5m2", "weight_type": "float8e5m2"})) if "fp8" in parts else ()
+    for key, cfg in (("int8", {}),) + fp8:
         start = time.perf_counter()
         q = quiet_quantize(proto, calib, cfg)
         row[f"{key}_s"] = time.perf_counter() - start
         qp = q.to_proto(metadata=False)
         row[f"snr_{key}"] = worst_snr(ref, outputs(session(qp), evald))
-        if key == "int8":
+        if key == "int8" and "qoperator" in parts:
             lowered = qpasses.run_pipeline(q, "lower-qoperator,cleanup", notify=lambda line: None)[0]
             qop = lowered.to_proto(metadata=False)
             row["qop_lsb"] = max_lsb(qp, qop, evald)
@@ -159,16 +173,41 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(DEFAULT))
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--parts", default="dynamic,fp8,qoperator", help="which comparisons to run")
     args = ap.parse_args(argv)
+    parts = tuple(args.parts.split(","))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             try:
-                rows.append(bench(name, args.repeats, Path(tmp)))
+                rows.append(bench(name, args.repeats, Path(tmp), parts))
             except FileNotFoundError as exc:
                 print(f"skipped {name}: {exc}", file=sys.stderr)
                 continue
             print(f"done {name}", file=sys.stderr, flush=True)
+    return report(rows, parts)
+
+
+def report(rows: list[dict], parts) -> int:
+    if "dynamic" in parts:
+        print_dynamic(rows)
+    if "fp8" in parts:
+        print_fp8(rows)
+    if "qoperator" in parts:
+        print_qoperator(rows)
+    checks = []
+    if "dynamic" in parts:
+        checks += [("dynamic SNR >= quantize_dynamic - 0.1 dB (same folded input)",
+                    all(r["dyn_snr_qp"] >= r["dyn_snr_ort_folded"] - 0.1 for r in rows)),
+                   ("dynamic latency <= 1.0x (5 % noise margin)", all(r["dyn_lat"] <= 1.05 for r in rows))]
+    if "qoperator" in parts:
+        checks += [("QOperator <= 1 LSB", all(r["qop_lsb"] <= 1.0 for r in rows)),
+                   ("QOperator latency <= 1.0x (5 % noise margin)", all(r["qop_lat"] <= 1.05 for r in rows))]
+    print("\n" + "\n".join(f"- {'PASS' if ok else 'FAIL'}: {text}" for text, ok in checks))
+    return 0
+
+
+def print_dynamic(rows) -> None:
     print("\n### Dynamic: qpasses `mode: dynamic` vs onnxruntime quantize_dynamic (per channel, QInt8)\n")
     print("| model | SNR qpasses dB | SNR ort dB (same folded input) | SNR ort dB (raw input) | latency qpasses / ort (folded) "
           "| form=qdq: SNR dB, latency / ort |")
@@ -176,24 +215,23 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['model']} | {r['dyn_snr_qp']:.2f} | {r['dyn_snr_ort_folded']:.2f} | {r['dyn_snr_ort']:.2f} "
               f"| {r['dyn_lat']:.2f} | {r['dyn_snr_qdq']:.2f}, {r['dyn_qdq_lat']:.2f} |")
+
+
+def print_fp8(rows) -> None:
     print("\n### FP8 beside int8 (static pipeline, per-channel weights)\n")
     print("| model | uint8/int8 SNR dB | float8e4m3fn SNR dB | float8e5m2 SNR dB | pipeline s (int8 / e4m3) |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['snr_int8']:.2f} | {r['snr_e4m3']:.2f} | {r['snr_e5m2']:.2f} "
               f"| {r['int8_s']:.1f} / {r['e4m3_s']:.1f} |")
+
+
+def print_qoperator(rows) -> None:
     print("\n### QOperator vs QDQ (default uint8/int8 pipeline; QDQ run with ORT_ENABLE_ALL)\n")
     print("| model | QLinear/QGemm nodes | max diff (output LSB) | latency QOperator / QDQ |")
     print("|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['qop_ops']} | {r['qop_lsb']:.2f} | {r['qop_lat']:.2f} |")
-    checks = [("dynamic SNR >= quantize_dynamic - 0.1 dB (same folded input)",
-               all(r["dyn_snr_qp"] >= r["dyn_snr_ort_folded"] - 0.1 for r in rows)),
-              ("dynamic latency <= 1.0x (5 % noise margin)", all(r["dyn_lat"] <= 1.05 for r in rows)),
-              ("QOperator <= 1 LSB", all(r["qop_lsb"] <= 1.0 for r in rows)),
-              ("QOperator latency <= 1.0x (5 % noise margin)", all(r["qop_lat"] <= 1.05 for r in rows))]
-    print("\n" + "\n".join(f"- {'PASS' if ok else 'FAIL'}: {text}" for text, ok in checks))
-    return 0
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def to_matmulnbits(target: Target, w: Blocked, namer) -> gs.Node:
     if node.op == "Gemm" and len(node.inputs) > 2 and node.inputs[2].name:
         bias = np.asarray(node.inputs[2].values).reshape(-1).astype(dtype)
         inputs += [gs.Variable.empty()] * (5 - len(inputs)) + [gs.Constant(namer(f"{base}_bias"), bias)]
-    n = w.codes.shape[0]
+    n = w.n
     new = gs.Node("MatMulNBits", node.name, attrs=nbits_attrs(w, n), inputs=inputs,
                   outputs=list(node.outputs), domain="com.microsoft")
     node.outputs.clear()

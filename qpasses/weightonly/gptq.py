@@ -1,44 +1,64 @@
 """GPTQ: quantize the input channels of W one at a time and spread each one's error over the
 channels not yet quantized, weighted by the inverse Hessian H = 2 X^T X / n of the layer's input
-(damped, optionally in order of decreasing diag(H), in lazy batches of COLUMNS channels).
+(damped, optionally in order of decreasing diag(H)).
 
-Block parameters (scale, zero point) are chosen by rtn.choose_params on the weights as they are
-when a block's first channel is reached; with act_order they are fixed beforehand from the
-original weights (blocks stay contiguous along K, as MatMulNBits and DequantizeLinear need)."""
+As in the GPTQ paper, the inverse enters only through U, the upper Cholesky factor of H^-1
+(one Cholesky factorisation and one triangular inverse, by blocks), and updates are lazy: inside a
+batch of COLUMNS channels each channel updates the rest of the batch, and the batch's errors reach
+the later channels in one matrix product. Block parameters (scale, zero point) are chosen by
+rtn.choose_params on the weights as they are when a block's first channel is reached; with
+act_order they are fixed beforehand from the original weights (blocks stay contiguous along K, as
+MatMulNBits and DequantizeLinear need)."""
 from __future__ import annotations
 
 import numpy as np
 
-from .blocks import Blocked, encode, rows_of
-from .rtn import SHRINKS, choose_params
+from .blocks import Blocked, rows_of
+from .rtn import REFINE, choose_params
 
 COLUMNS = 128
+_LEAF = 128
 
 
-def _inverse_cholesky(h: np.ndarray, damping: float) -> np.ndarray:
-    """Upper Cholesky factor of H^-1 (after adding damping * mean(diag H) to the diagonal)."""
-    h = h.copy()
-    h[np.diag_indices_from(h)] += damping * max(float(np.mean(np.diag(h))), 1e-8)
+def lower_inverse(lower: np.ndarray) -> np.ndarray:
+    """The inverse of a lower-triangular matrix, by 2 x 2 blocks (matrix products, no LU)."""
+    k = len(lower)
+    if k <= _LEAF:
+        return np.linalg.inv(lower)
+    m = k // 2
+    a, c, d = lower[:m, :m], lower[m:, :m], lower[m:, m:]
+    ai, di = lower_inverse(a), lower_inverse(d)
+    out = np.zeros_like(lower)
+    out[:m, :m], out[m:, m:] = ai, di
+    out[m:, :m] = -(di @ (c @ ai))
+    return out
+
+
+def inverse_cholesky(h: np.ndarray, damping: float) -> np.ndarray:
+    """U upper triangular with H^-1 = U^T U (after adding damping * mean(diag H) to the diagonal).
+
+    With J the reversal, J H J = L L^T gives H = V V^T for V = J L J (upper), so U = V^-1 = J L^-1 J."""
+    h = h[::-1, ::-1].copy()
+    mean = max(float(np.mean(np.diag(h))), 1e-8)
+    h[np.diag_indices_from(h)] += damping * mean
     for extra in (0.0, 1e-6, 1e-4, 1e-2):
         try:
             if extra:
-                h[np.diag_indices_from(h)] += extra * float(np.mean(np.diag(h)))
-            lower = np.linalg.cholesky(h)
-            inv = np.linalg.inv(lower)
-            return np.linalg.cholesky(inv.T @ inv).T
+                h[np.diag_indices_from(h)] += extra * mean
+            return lower_inverse(np.linalg.cholesky(h))[::-1, ::-1].copy()
         except np.linalg.LinAlgError:
             continue
     raise np.linalg.LinAlgError("the Hessian is not positive definite even after damping")
 
 
 def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size: int, symmetric: bool,
-                  damping: float = 0.01, act_order: bool = True, shrinks=SHRINKS) -> Blocked:
+                  damping: float = 0.01, act_order: bool = True, refine: int = REFINE) -> Blocked:
     """W [K, N] and H [K, K] -> Blocked."""
     k, n = weight.shape
     blocks = rows_of(weight, block_size)                    # [N, nb, bs]
     nb = blocks.shape[1]
     kp = nb * block_size
-    w = blocks.reshape(n, kp).astype(np.float64)            # rows: outputs, columns: inputs
+    w = blocks.reshape(n, kp).copy()                        # rows: outputs, columns: inputs
     h = np.zeros((kp, kp), np.float64)
     h[:k, :k] = hessian
     dead = np.diag(h) <= 0
@@ -46,33 +66,33 @@ def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size
     w[:, dead] = 0.0
     perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(kp)
     w, h = w[:, perm], h[np.ix_(perm, perm)]
-    u = _inverse_cholesky(h, damping)
+    u = inverse_cholesky(h, damping).astype(np.float32)
     scales = np.zeros((n, nb), np.float32)
     zeros = np.zeros((n, nb), np.float32)
     fixed = np.zeros(nb, bool)
     if act_order:   # static block parameters from the original weights
-        scales, zeros = choose_params(blocks, bits, symmetric, shrinks)
+        scales, zeros = choose_params(blocks, bits, symmetric, refine)
         fixed[:] = True
     codes = np.zeros((n, kp), np.uint8)
     group = perm // block_size
+    top = 2 ** bits - 1
     columns = max(COLUMNS, block_size)   # a lazy batch holds whole blocks
     for i1 in range(0, kp, columns):
         i2 = min(i1 + columns, kp)
-        w1 = w[:, i1:i2].copy()
-        err1 = np.zeros_like(w1)
+        w1 = w[:, i1:i2]
+        err1 = np.empty_like(w1)
         u1 = u[i1:i2, i1:i2]
         for i in range(i2 - i1):
             g = group[i1 + i]
             if not fixed[g]:   # in order: the block's columns as GPTQ has updated them
-                cols = w1[:, i:i + block_size].astype(np.float32)[:, None, :]
-                s, z = choose_params(cols, bits, symmetric, shrinks)
+                s, z = choose_params(w1[:, None, i:i + block_size], bits, symmetric, refine)
                 scales[:, g], zeros[:, g], fixed[g] = s[:, 0], z[:, 0], True
+            s, z = scales[:, g], zeros[:, g]
             col = w1[:, i]
-            q = encode(col[:, None].astype(np.float32), scales[:, g], zeros[:, g], bits)[:, 0]
+            q = np.clip(np.rint(col / np.where(s == 0, 1, s)) + z, 0, top)
             codes[:, perm[i1 + i]] = q
-            deq = (q.astype(np.float64) - zeros[:, g]) * scales[:, g]
-            e = (col - deq) / u1[i, i]
-            w1[:, i:] -= np.outer(e, u1[i, i:])
+            e = (col - (q - z) * s) / u1[i, i]
+            w1[:, i + 1:] -= np.outer(e, u1[i, i + 1:])
             err1[:, i] = e
         w[:, i2:] -= err1 @ u[i1:i2, i2:]
     return Blocked(codes.reshape(n, nb, block_size), scales, zeros.astype(np.uint8), k, bits, symmetric)

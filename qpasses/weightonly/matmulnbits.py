@@ -40,16 +40,30 @@ def unpack_codes(packed: np.ndarray, bits: int, m: int) -> np.ndarray:
     return np.stack(parts, axis=-1).reshape(packed.shape[:-1] + (-1,))[..., :m]
 
 
+def pack_b(w: Blocked) -> np.ndarray:
+    """MatMulNBits' B [N, n_blocks, block_size * bits / 8]. Codes in W's layout are packed into
+    32-bit little-endian words along K first, so only words (not single codes) are transposed."""
+    if not w.columns:
+        return pack_codes(w.codes, w.bits)
+    nb, bs, n = w.codes.shape
+    per = 32 // w.bits
+    grouped = w.codes.reshape(nb, bs // per, per, n)
+    words = np.zeros((nb, bs // per, n), np.uint32)
+    for i in range(per):
+        words |= grouped[:, :, i, :].astype(np.uint32) << np.uint32(w.bits * i)
+    rows = np.ascontiguousarray(words.astype("<u4").transpose(2, 0, 1))
+    return rows.view(np.uint8).reshape(n, nb, bs * w.bits // 8)
+
+
 def nbits_inputs(w: Blocked, dtype=np.float32) -> dict[str, np.ndarray | None]:
     """B, scales and zero_points (None when symmetric: the op's default 2^(bits-1))."""
-    n, blocks, _ = w.codes.shape
     zps = None
     if not w.symmetric or not w.integer_zero_points:
         if w.integer_zero_points:
             zps = pack_codes(w.zero_points.astype(np.uint8), w.bits, 2 ** (w.bits - 1)).reshape(-1)
         else:
             zps = w.zero_points.astype(dtype).reshape(-1)
-    return {"B": pack_codes(w.codes, w.bits), "scales": w.scales.astype(dtype).reshape(-1), "zero_points": zps}
+    return {"B": pack_b(w), "scales": w.scales.astype(dtype).reshape(-1), "zero_points": zps}
 
 
 def nbits_attrs(w: Blocked, n: int) -> dict:
@@ -61,8 +75,7 @@ def dq_inputs(w: Blocked, transposed: bool, dtype=np.float32) -> dict[str, np.nd
     (``transposed``: W^T [N, K], axis 1). Symmetric: signed codes and no zero point."""
     if not w.integer_zero_points:
         raise ValueError("block-wise DequantizeLinear needs integer zero points")
-    n, blocks, bs = w.codes.shape
-    codes = w.codes.reshape(n, blocks * bs)[:, :w.k]             # [N, K]
+    codes = w.kn_codes().T                                        # [N, K]
     zps = w.zero_points
     if w.symmetric:
         kind = ml_dtypes.int4 if w.bits == 4 else np.int8

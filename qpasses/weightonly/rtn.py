@@ -1,35 +1,93 @@
-"""Round-to-nearest with a per-block range search: each block keeps, among a few shrunk ranges,
-the one of least squared error (optionally weighted per input channel, as AWQ uses it)."""
+"""Round-to-nearest: each block starts from its min/max range (onnxruntime's RTN) and then refits
+its scale by least squares on its own codes, w ~ s (q - z), and re-rounds. For fixed codes the
+least-squares scale cannot raise a block's (optionally per-channel weighted) squared error, and
+re-rounding on the new scale cannot either, so a refit is never worse than plain RTN.
+Everything is vectorised over all blocks of a weight at once, in float32, in W's own layout."""
 from __future__ import annotations
 
 import numpy as np
 
-from .blocks import Blocked, minmax_params, pack, rows_of, squared_error
+from .blocks import Blocked, columns_of, minmax_params
 
-# range factors tried per block: 1.0 alone is plain min/max RTN (onnxruntime's)
-SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8)
+REFINE = 1   # least-squares refits per block; 0 is plain min/max RTN (bit for bit onnxruntime's)
 
 
-def choose_params(blocks: np.ndarray, bits: int, symmetric: bool, shrinks=SHRINKS, weights=None):
-    """Per-block (scales, zero points) of least (weighted) squared error over ``shrinks``."""
-    best_s, best_z = minmax_params(blocks, bits, symmetric, shrinks[0])
-    best_e = squared_error(blocks, best_s, best_z, bits, weights)
-    for shrink in shrinks[1:]:
-        s, z = minmax_params(blocks, bits, symmetric, shrink)
-        e = squared_error(blocks, s, z, bits, weights)
-        better = e < best_e
-        best_s, best_z, best_e = np.where(better, s, best_s), np.where(better, z, best_z), np.minimum(e, best_e)
-    return best_s, best_z
+def centered_codes(blocks: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, bits: int,
+                   axis: int = -1) -> np.ndarray:
+    """clip(rint(w / s), -z, 2^bits - 1 - z) as float32, blocks along ``axis`` (one buffer)."""
+    inverse = np.expand_dims((1 / np.where(scales == 0, 1, scales)).astype(np.float32), axis)
+    zp = np.expand_dims(zero_points.astype(np.float32), axis)
+    q = blocks * inverse   # a product, not a quotient, as onnxruntime's kernel rounds
+    np.rint(q, out=q)
+    if zero_points.size and np.all(zero_points == zero_points.flat[0]):   # symmetric: one zero point
+        z = float(zero_points.flat[0])
+        return np.clip(q, -z, 2 ** bits - 1 - z, out=q)
+    return np.clip(q, -zp, 2 ** bits - 1 - zp, out=q)
+
+
+def refit_scales(blocks, scales, zero_points, bits: int, weights=None, axis: int = -1) -> np.ndarray:
+    """The least-squares scale per block for the codes ``scales`` round to (zero points fixed)."""
+    q = centered_codes(blocks, scales, zero_points, bits, axis)
+    qw = q if weights is None else q * weights
+    num = np.multiply(blocks, qw).sum(axis=axis)
+    den = np.multiply(q, qw, out=q).sum(axis=axis)
+    ok = den > 0
+    return np.where(ok, num / np.where(ok, den, 1), scales).astype(np.float32)
+
+
+def choose_params(blocks: np.ndarray, bits: int, symmetric: bool, refine: int = REFINE, weights=None,
+                  axis: int = -1):
+    """Per-block (scales, zero points) along ``axis``: min/max, then ``refine`` least-squares refits."""
+    scales, zps = minmax_params(blocks, bits, symmetric, axis=axis)
+    for _ in range(refine):
+        scales = refit_scales(blocks, scales, zps, bits, weights, axis)
+    return scales, zps
 
 
 def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool,
-                 shrinks=SHRINKS, channel_weights=None) -> Blocked:
-    """W [K, N] -> Blocked. ``channel_weights`` [K]: importance of each input channel in the error."""
-    blocks = rows_of(weight, block_size)
+                 refine: int = REFINE, channel_weights=None, clip_search: bool = False) -> Blocked:
+    """W [K, N] -> Blocked (codes in W's layout). ``channel_weights`` [K]: importance of each input
+    channel in the error; ``clip_search``: ranges from search_clip instead of min/max."""
+    blocks = columns_of(weight, block_size)                 # [n_blocks, block_size, N]
     weights = None
     if channel_weights is not None:
-        padded = np.zeros(blocks.shape[1] * block_size, np.float32)
+        padded = np.zeros(blocks.shape[0] * block_size, np.float32)
         padded[:len(channel_weights)] = channel_weights
-        weights = padded.reshape(1, blocks.shape[1], block_size)
-    scales, zps = choose_params(blocks, bits, symmetric, shrinks, weights)
-    return pack(blocks, scales, zps, weight.shape[0], bits, symmetric)
+        weights = padded.reshape(blocks.shape[0], block_size, 1)
+    if clip_search:
+        scales, zps = search_clip(blocks, bits, symmetric, weights, axis=1)
+    else:
+        scales, zps = choose_params(blocks, bits, symmetric, refine, weights, axis=1)
+    q = centered_codes(blocks, scales, zps, bits, axis=1)
+    q += zps[:, None, :]
+    return Blocked(q.astype(np.uint8), np.ascontiguousarray(scales.T), np.ascontiguousarray(zps.T.astype(np.uint8)),
+                   weight.shape[0], bits, symmetric, columns=True)
+
+
+CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)   # range factors searched by search_clip
+
+
+def squared_error(blocks, scales, zero_points, bits: int, weights=None, axis: int = -1) -> np.ndarray:
+    """Per-block (optionally weighted) squared error of rounding with these parameters."""
+    q = centered_codes(blocks, scales, zero_points, bits, axis)
+    q *= np.expand_dims(scales, axis)
+    q -= blocks
+    q *= q
+    if weights is not None:
+        q *= weights
+    return q.sum(axis=axis)
+
+
+def search_clip(blocks: np.ndarray, bits: int, symmetric: bool, weights=None, axis: int = -1, clips=CLIPS):
+    """Per block, the clipped range (then one least-squares refit) of least weighted error."""
+    best = None
+    for clip in clips:
+        s, z = minmax_params(blocks, bits, symmetric, clip, axis=axis)
+        s = refit_scales(blocks, s, z, bits, weights, axis)
+        e = squared_error(blocks, s, z, bits, weights, axis)
+        if best is None:
+            best = [s, z, e]
+            continue
+        better = e < best[2]
+        best = [np.where(better, s, best[0]), np.where(better, z, best[1]), np.minimum(e, best[2])]
+    return best[0], best[1]

@@ -21,7 +21,7 @@ class Target:
     def matrix(self) -> np.ndarray:
         """W [K, N] as float32."""
         w = np.asarray(self.weight.values)
-        return (w.T if self.transposed else w).astype(np.float32)
+        return (w.T if self.transposed else w).astype(np.float32, copy=False)
 
     @property
     def activation(self) -> gs.Tensor:

@@ -86,7 +86,7 @@ def test_plain_rtn_is_onnxruntimes_matmulnbits_bit_for_bit(bits, symmetric):
     node = next(n for n in theirs.graph.node if n.op_type == "MatMulNBits" and n.input[0] == "x")
     inits = {i.name: numpy_helper.to_array(i) for i in theirs.graph.initializer}
     w1 = numpy_helper.to_array(proto.graph.initializer[0])
-    mine = nbits_inputs(quantize_rtn(w1, bits, 32, symmetric, shrinks=(1.0,)))
+    mine = nbits_inputs(quantize_rtn(w1, bits, 32, symmetric, refine=0))
     np.testing.assert_array_equal(inits[node.input[1]], mine["B"])
     np.testing.assert_array_equal(inits[node.input[2]].reshape(-1), mine["scales"])
     if symmetric:
@@ -193,3 +193,33 @@ def test_pack_round_trip(bits):
     packed = pack_codes(codes, bits)
     assert packed.shape == (5, 3, -(-33 * bits // 8))
     np.testing.assert_array_equal(unpack_codes(packed, bits, 33), codes)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_rtn_refit_never_raises_a_blocks_error(symmetric):
+    from qpasses.weightonly.blocks import columns_of
+    from qpasses.weightonly.rtn import search_clip, squared_error
+
+    w = (RNG.standard_normal((96, 24)) * np.where(RNG.random((96, 1)) < 0.1, 8, 1)).astype(np.float32)
+    blocks = columns_of(w, 32)
+    errors = []
+    for refine in (0, 1, 2):
+        q = quantize_rtn(w, 4, 32, symmetric, refine=refine)
+        assert q.columns and q.codes.max() <= 15
+        errors.append(((q.dequantize() - w) ** 2).reshape(3, 32, 24).sum(axis=1))
+    assert np.all(errors[1] <= errors[0] * (1 + 1e-5) + 1e-12) and np.all(errors[2] <= errors[1] * (1 + 1e-5) + 1e-12)
+    assert errors[1].sum() < 0.99 * errors[0].sum()
+    s, z = search_clip(blocks, 4, symmetric, axis=1)
+    assert np.all(squared_error(blocks, s, z, 4, axis=1) <= errors[1] * (1 + 1e-5) + 1e-12)
+
+
+def test_gptq_inverse_cholesky_is_the_upper_factor_of_the_damped_inverse():
+    from qpasses.weightonly.gptq import inverse_cholesky
+
+    a = RNG.standard_normal((300, 500))
+    h = a @ a.T / 500
+    u = inverse_cholesky(h, 0.01)
+    damped = h + 0.01 * np.mean(np.diag(h)) * np.eye(300)
+    np.testing.assert_allclose(u.T @ u, np.linalg.inv(damped), rtol=1e-8, atol=1e-10)
+    assert np.allclose(u, np.triu(u)) and np.all(np.diag(u) > 0)
+    np.testing.assert_allclose(u, np.linalg.cholesky(np.linalg.inv(damped)).T, rtol=1e-6, atol=1e-10)
