@@ -196,13 +196,23 @@ class _Reader:
         self.i = 0
 
 
-def _child(tool: Tool, bm: BenchModel, n_calib: int | None, out_path: str, log_path: str, qp_src, conn):
+def calibration_draw(feeds: list, draw: int, draws: int) -> list:
+    """Draw ``draw`` of ``draws``: every calibration feed but the ``draw``-th of ``draws`` equal blocks
+    (all of them when ``draws`` is 1), so repeated quantizations see overlapping, different data."""
+    if draws <= 1:
+        return feeds
+    size = math.ceil(len(feeds) / draws)
+    return feeds[:draw * size] + feeds[(draw + 1) * size:]
+
+
+def _child(tool: Tool, bm: BenchModel, n_calib: int | None, out_path: str, log_path: str, qp_src, conn,
+           draw: tuple[int, int] = (0, 1)):
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
     result: dict = {"tool": tool.name}
     try:
-        feeds = bm.feeds("calib", n_calib)
+        feeds = calibration_draw(bm.feeds("calib", n_calib), *draw)
         result["calib_samples"] = len(feeds)
         if tool.kind == "ort":
             from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -246,13 +256,14 @@ def _child(tool: Tool, bm: BenchModel, n_calib: int | None, out_path: str, log_p
     conn.close()
 
 
-def run_child(tool: Tool, bm: BenchModel, n_calib, out_path: Path, timeout: float, qp_src) -> dict:
+def run_child(tool: Tool, bm: BenchModel, n_calib, out_path: Path, timeout: float, qp_src,
+              draw: tuple[int, int] = (0, 1)) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     log_path = out_path.with_suffix(".log")
     if out_path.exists():
         out_path.unlink()
-    proc = ctx.Process(target=_child, args=(tool, bm, n_calib, str(out_path), str(log_path), qp_src, child))
+    proc = ctx.Process(target=_child, args=(tool, bm, n_calib, str(out_path), str(log_path), qp_src, child, draw))
     proc.start()
     child.close()
     result = None
@@ -398,10 +409,16 @@ def cell(r: dict | None, key: str, digits=3) -> str:
         return "—"
     if key == "task" and status(r) and "task" not in r:
         return "fail"
+    if key in ("task", "snr") and len(r.get("draws", ())) > 1:   # the mean and the range over the draws
+        values = [d[key] for d in r["draws"] if isinstance(d.get(key), float)]
+        if values:
+            return f"{_fmt(sum(values) / len(values), digits)} ({_fmt(min(values), digits)}-{_fmt(max(values), digits)})"
     if key == "share":
         if "weighted_ops" not in r:
             return "fail" if not r.get("ok") else "—"
-        return f"{r['weighted_8bit']}/{r['weighted_ops']}"
+        shares = sorted({d["weighted_8bit"] for d in r.get("draws", ()) if "weighted_8bit" in d})
+        low = f"{shares[0]}-" if len(shares) > 1 else ""
+        return f"{low}{shares[-1] if shares else r['weighted_8bit']}/{r['weighted_ops']}"
     return _fmt(r.get(key), digits)
 
 
@@ -496,6 +513,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", type=Path, default=acc.DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="quantized models and child logs")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per quantization child")
+    ap.add_argument("--draws", type=int, default=1, metavar="K",
+                    help="quantize K times, each leaving out one of K blocks of the calibration data: the task "
+                         "metric and SNR are shown as mean (min-max) over the draws, the 8-bit share as its range")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -517,7 +537,7 @@ def main(argv=None) -> int:
             "qpasses_dirty_files": [] if (args.qpasses_rev or qp_src) else dirty,
             "versions": {m: _version(m) for m in ("onnxruntime", "onnx", "nncf", "torch", "numpy")},
             "python": platform.python_version(), "cpus": os.cpu_count(),
-            "calib_samples": n_calib or "all", "eval_samples": n_eval or "all",
+            "calib_samples": n_calib or "all", "eval_samples": n_eval or "all", "draws": args.draws,
             "tools": [t.__dict__ for t in tools]}
     print(json.dumps(meta), file=sys.stderr)
 
@@ -545,8 +565,17 @@ def main(argv=None) -> int:
         for tool in tools:
             if not tool.applies(name):
                 continue
-            r = run_child(tool, bm, n_calib, out_dir / f"{tool.name}.onnx", args.timeout, qp_src)
-            measure(r, bm, feeds, outs_f)
+            draws = []
+            for k in range(max(1, args.draws)):
+                suffix = f".draw{k}" if args.draws > 1 else ""
+                d = run_child(tool, bm, n_calib, out_dir / f"{tool.name}{suffix}.onnx", args.timeout, qp_src,
+                              (k, args.draws))
+                measure(d, bm, feeds, outs_f)
+                draws.append(d)
+            r = dict(draws[0])
+            if args.draws > 1:
+                r["draws"] = [{k: d.get(k) for k in ("task", "snr", "weighted_8bit", "seconds", "calib_samples")}
+                              for d in draws]
             row["results"][tool.name] = r
             print(f"{name:16s} {tool.name:10s} task {cell(r, 'task'):>6s}  snr {cell(r, 'snr', 2):>6s}  "
                   f"8-bit {cell(r, 'share'):>7s}  {cell(r, 'seconds', 1):>6s} s  {status(r) or 'ok'}",
