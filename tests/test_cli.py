@@ -115,7 +115,7 @@ def test_run_quantizes_and_reports_the_selection_and_the_snr(example, tmp_path, 
 
 
 def test_run_says_which_variants_stopped_early(tmp_path, capsys):
-    """Sigmoid of N(0, 1) values with one outlier: min/max ranges are far behind percentile ones.
+    """Sigmoid of N(0, 1) values with one outlier: min/max ranges are far behind the default (mse) ones.
     (Sigmoid stays float by default: the config selects every op, the pipeline is the default one.)"""
     from qpasses.testing import model_from_text
 
@@ -129,6 +129,6 @@ def test_run_says_which_variants_stopped_early(tmp_path, capsys):
     config.write_text(json.dumps({"op_types_to_quantize": "all"}))
     code, _, err = _run(capsys, "run", path, "-o", tmp_path / "q.onnx", "--calib", calib, "--config", config)
     assert code == 0, err
-    assert "select-by-snr chose ranges percentile" in err
+    assert "select-by-snr chose ranges mse" in err
     assert "[clearly ahead after 8], ranges minmax" in err   # the race is decided: the winner stops too
     assert "[clearly behind: stopped after 8]; 32 calibration samples)" in err

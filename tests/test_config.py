@@ -13,7 +13,7 @@ def test_defaults():
     cfg = load_config(None)
     assert (cfg.activation_type, cfg.weight_type, cfg.weight_symmetric, cfg.per_channel) == \
         ("uint8", "int8", True, True)
-    assert (cfg.calibration.method, cfg.calibration.percentile) == ("percentile", 99.98)
+    assert (cfg.calibration.method, cfg.calibration.percentile) == ("mse", 99.98)
     assert cfg.nodes_to_exclude == [] and cfg.op_types_to_quantize is None and cfg.given == frozenset()
 
 

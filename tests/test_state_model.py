@@ -8,6 +8,7 @@ import onnx
 import pytest
 
 from qpasses.api import run_pipeline
+from qpasses.config import CalibrationConfig
 from qpasses.context import RunContext
 from qpasses.errors import ModelError, PipelineError, PreconditionError
 from qpasses.examples import example_model
@@ -84,7 +85,7 @@ def test_decisions_are_saved_and_correct_bias_runs_once():
     model = _run(from_proto(example_model()), "annotate-types,calibrate,compute-qparams,correct-bias",
                  config, data)
     assert model.decisions["bias_correction"] == {"by": "correct-bias", "applied": True}
-    assert model.decisions["calibration"]["method"] == "percentile"
+    assert model.decisions["calibration"]["method"] == CalibrationConfig.method
     reloaded = from_proto(model.to_proto())
     assert reloaded.decisions == model.decisions
     biases = {n: np.array(t.values) for n, t in reloaded.tensors().items() if n.endswith("_b")}

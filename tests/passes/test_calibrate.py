@@ -133,7 +133,7 @@ def test_max_samples_and_data_option(tmp_path):
     feeds = _feeds(5)
     np.savez(tmp_path / "c.npz", x=np.stack([f["x"] for f in feeds]), shape=np.stack([f["shape"] for f in feeds]))
     model = _model()
-    stats = PassManager(f"calibrate{{data={tmp_path / 'c.npz'},max_samples=2}}").run(model)[0].stats
+    stats = PassManager(f"calibrate{{data={tmp_path / 'c.npz'},max_samples=2,method=minmax}}").run(model)[0].stats
     assert stats["samples"] == 2
     assert model.ranges["x"] == pytest.approx(_reference_minmax(model.to_proto(), feeds[:2], ["x"])["x"])
 

@@ -71,7 +71,7 @@ def test_conv_per_tensor():
     assert m.quant["b"].scale == [float(fit_scale(m.quant["x"].scale[0] * m.quant["w"].scale[0]))]
     assert m.quant["b"].zero_point == [0] and m.quant["b"].axis is None
     assert m.quant["y"].scale == m.quant["r"].scale == m.quant["c"].scale
-    assert "compute-qparams: range [-1, 3] from calibration (percentile); uint8 asymmetric" in m.quant["x"].why
+    assert f"compute-qparams: range [-1, 3] from calibration ({CalibrationConfig.method}); uint8 asymmetric" in m.quant["x"].why
     assert any("from the weight's values" in w for w in m.quant["w"].why)
     assert m.quant["b"].why == ["compute-qparams: scale = scale('x') * scale('w')"]
     assert m.quant["y"].why == ["compute-qparams: qparams shared with 'r'"]

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from qpasses.api import run_pipeline
-from qpasses.config import load_config
+from qpasses.config import CalibrationConfig, load_config
 from qpasses.context import RunContext
 from qpasses.passes.select_by_snr import NAME
 from qpasses.testing import model_from_text
@@ -39,7 +39,7 @@ g (float[1, 64] x) => (float[1, 32] y) <float[64, 32] w = {{{w}}}> {{
 
 def outlier_feeds(n=16):
     """N(0, 1) values; sample 0 has one value of 100 that carries a quarter of the signal.
-    Percentile 99.98 clips it to ~4; the min/max grid keeps it."""
+    Percentile 99.98 clips it to ~4, mse less; the min/max grid keeps it."""
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.standard_normal((1, SIZE)).astype(np.float32)} for _ in range(n)]
     feeds[0]["x"][0, 0] = 100.0
@@ -74,24 +74,27 @@ def quantized_snr(model, data, config=None):
     return compare(reference, model.to_proto(metadata=False), data)["snr_db"]
 
 
-def test_default_method_min_max_wins_when_percentile_clips_the_signal():
+DEFAULT = CalibrationConfig.method   # the default method clips outliers (mse)
+
+
+def test_default_method_min_max_wins_when_the_default_clips_the_signal():
     model, data = model_from_text(SCALE), outlier_feeds()
     record, findings = select(model, data)
     report = findings[NAME]
     scores = {v["variant"]: v["snr_db"] for v in report["variants"]}
-    assert set(scores) == {"ranges percentile", "ranges minmax"}
-    assert scores["ranges minmax"] > scores["ranges percentile"] + 6
+    assert set(scores) == {f"ranges {DEFAULT}", "ranges minmax"}
+    assert scores["ranges minmax"] > scores[f"ranges {DEFAULT}"] + 1   # mse clips less than percentile 99.98 (+6 dB)
     assert report["chosen"] == "ranges minmax" and record.modified
     assert model.ranges["x"] == model.observed["x"]
-    assert model.decisions["calibration"] == {"method": "minmax", "given": False, "chosen_by": NAME, "over": "percentile"}
+    assert model.decisions["calibration"] == {"method": "minmax", "given": False, "chosen_by": NAME, "over": DEFAULT}
     assert quantized_snr(model, data) > 18
-    assert "calibration (minmax, chosen by select-by-snr over percentile)" in model.quant["x"].why[-1]
+    assert f"calibration (minmax, chosen by select-by-snr over {DEFAULT})" in model.quant["x"].why[-1]
 
 
-def test_percentile_kept_when_it_scores_best():
+def test_the_default_method_kept_when_it_scores_best():
     model, data = model_from_text(SIGMOID), outlier_feeds()
     record, findings = select(model, data)
-    assert findings[NAME]["chosen"] == "ranges percentile" and not record.modified
+    assert findings[NAME]["chosen"] == f"ranges {DEFAULT}" and not record.modified
     assert model.ranges["x"] != model.observed["x"]
 
 
@@ -181,7 +184,7 @@ def test_a_variant_that_fails_is_reported_not_fatal():
     _, findings = select(model, data, options="then=insert-qdq")   # insert-qdq needs qparams: every variant fails
     report = findings[NAME]
     assert report["skipped"] == "no variant could be quantized and run"
-    assert [f["variant"] for f in report["failed"]] == ["ranges percentile", "ranges minmax"]
+    assert [f["variant"] for f in report["failed"]] == [f"ranges {DEFAULT}", "ranges minmax"]
     assert "qparams-computed" in report["failed"][0]["error"]
     assert model.ranges == model.calibrated_ranges != model.observed
 
