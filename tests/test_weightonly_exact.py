@@ -13,6 +13,7 @@ from qpasses.context import RunContext
 from qpasses.ir import constant_dtype, from_proto, read_values
 from qpasses.weightonly import rtn
 from qpasses.weightonly.blocks import columns_of, minmax_params
+from qpasses.weightonly.matmulnbits import pack_b, pack_codes
 
 
 def _plain_refit(blocks, scales, zps, bits, axis):
@@ -75,3 +76,11 @@ def test_quantizing_leaves_the_source_proto_alone(algorithm, fmt):
     model, _ = run_pipeline(proto, None, ctx=RunContext(cfg))
     assert proto == before
     assert model.decisions["weight_only"]["w"].startswith(f"quantize-weights: {algorithm}")
+
+
+@pytest.mark.parametrize("bits,block", [(4, 32), (4, 16), (8, 64)])
+def test_pack_b_from_columns_equals_packing_rows(bits, block):
+    w = (np.random.default_rng(bits).standard_normal((3 * block + 5, 12))).astype(np.float32)
+    blocked = rtn.quantize_rtn(w, bits, block, symmetric=False)
+    assert blocked.columns and blocked.codes.max() > 2 ** (bits - 1)
+    assert np.array_equal(pack_b(blocked), pack_codes(blocked.rows(), bits))
