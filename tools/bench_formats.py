@@ -10,7 +10,8 @@ time to quantize (ModelProto in, ModelProto out, both sides; onnxruntime's quant
 input, so it is given a copy made before its timer starts) and its ratio to onnxruntime's, and the
 median latency of the MatMulNBits models (ours / onnxruntime's RTN, runs interleaved). RTN times are
 the median of ``--repeats`` runs after a warm-up (first-call imports excluded on both sides); the
-slower algorithms run once. numpy's BLAS runs on one thread on both sides (OPENBLAS_NUM_THREADS=1
+slower algorithms run once. ``--cores 1`` runs both sides on one CPU (onnxruntime's RTN uses a
+thread pool over every core, ours one thread). numpy's BLAS runs on one thread on both sides (OPENBLAS_NUM_THREADS=1
 unless set): on 2 shared cores its threads thrash (a 1024 x 1024 Cholesky took 2.5 s threaded,
 0.1 s on one thread). onnxruntime's RTN is its
 DEFAULT algorithm (C++), HQQ and GPTQ its own implementations; AWQ has no onnxruntime CPU
@@ -236,12 +237,21 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--algorithms", default="rtn,hqq,gptq,awq")
     ap.add_argument("--repeats", type=int, default=5, help="timed rtn runs per side (median, after one warm-up)")
+    ap.add_argument("--cores", type=int, default=0, help="run both sides on this many CPUs (default: all; "
+                    "onnxruntime's RTN is C++ on a thread pool, ours numpy on one thread)")
     args = ap.parse_args(argv)
+    if args.cores:
+        cpus = sorted(os.sched_getaffinity(0))
+        if not 0 < args.cores <= len(cpus):
+            print(f"bench_formats: --cores must be 1..{len(cpus)}", file=sys.stderr)
+            return 2
+        os.sched_setaffinity(0, cpus[:args.cores])
     try:
         import onnx_ir  # noqa: F401
     except ImportError:
         print("bench_formats: onnxruntime's matmul_nbits_quantizer needs onnx-ir: pip install onnx-ir", file=sys.stderr)
         return 2
+    print(f"CPUs: {len(os.sched_getaffinity(0))} of {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}\n", flush=True)
     for name in args.models.split(","):
         print("\n".join(run(name, args.layers, args.algorithms.split(","), args.repeats)), flush=True)
         print()
