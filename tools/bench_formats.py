@@ -194,6 +194,10 @@ def theirs(proto, algorithm, calib):
     return out, time.perf_counter() - t
 
 
+def _secs(x: float) -> str:
+    return f"{x:.3f}" if x < 1 else f"{x:.2f}"
+
+
 def run(name: str, layers: int, algorithms: list[str], repeats: int) -> list[str]:
     proto, calib, evald = load(name, layers)
     ref = outputs(proto, evald)
@@ -218,11 +222,11 @@ def run(name: str, layers: int, algorithms: list[str], repeats: int) -> list[str
     for r in rows:
         if "ort_snr" in r:
             lines.append(f"| {r['alg']} | {r['snr']:.2f} | {r['ort_snr']:.2f} | {r['snr'] - r['ort_snr']:+.2f} | "
-                         f"{r['secs']:.2f} | {r['ort_secs']:.2f} | {r['secs'] / r['ort_secs']:.2f} |")
+                         f"{_secs(r['secs'])} | {_secs(r['ort_secs'])} | {r['secs'] / r['ort_secs']:.2f} |")
         else:
             rtn = next((x["snr"] for x in rows if x["alg"] == "rtn"), float("nan"))
             note = f"vs our rtn {r['snr'] - rtn:+.2f}" if r["alg"] == "awq" else r.get("ort_error", "")
-            lines.append(f"| {r['alg']} | {r['snr']:.2f} | - | {note} | {r['secs']:.2f} | - | - |")
+            lines.append(f"| {r['alg']} | {r['snr']:.2f} | - | {note} | {_secs(r['secs'])} | - | - |")
     lines.append(f"| rtn as QDQ (DequantizeLinear block 32) | {snr(ref, outputs(qdq, evald)):.2f} | | | | | |")
     if "rtn" in models and "ort_rtn" in models:
         a, b, f, d = latencies([models["rtn"], models["ort_rtn"], proto, qdq], evald[0])
