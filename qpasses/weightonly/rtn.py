@@ -49,7 +49,7 @@ def choose_params(blocks: np.ndarray, bits: int, symmetric: bool, refine: int = 
     return scales, zps
 
 
-CHUNK = 1 << 20   # elements of W quantized at once: temporaries stay in cache (blocks are independent)
+CHUNK = 1 << 20   # elements of W quantized at once (blocks are independent): bounded temporaries
 
 
 def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool,
