@@ -550,6 +550,28 @@ def _pack_subbyte_constants(tensors) -> None:
             t._values = LazyValues(onnx.numpy_helper.from_array(t._values, t.name))
 
 
+def read_values(t: gs.Constant) -> np.ndarray:
+    """A constant's array to read, not write: one copy of the imported bytes (read-only), where
+    gs's ``values`` copies twice and keeps the array in the graph."""
+    lazy = t._values
+    tensor = getattr(lazy, "tensor", None) if isinstance(lazy, LazyValues) else None
+    if (isinstance(tensor, onnx.TensorProto) and tensor.data_type in _NUMPY_TYPES and tensor.HasField("raw_data")
+            and not external_data_helper.uses_external_data(tensor)):
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")
+        array = np.frombuffer(tensor.raw_data, dtype).reshape(tuple(tensor.dims))
+        return array.astype(dtype.newbyteorder("="), copy=False)
+    return t.values
+
+
+def constant_dtype(t: gs.Constant) -> str | None:
+    """The numpy dtype name of a constant's values (not loaded when numpy holds its type)."""
+    lazy = t._values
+    if isinstance(lazy, LazyValues) and getattr(lazy.tensor, "data_type", None) in _NUMPY_TYPES:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(lazy.tensor.data_type)).name
+    dtype = getattr(t.values, "dtype", None)
+    return None if dtype is None else np.dtype(dtype).name
+
+
 def constant_bytes(graph: gs.Graph) -> int:
     """Bytes held by the top-level graph's constants."""
     return sum(getattr(t._values, "nbytes", 0) for t in tensor_map(graph).values() if isinstance(t, gs.Constant))

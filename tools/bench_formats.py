@@ -6,10 +6,12 @@ Models: ``decoder``, a GPT-2-small-shaped pre-LN decoder stack built here with o
 12 heads, MLP 3072, causal attention, tanh-free erf GELU, ``--layers`` layers, seeded weights; the
 LayerNorm gains of 3 residual channels are 20-60x the others, as the outlier dimensions of trained
 GPT-2) and ``encoder_block`` (tools/models.py). Per algorithm: output SNR on held-out data, the
-time to quantize (ModelProto in, ModelProto out, both sides) and its ratio to onnxruntime's, and the
+time to quantize (ModelProto in, ModelProto out, both sides; onnxruntime's quantizer edits its
+input, so it is given a copy made before its timer starts) and its ratio to onnxruntime's, and the
 median latency of the MatMulNBits models (ours / onnxruntime's RTN, runs interleaved). RTN times are
 the median of ``--repeats`` runs after a warm-up (first-call imports excluded on both sides); the
-slower algorithms run once. numpy's BLAS runs on one thread on both sides (OPENBLAS_NUM_THREADS=1
+slower algorithms run once. ``--cores 1`` runs both sides on one CPU (onnxruntime's RTN uses a
+thread pool over every core, ours one thread). numpy's BLAS runs on one thread on both sides (OPENBLAS_NUM_THREADS=1
 unless set): on 2 shared cores its threads thrash (a 1024 x 1024 Cholesky took 2.5 s threaded,
 0.1 s on one thread). onnxruntime's RTN is its
 DEFAULT algorithm (C++), HQQ and GPTQ its own implementations; AWQ has no onnxruntime CPU
@@ -172,8 +174,8 @@ class _Reader:
 
 def ours(proto, algorithm, fmt, calib):
     cfg = {"mode": "weight_only", "weight_only": {"algorithm": algorithm, "format": fmt, "bits": 4, "block_size": 32}}
-    t = time.perf_counter()
-    model, _ = run_pipeline(copy.deepcopy(proto), "quantize-weights", ctx=RunContext(cfg, calib))
+    t = time.perf_counter()   # qpasses reads the proto without changing it: no copy
+    model, _ = run_pipeline(proto, "quantize-weights", ctx=RunContext(cfg, calib))
     out = model.to_proto(metadata=False)
     return out, time.perf_counter() - t
 
@@ -184,11 +186,16 @@ def theirs(proto, algorithm, calib):
     config = {"rtn": lambda: mq.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, bits=4),
               "hqq": lambda: mq.HQQWeightOnlyQuantConfig(block_size=32, bits=4),
               "gptq": lambda: mq.GPTQWeightOnlyQuantConfig(calibration_data_reader=_Reader(calib))}[algorithm]()
+    proto = copy.deepcopy(proto)   # onnxruntime's quantizer edits the proto it is given: copied untimed
     t = time.perf_counter()
-    q = mq.MatMulNBitsQuantizer(copy.deepcopy(proto), block_size=32, is_symmetric=True, bits=4, algo_config=config)
+    q = mq.MatMulNBitsQuantizer(proto, block_size=32, is_symmetric=True, bits=4, algo_config=config)
     q.process()
     out = q.model.model
     return out, time.perf_counter() - t
+
+
+def _secs(x: float) -> str:
+    return f"{x:.3f}" if x < 1 else f"{x:.2f}"
 
 
 def run(name: str, layers: int, algorithms: list[str], repeats: int) -> list[str]:
@@ -215,11 +222,11 @@ def run(name: str, layers: int, algorithms: list[str], repeats: int) -> list[str
     for r in rows:
         if "ort_snr" in r:
             lines.append(f"| {r['alg']} | {r['snr']:.2f} | {r['ort_snr']:.2f} | {r['snr'] - r['ort_snr']:+.2f} | "
-                         f"{r['secs']:.2f} | {r['ort_secs']:.2f} | {r['secs'] / r['ort_secs']:.2f} |")
+                         f"{_secs(r['secs'])} | {_secs(r['ort_secs'])} | {r['secs'] / r['ort_secs']:.2f} |")
         else:
             rtn = next((x["snr"] for x in rows if x["alg"] == "rtn"), float("nan"))
             note = f"vs our rtn {r['snr'] - rtn:+.2f}" if r["alg"] == "awq" else r.get("ort_error", "")
-            lines.append(f"| {r['alg']} | {r['snr']:.2f} | - | {note} | {r['secs']:.2f} | - | - |")
+            lines.append(f"| {r['alg']} | {r['snr']:.2f} | - | {note} | {_secs(r['secs'])} | - | - |")
     lines.append(f"| rtn as QDQ (DequantizeLinear block 32) | {snr(ref, outputs(qdq, evald)):.2f} | | | | | |")
     if "rtn" in models and "ort_rtn" in models:
         a, b, f, d = latencies([models["rtn"], models["ort_rtn"], proto, qdq], evald[0])
@@ -234,12 +241,21 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--algorithms", default="rtn,hqq,gptq,awq")
     ap.add_argument("--repeats", type=int, default=5, help="timed rtn runs per side (median, after one warm-up)")
+    ap.add_argument("--cores", type=int, default=0, help="run both sides on this many CPUs (default: all; "
+                    "onnxruntime's RTN is C++ on a thread pool, ours numpy on one thread)")
     args = ap.parse_args(argv)
+    if args.cores:
+        cpus = sorted(os.sched_getaffinity(0))
+        if not 0 < args.cores <= len(cpus):
+            print(f"bench_formats: --cores must be 1..{len(cpus)}", file=sys.stderr)
+            return 2
+        os.sched_setaffinity(0, cpus[:args.cores])
     try:
         import onnx_ir  # noqa: F401
     except ImportError:
         print("bench_formats: onnxruntime's matmul_nbits_quantizer needs onnx-ir: pip install onnx-ir", file=sys.stderr)
         return 2
+    print(f"CPUs: {len(os.sched_getaffinity(0))} of {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}\n", flush=True)
     for name in args.models.split(","):
         print("\n".join(run(name, args.layers, args.algorithms.split(","), args.repeats)), flush=True)
         print()

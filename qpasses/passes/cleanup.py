@@ -94,8 +94,9 @@ def _initializers(nodes, graph: gs.Graph) -> set[str]:
 def _raw_bytes(t: gs.Constant):
     """The constant's bytes (a view of a large array: no copy)."""
     values = t._values
-    if isinstance(values, LazyValues) and values.tensor.raw_data:
-        return values.tensor.raw_data
+    raw = values.tensor.raw_data if isinstance(values, LazyValues) else b""   # a copy: read once
+    if raw:
+        return raw
     array = np.ascontiguousarray(t.values)
     if array.nbytes <= 65536:
         return array.tobytes()

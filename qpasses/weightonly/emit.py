@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ..ir import constant_dtype
 from .blocks import Blocked
 from .matmulnbits import dq_inputs, nbits_attrs, nbits_inputs
 from .targets import Target
@@ -14,7 +15,7 @@ QDQ_OPSET = 21   # int4/uint4 and DequantizeLinear's block_size
 def to_matmulnbits(target: Target, w: Blocked, namer) -> gs.Node:
     """Replace the MatMul/Gemm by MatMulNBits (a Gemm's bias becomes the op's bias input)."""
     node, base = target.node, target.weight.name
-    dtype = np.dtype(target.weight.values.dtype)
+    dtype = np.dtype(constant_dtype(target.weight))
     arrays = nbits_inputs(w, dtype)
     inputs = [node.inputs[0], gs.Constant(namer(f"{base}_Q{w.bits}"), arrays["B"]),
               gs.Constant(namer(f"{base}_scales"), arrays["scales"])]
@@ -34,7 +35,7 @@ def to_matmulnbits(target: Target, w: Blocked, namer) -> gs.Node:
 def to_dequantize(target: Target, w: Blocked, namer) -> gs.Node:
     """A DequantizeLinear(axis, block_size) writing the weight's float value for the node to read."""
     node, base = target.node, target.weight.name
-    dtype = np.dtype(target.weight.values.dtype)
+    dtype = np.dtype(constant_dtype(target.weight))
     arrays = dq_inputs(w, target.transposed, dtype)
     inputs = [gs.Constant(namer(f"{base}_q"), arrays["x"]), gs.Constant(namer(f"{base}_scale"), arrays["scale"])]
     if arrays["zero_point"] is not None:

@@ -42,16 +42,19 @@ def unpack_codes(packed: np.ndarray, bits: int, m: int) -> np.ndarray:
 
 def pack_b(w: Blocked) -> np.ndarray:
     """MatMulNBits' B [N, n_blocks, block_size * bits / 8]. Codes in W's layout are packed into
-    32-bit little-endian words along K first, so only words (not single codes) are transposed."""
+    bytes, then 32-bit little-endian words along K, so only words (not single codes) are transposed."""
     if not w.columns:
         return pack_codes(w.codes, w.bits)
     nb, bs, n = w.codes.shape
-    per = 32 // w.bits
-    grouped = w.codes.reshape(nb, bs // per, per, n)
-    words = np.zeros((nb, bs // per, n), np.uint32)
-    for i in range(per):
-        words |= grouped[:, :, i, :].astype(np.uint32) << np.uint32(w.bits * i)
-    rows = np.ascontiguousarray(words.astype("<u4").transpose(2, 0, 1))
+    per = 8 // w.bits
+    packed = w.codes[:, 0::per, :].copy()                   # [nb, bs * bits / 8, N] bytes
+    for i in range(1, per):
+        packed |= w.codes[:, i::per, :] << np.uint8(w.bits * i)
+    grouped = packed.reshape(nb, -1, 4, n)
+    words = grouped[:, :, 0, :].astype(np.uint32)
+    for i in range(1, 4):
+        words |= grouped[:, :, i, :].astype(np.uint32) << np.uint32(8 * i)
+    rows = np.ascontiguousarray(words.astype("<u4", copy=False).transpose(2, 0, 1))
     return rows.view(np.uint8).reshape(n, nb, bs * w.bits // 8)
 
 

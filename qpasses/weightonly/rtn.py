@@ -30,7 +30,12 @@ def refit_scales(blocks, scales, zero_points, bits: int, weights=None, axis: int
     q = centered_codes(blocks, scales, zero_points, bits, axis)
     qw = q if weights is None else q * weights
     num = np.multiply(blocks, qw).sum(axis=axis)
-    den = np.multiply(q, qw, out=q).sum(axis=axis)
+    if weights is None and q.shape[axis] * (2 ** bits - 1) ** 2 < 2 ** 24:
+        # sums of squared codes are integers float32 holds exactly in any order: einsum, no temporary
+        sub = "abc"[:q.ndim]
+        den = np.einsum(f"{sub},{sub}->{sub.replace(sub[axis], '')}", q, q)
+    else:
+        den = np.multiply(q, qw, out=q).sum(axis=axis)
     ok = den > 0
     return np.where(ok, num / np.where(ok, den, 1), scales).astype(np.float32)
 
@@ -44,6 +49,9 @@ def choose_params(blocks: np.ndarray, bits: int, symmetric: bool, refine: int = 
     return scales, zps
 
 
+CHUNK = 1 << 20   # elements of W quantized at once (blocks are independent): bounded temporaries
+
+
 def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool,
                  refine: int = REFINE, channel_weights=None, clip_search: bool = False) -> Blocked:
     """W [K, N] -> Blocked (codes in W's layout). ``channel_weights`` [K]: importance of each input
@@ -54,13 +62,20 @@ def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool
         padded = np.zeros(blocks.shape[0] * block_size, np.float32)
         padded[:len(channel_weights)] = channel_weights
         weights = padded.reshape(blocks.shape[0], block_size, 1)
-    if clip_search:
-        scales, zps = search_clip(blocks, bits, symmetric, weights, axis=1)
-    else:
-        scales, zps = choose_params(blocks, bits, symmetric, refine, weights, axis=1)
-    q = centered_codes(blocks, scales, zps, bits, axis=1)
-    q += zps[:, None, :]
-    return Blocked(q.astype(np.uint8), np.ascontiguousarray(scales.T), np.ascontiguousarray(zps.T.astype(np.uint8)),
+    nb, _, n = blocks.shape
+    codes = np.empty(blocks.shape, np.uint8)
+    scales, zps = np.empty((nb, n), np.float32), np.empty((nb, n), np.float32)
+    step = max(1, CHUNK // (block_size * n))
+    for a in range(0, nb, step):
+        part, w = blocks[a:a + step], None if weights is None else weights[a:a + step]
+        if clip_search:
+            s, z = search_clip(part, bits, symmetric, w, axis=1)
+        else:
+            s, z = choose_params(part, bits, symmetric, refine, w, axis=1)
+        q = centered_codes(part, s, z, bits, axis=1)
+        np.add(q, z[:, None, :], out=codes[a:a + step], casting="unsafe")
+        scales[a:a + step], zps[a:a + step] = s, z
+    return Blocked(codes, np.ascontiguousarray(scales.T), np.ascontiguousarray(zps.T.astype(np.uint8)),
                    weight.shape[0], bits, symmetric, columns=True)
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ..ir import constant_dtype, read_values
+
 FLOAT_KINDS = ("float32", "float16")
 
 
@@ -20,7 +22,7 @@ class Target:
     @property
     def matrix(self) -> np.ndarray:
         """W [K, N] as float32."""
-        w = np.asarray(self.weight.values)
+        w = read_values(self.weight)   # read only: the float weight is replaced once quantized
         return (w.T if self.transposed else w).astype(np.float32, copy=False)
 
     @property
@@ -34,8 +36,7 @@ def _eligible(node: gs.Node) -> Target | None:
     a, b = node.inputs[0], node.inputs[1]
     if isinstance(a, gs.Constant) or not isinstance(b, gs.Constant):
         return None
-    values = b.values
-    if getattr(values, "dtype", None) is None or np.dtype(values.dtype).name not in FLOAT_KINDS \
+    if constant_dtype(b) not in FLOAT_KINDS \
             or len(b.shape) != 2 or 0 in b.shape:
         return None
     if node.op == "MatMul":
