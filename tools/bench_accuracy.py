@@ -51,6 +51,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import accuracy_models as acc  # noqa: E402  (tools/accuracy_models.py)
+from models import FeedReader  # noqa: E402  (tools/models.py)
 
 SHARED_CORPUS_CODE = REPO.parent / "shared" / "corpus"
 DEFAULT_CORPUS = Path(os.path.expanduser("~/.cache/qp-corpus"))
@@ -180,20 +181,6 @@ class Tool:
         return self.model_type != "TRANSFORMER" or model in TRANSFORMERS
 
 
-class _Reader:
-    """onnxruntime CalibrationDataReader over a list of feeds."""
-
-    def __init__(self, feeds):
-        self.feeds, self.i = feeds, 0
-
-    def get_next(self):
-        if self.i >= len(self.feeds):
-            return None
-        self.i += 1
-        return self.feeds[self.i - 1]
-
-    def rewind(self):
-        self.i = 0
 
 
 def calibration_draw(feeds: list, draw: int, draws: int) -> list:
@@ -218,7 +205,7 @@ def _child(tool: Tool, bm: BenchModel, n_calib: int | None, out_path: str, log_p
             from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
             start = time.perf_counter()
-            quantize_static(str(bm.path), out_path, _Reader(feeds), quant_format=QuantFormat.QDQ, per_channel=True,
+            quantize_static(str(bm.path), out_path, FeedReader(feeds), quant_format=QuantFormat.QDQ, per_channel=True,
                             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                             calibrate_method=CalibrationMethod.MinMax)
             result["seconds"] = time.perf_counter() - start

@@ -36,6 +36,7 @@ import onnxruntime as ort  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import FeedReader  # noqa: E402  (tools/models.py)
 os.environ.setdefault("QPASSES_NO_PROGRESS", "1")
 logging.disable(logging.WARNING)
 
@@ -157,16 +158,6 @@ def timed(fn, repeats: int):
     return results[-1][0], float(np.median([r[1] for r in results]))
 
 
-class _Reader:
-    def __init__(self, feeds):
-        self.feeds, self.i = feeds, 0
-
-    def get_next(self):
-        self.i += 1
-        return self.feeds[self.i - 1] if self.i <= len(self.feeds) else None
-
-    def rewind(self):
-        self.i = 0
 
     def __iter__(self):   # onnxruntime's GPTQ (its neural_compressor copy) iterates the reader
         return iter(self.feeds)
@@ -185,7 +176,7 @@ def theirs(proto, algorithm, calib):
 
     config = {"rtn": lambda: mq.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, bits=4),
               "hqq": lambda: mq.HQQWeightOnlyQuantConfig(block_size=32, bits=4),
-              "gptq": lambda: mq.GPTQWeightOnlyQuantConfig(calibration_data_reader=_Reader(calib))}[algorithm]()
+              "gptq": lambda: mq.GPTQWeightOnlyQuantConfig(calibration_data_reader=FeedReader(calib))}[algorithm]()
     proto = copy.deepcopy(proto)   # onnxruntime's quantizer edits the proto it is given: copied untimed
     t = time.perf_counter()
     q = mq.MatMulNBitsQuantizer(proto, block_size=32, is_symmetric=True, bits=4, algo_config=config)

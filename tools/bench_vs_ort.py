@@ -81,23 +81,6 @@ MIXED_TYPE = "uint16"
 
 
 # -- child processes ---------------------------------------------------------------------------------
-class _Reader:
-    """onnxruntime CalibrationDataReader over a models.Samples sequence (lazy, rewindable)."""
-
-    def __init__(self, samples):
-        self.samples, self.i = samples, 0
-
-    def get_next(self):
-        if self.i >= len(self.samples):
-            return None
-        self.i += 1
-        return self.samples[self.i - 1]
-
-    def rewind(self):
-        self.i = 0
-
-    def __len__(self):
-        return len(self.samples)
 
 
 def _child(side: str, model_path: str, calib_dir: str, samples: int, cfg, out_path: str, log_path: str, conn):
@@ -123,7 +106,7 @@ def _child(side: str, model_path: str, calib_dir: str, samples: int, cfg, out_pa
                         extra_options=extra)
             result["rss_base_mb"] = peak_rss_mb()
             start = time.perf_counter()
-            quantize_static(model_path, out_path, _Reader(data), **args)
+            quantize_static(model_path, out_path, bench_models.FeedReader(data), **args)
             result["seconds"] = time.perf_counter() - start
         else:
             import qpasses

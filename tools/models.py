@@ -78,6 +78,28 @@ class Samples:
 
 
 # -- registry ----------------------------------------------------------------------------------------
+class FeedReader:
+    """onnxruntime's CalibrationDataReader over a sequence of feeds (a list or Samples), rewindable."""
+
+    def __init__(self, feeds):
+        self.feeds, self.i = feeds, 0
+
+    def get_next(self):
+        if self.i >= len(self.feeds):
+            return None
+        self.i += 1
+        return self.feeds[self.i - 1]
+
+    def rewind(self):
+        self.i = 0
+
+    def __len__(self):
+        return len(self.feeds)
+
+    def __iter__(self):   # onnxruntime's GPTQ iterates a reader that has a length
+        return iter(self.feeds)
+
+
 def all_names() -> list[str]:
     light = [f"light_{n}{s}" for n in LIGHT_NETS for s in ("", "_rand")]
     return light + list(CORPUS_MODELS) + [f"{n}_init" for n in CORPUS_MODELS] + ["encoder_block"]
