@@ -73,7 +73,8 @@ def objective_task(model: bytes, shared) -> dict:
     return objective_score(reference, model, objective)
 
 
-def objective_scores(executor, reference: Reference, objective, models: list[bytes]) -> list[dict]:
-    """``objective_score`` of every model, as tasks of ``executor`` (in order)."""
-    shared = executor.put((reference, objective))
+def objective_scores(executor, shared, models) -> list[dict]:
+    """``objective_score`` of every model (ONNX bytes; an iterable: a task starts as soon as its model
+    is built), as tasks of ``executor``, in order; ``shared``: ``executor.put((reference, objective))``,
+    once for all the rounds of a search."""
     return list(executor.map(objective_task, models, shared))

@@ -47,7 +47,9 @@ class SearchPrecision(Pass):
     probabilities) ranks first — finds by bisection the shortest head of that ranking whose move
     to ``fallback`` (float, or 16 bits) meets the target, then gives members back to 8 bits in
     halves, least sensitive first, while the target still holds: at most 2*log2(tensors) + 16
-    evaluations of a quantized copy on the held-out feeds.
+    evaluations of a quantized copy on the held-out feeds. With ``config.executor`` ray the copies
+    are scored as parallel tasks, a round of them at once: the checks the search may make next,
+    found by replaying its decisions (qpasses.executors.speculate); the same checks and result.
     Writes: the promoted tensors' table entries (float: removed, with their sharers and the biases
     derived from them, the reason in ``model.decisions["float"]``; 16-bit: the new type, with a
     why-line), ``model.decisions["precision_search"]`` (target, scores, promotions, evaluations).
@@ -161,7 +163,7 @@ class _Search:
         self.scores: dict[frozenset, float] = {}
         self.known: dict = {}   # scored, not yet checked: key -> objective_score's result (or what building raised)
         self.computed: dict = {}   # root -> its entry in the fully quantized trial (its qparams)
-        self.executor = executors.from_config(ctx.config)
+        self.executor, self.shared = executors.from_config(ctx.config), None
 
     def check(self, promoted: list[str]) -> float:
         """The objective (worst component) on the held-out feeds with ``promoted`` kept at the fallback."""
@@ -173,27 +175,35 @@ class _Search:
         return self.scores[key]
 
     def _evaluate(self, batch: list[list[str]]) -> None:
-        """Quantize every candidate of ``batch`` here, score them (as tasks of a parallel executor)."""
-        parallel, keys, models = self.executor.parallel, [], []
-        for promoted in batch:
-            key = frozenset(promoted)
-            try:
-                trial = self._quantized(promoted)
-            except Exception as exc:   # raised when the search checks it (a speculative one: maybe never)
-                if not parallel:
-                    raise
-                self.known[key] = exc
-                continue
-            try:
-                proto = trial.to_proto(metadata=False)
-                models.append(proto.SerializeToString() if parallel else proto)
+        """Quantize every candidate of ``batch`` here, score them (as tasks of a parallel executor,
+        each submitted when its model is built)."""
+        keys = []
+
+        def built():
+            for promoted in batch:
+                key = frozenset(promoted)
+                try:
+                    trial = self._quantized(promoted)
+                except Exception as exc:   # raised when the search checks it (a speculative one: maybe never)
+                    if not self.executor.parallel:
+                        raise
+                    self.known[key] = exc
+                    continue
+                try:
+                    proto = trial.to_proto(metadata=False)
+                    model = proto.SerializeToString() if self.executor.parallel else proto
+                except Exception as exc:   # scored as a model onnxruntime cannot run
+                    self.known[key] = {"score": -math.inf, "failed": first_line(exc)}
+                    continue
                 keys.append(key)
-            except Exception as exc:   # scored as a model onnxruntime cannot run
-                self.known[key] = {"score": -math.inf, "failed": first_line(exc)}
-        if parallel:
-            results = objective_scores(self.executor, self.check_ref, self.objective, models)
+                yield model
+
+        if not self.executor.parallel:
+            results = [objective_score(self.check_ref, m, self.objective) for m in built()]
         else:
-            results = [objective_score(self.check_ref, m, self.objective) for m in models]
+            if self.shared is None:   # the reference goes to the object store once
+                self.shared = self.executor.put((self.check_ref, self.objective))
+            results = objective_scores(self.executor, self.shared, built())
         self.known.update(zip(keys, results))
 
     def _quantized(self, promoted: list[str]) -> QModel:
