@@ -62,7 +62,7 @@ class _Table(_Search):
     def __init__(self, table: dict, broken: set, workers: int, target: float, names: list[str]):
         self.scores, self.known, self.evaluations, self.budget = {}, {}, 0, int(2 * math.log2(len(names))) + 16
         self.table, self.broken, self.target, self.names, self.asked = table, broken, target, names, []
-        self.executor = executors.LocalExecutor(workers)
+        self.executor, self.seconds = executors.LocalExecutor(workers), {"build": 0.0, "tasks": 0.0}
         self.ctx = RunContext({}, None)
         self.ctx.findings = Findings()
         self.bar = type("Bar", (), {"update": lambda self, n: None})()

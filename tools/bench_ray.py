@@ -177,12 +177,15 @@ def _report(rows: dict, pipes: dict, samples: int) -> str:
     if pipes:
         lines += ["", "### Default pipeline (calibrate, select-by-snr, search-precision, ...; seconds)", "",
                   "| model | local | ray 1 CPU | ray 2 CPU | local/ray2 | search-precision checks: rounds on 1 / 2 CPU "
-                  "| model bytes and decisions identical |", "|" + "---|" * 7]
+                  "| its seconds on 2 CPU: quantizing (driver) / scoring (tasks) | model bytes and decisions identical |",
+                  "|" + "---|" * 8]
         for m, r in pipes.items():
-            search = (f"{r['search']['evaluations']}: {_rounds(r['rounds1'])} / {_rounds(r['rounds2'])}"
-                      if r["search"] and r["search"]["evaluations"] > 1 else "1 (target met)" if r["search"] else "—")
+            ran = r["search"] and r["search"]["evaluations"] > 1 and r["rounds2"]
+            search = (f"{r['search']['evaluations']}: {_rounds(r['rounds1'])} / {_rounds(r['rounds2'])}" if ran
+                      else "1 (target met)" if r["search"] else "—")
+            split = f"{r['rounds2']['build_seconds']:.2f} / {r['rounds2']['task_seconds']:.2f}" if ran else "—"
             lines.append(f"| {m} | {r['local']:.2f} | {r['ray1']:.2f} | {r['ray2']:.2f} | {r['local'] / r['ray2']:.2f} "
-                         f"| {search} | {'yes' if r['identical'] else 'NO'} |")
+                         f"| {search} | {split} | {'yes' if r['identical'] else 'NO'} |")
     return "\n".join(lines)
 
 

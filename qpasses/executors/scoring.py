@@ -5,6 +5,8 @@ included. The reference (feeds and float outputs) goes to the object store once.
 ``objective_scores``: search-precision's candidates, each task one overall objective score."""
 from __future__ import annotations
 
+import time
+
 from ..errors import first_line
 from ..evaluate import Contender, Reference
 from . import portable
@@ -69,8 +71,9 @@ def objective_score(reference: Reference, model, objective) -> dict:
 
 def objective_task(model: bytes, shared) -> dict:
     """Runs on a worker: ``objective_score`` of one candidate (``shared``: reference, objective)."""
+    began = time.perf_counter()
     reference, objective = shared
-    return objective_score(reference, model, objective)
+    return objective_score(reference, model, objective) | {"seconds": time.perf_counter() - began}
 
 
 def objective_scores(executor, shared, models) -> list[dict]:

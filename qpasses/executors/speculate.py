@@ -12,7 +12,7 @@ points the one-process run would check).
 """
 from __future__ import annotations
 
-LAST: dict = {}   # the last speculative search: rounds, candidates scored, candidates used
+LAST: dict = {}   # the last speculative search: rounds, candidates scored and used, seconds (tools/bench_ray.py)
 
 
 class Unknown(Exception):

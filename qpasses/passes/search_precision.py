@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import field
 from functools import partial
 from typing import ClassVar
@@ -164,6 +165,7 @@ class _Search:
         self.known: dict = {}   # scored, not yet checked: key -> objective_score's result (or what building raised)
         self.computed: dict = {}   # root -> its entry in the fully quantized trial (its qparams)
         self.executor, self.shared = executors.from_config(ctx.config), None
+        self.seconds = {"build": 0.0, "tasks": 0.0}   # quantizing here, scoring in tasks
 
     def check(self, promoted: list[str]) -> float:
         """The objective (worst component) on the held-out feeds with ``promoted`` kept at the fallback."""
@@ -181,7 +183,7 @@ class _Search:
 
         def built():
             for promoted in batch:
-                key = frozenset(promoted)
+                key, began = frozenset(promoted), time.perf_counter()
                 try:
                     trial = self._quantized(promoted)
                 except Exception as exc:   # raised when the search checks it (a speculative one: maybe never)
@@ -196,6 +198,7 @@ class _Search:
                     self.known[key] = {"score": -math.inf, "failed": first_line(exc)}
                     continue
                 keys.append(key)
+                self.seconds["build"] += time.perf_counter() - began
                 yield model
 
         if not self.executor.parallel:
@@ -204,6 +207,7 @@ class _Search:
             if self.shared is None:   # the reference goes to the object store once
                 self.shared = self.executor.put((self.check_ref, self.objective))
             results = objective_scores(self.executor, self.shared, built())
+            self.seconds["tasks"] += sum(r["seconds"] for r in results)
         self.known.update(zip(keys, results))
 
     def _quantized(self, promoted: list[str]) -> QModel:
@@ -253,7 +257,8 @@ class _Search:
                 self._evaluate([names for _, names in batch])
                 rounds, scored = rounds + 1, scored + len(batch)
         speculate.LAST.clear()
-        speculate.LAST.update(rounds=rounds, scored=scored, used=self.evaluations - spent)
+        speculate.LAST.update(rounds=rounds, scored=scored, used=self.evaluations - spent,
+                              build_seconds=self.seconds["build"], task_seconds=self.seconds["tasks"])
         return chosen
 
     def _replayed(self, promoted: list[str]) -> float:
