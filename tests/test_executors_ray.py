@@ -58,7 +58,7 @@ def test_models_are_byte_identical(cluster, config, tmp_path):
     assert written[0] == written[1]
 
 
-def test_search_precision_on_ray_decides_the_same(cluster, tmp_path):
+def test_search_precision_on_ray_decides_the_same(cluster, tmp_path, monkeypatch):
     """search-precision's checks as rounds of tasks on 2 CPUs: its decision, findings and the
     model bytes are the local run's (a model where it keeps four of twelve tensors float)."""
     from test_executors_search import BRANCHY, _feeds as branchy_feeds
@@ -69,6 +69,7 @@ def test_search_precision_on_ray_decides_the_same(cluster, tmp_path):
     from qpasses.pipeline import PassManager
     from qpasses.testing import parse
 
+    monkeypatch.setattr(speculate, "width", lambda workers, build, score: workers)   # not from timings
     runs = []
     for spec in ("local", "ray"):
         speculate.LAST.clear()

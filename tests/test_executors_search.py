@@ -36,6 +36,7 @@ def _feeds(n: int, seed: int = 0) -> list[dict]:
 
 def _run(workers, monkeypatch, tmp_path, **options):
     monkeypatch.setitem(executors._cache, ("local", None), executors.LocalExecutor(workers))
+    monkeypatch.setattr(speculate, "width", lambda workers, build, score: workers)   # not from timings
     speculate.LAST.clear()
     model = from_proto(parse(BRANCHY))
     ctx = RunContext({"op_types_to_quantize": ["Tanh", "Mul"], "calibration": {"method": "minmax"}}, _feeds(40))
@@ -62,7 +63,7 @@ class _Table(_Search):
     def __init__(self, table: dict, broken: set, workers: int, target: float, names: list[str]):
         self.scores, self.known, self.evaluations, self.budget = {}, {}, 0, int(2 * math.log2(len(names))) + 16
         self.table, self.broken, self.target, self.names, self.asked = table, broken, target, names, []
-        self.executor, self.seconds = executors.LocalExecutor(workers), {"build": 0.0, "tasks": 0.0}
+        self.executor, self.seconds = executors.LocalExecutor(workers), {"build": 0.0, "built": 0, "tasks": 0.0, "scored": 0}
         self.ctx = RunContext({}, None)
         self.ctx.findings = Findings()
         self.bar = type("Bar", (), {"update": lambda self, n: None})()
@@ -131,3 +132,11 @@ def test_frontier_is_breadth_first_over_outcomes():
 
     assert [k for k, _ in speculate.frontier(walk, 3, (True, False))] == [4, 2, 6]
     assert [k for k, _ in speculate.frontier(walk, 7, (True, False))] == [4, 2, 6, 1, 3, 5, 7]
+
+
+def test_width_caps_a_round_where_building_costs_more_than_it_saves():
+    assert speculate.width(8, 0.0, 0.0) == 8   # not measured yet: every worker
+    assert speculate.width(8, 1.0, 0.5) == 1   # building dominates: one candidate a round
+    assert speculate.width(8, 1.0, 3.0) == 3   # two levels a round
+    assert speculate.width(8, 0.1, 20.0) == 8 and speculate.width(64, 1.0, 20.0) == 11   # a big cluster: capped
+    assert speculate.width(2, 1.0, 1.0) == 2 and speculate.width(2, 1.0, 0.6) == 1

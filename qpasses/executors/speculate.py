@@ -8,9 +8,12 @@ the executor has workers; the caller scores them at once and replays again. The 
 scores in the one-process order, so it decides what the one-process run decides; a candidate it
 never asks for costs a task and nothing else. For a bisection with 2^k - 1 workers a round covers
 k levels (the interval shrinks 2^k times per round, as k-ary cut points would, but at the cut
-points the one-process run would check).
+points the one-process run would check). The driver builds a round's candidates one after the
+other, so ``width`` caps a round where building them would cost more than the levels it saves.
 """
 from __future__ import annotations
+
+import math
 
 LAST: dict = {}   # the last speculative search: rounds, candidates scored and used, seconds (tools/bench_ray.py)
 
@@ -47,3 +50,13 @@ def frontier(walk, width: int, outcomes: tuple, max_walks: int = 256) -> list:
         except Stop:
             pass
     return list(found.items())
+
+
+def width(workers: int, build: float, score: float) -> int:
+    """Candidates per round: the n <= ``workers`` that minimises (n * build + score) / log2(n + 1),
+    the seconds per bisection level when the driver builds n candidates one after the other (each
+    ``build`` seconds, its task starting then) and a task scores one in ``score`` seconds; all
+    ``workers`` until both are measured."""
+    if build <= 0 or score <= 0:
+        return max(1, workers)
+    return min(range(1, max(1, workers) + 1), key=lambda n: ((n * build + score) / math.log2(n + 1), n))

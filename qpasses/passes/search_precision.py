@@ -165,7 +165,7 @@ class _Search:
         self.known: dict = {}   # scored, not yet checked: key -> objective_score's result (or what building raised)
         self.computed: dict = {}   # root -> its entry in the fully quantized trial (its qparams)
         self.executor, self.shared = executors.from_config(ctx.config), None
-        self.seconds = {"build": 0.0, "tasks": 0.0}   # quantizing here, scoring in tasks
+        self.seconds = {"build": 0.0, "built": 0, "tasks": 0.0, "scored": 0}   # quantizing here, scoring in tasks
 
     def check(self, promoted: list[str]) -> float:
         """The objective (worst component) on the held-out feeds with ``promoted`` kept at the fallback."""
@@ -199,6 +199,7 @@ class _Search:
                     continue
                 keys.append(key)
                 self.seconds["build"] += time.perf_counter() - began
+                self.seconds["built"] += 1
                 yield model
 
         if not self.executor.parallel:
@@ -208,6 +209,7 @@ class _Search:
                 self.shared = self.executor.put((self.check_ref, self.objective))
             results = objective_scores(self.executor, self.shared, built())
             self.seconds["tasks"] += sum(r["seconds"] for r in results)
+            self.seconds["scored"] += len(results)
         self.known.update(zip(keys, results))
 
     def _quantized(self, promoted: list[str]) -> QModel:
@@ -253,13 +255,18 @@ class _Search:
             except speculate.Unknown:
                 batch = speculate.frontier(lambda assumed: _decide(partial(self._supposed, assumed), ranked,
                                                                    self.target, self.budget, spent, base),
-                                           self.executor.workers, (self.target, -math.inf))
+                                           self._width(), (self.target, -math.inf))
                 self._evaluate([names for _, names in batch])
                 rounds, scored = rounds + 1, scored + len(batch)
         speculate.LAST.clear()
         speculate.LAST.update(rounds=rounds, scored=scored, used=self.evaluations - spent,
                               build_seconds=self.seconds["build"], task_seconds=self.seconds["tasks"])
         return chosen
+
+    def _width(self) -> int:
+        done = self.seconds
+        return speculate.width(self.executor.workers, done["build"] / max(1, done["built"]),
+                               done["tasks"] / max(1, done["scored"]))
 
     def _replayed(self, promoted: list[str]) -> float:
         key = frozenset(promoted)
