@@ -250,18 +250,18 @@ class _Search:
         rounds, scored = 0, 0
         while True:
             try:
-                chosen = _decide(self._replayed, ranked, self.target, self.budget, spent, base)
+                result = _decide(self._replayed, ranked, self.target, self.budget, spent, base)
                 break
-            except speculate.Unknown:
+            except speculate.Unknown as miss:
                 batch = speculate.frontier(lambda assumed: _decide(partial(self._supposed, assumed), ranked,
                                                                    self.target, self.budget, spent, base),
-                                           self._width(), (self.target, -math.inf))
+                                           self._width(), (self.target, -math.inf)) or [(miss.key, miss.item)]
                 self._evaluate([names for _, names in batch])
                 rounds, scored = rounds + 1, scored + len(batch)
         speculate.LAST.clear()
         speculate.LAST.update(rounds=rounds, scored=scored, used=self.evaluations - spent,
                               build_seconds=self.seconds["build"], task_seconds=self.seconds["tasks"])
-        return chosen
+        return result
 
     def _width(self) -> int:
         done = self.seconds
