@@ -4,6 +4,7 @@ model: which share of the run parallelises, measured from the tasks' own clocks.
     python tools/bench_ray.py                                  # the four corpus models
     python tools/bench_ray.py --models example --samples 32    # no corpus needed
     python tools/bench_ray.py --json ray.json
+    python tools/bench_ray.py --models ppocr_v4_rec --no-calibration --config '{"accuracy": {"target": 20}}'
 
 In one process: onnxruntime's quantize_static (MinMax / Percentile: its calibration plus
 quantization) as the reference, qpasses' calibration run locally, then on a fresh local Ray cluster
@@ -82,11 +83,14 @@ def _calibrate(path: Path, feeds, method: str, executor):
     return time.perf_counter() - start, ranges
 
 
+CONFIG: dict = {}   # --config: the pipeline runs' config (e.g. a search-precision target)
+
+
 def _pipeline(path: Path, feeds, spec: str, out: Path):
     """(seconds, model bytes, search-precision's decision, its speculative rounds)."""
     speculate.LAST.clear()
     start = time.perf_counter()
-    model, _ = run_pipeline(str(path), config={"executor": spec}, calibration_data=feeds)
+    model, _ = run_pipeline(str(path), config=dict(CONFIG, executor=spec), calibration_data=feeds)
     seconds = time.perf_counter() - start
     return seconds, save(model, out).read_bytes(), model.decisions.get("precision_search"), dict(speculate.LAST)
 
@@ -105,13 +109,17 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--corpus", type=Path, default=CORPUS)
     ap.add_argument("--no-pipeline", action="store_true", help="time calibration only")
+    ap.add_argument("--no-calibration", action="store_true", help="time the pipeline only")
+    ap.add_argument("--config", type=json.loads, default={},
+                    help='the pipeline\'s config as JSON, e.g. \'{"accuracy": {"target": 20}}\'')
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     import ray
 
     from qpasses.executors.ray import runtime_env
 
-    runs = [(m, meth) for m in args.models.split(",") for meth in args.methods.split(",")]
+    CONFIG.update(args.config)
+    runs = [] if args.no_calibration else [(m, meth) for m in args.models.split(",") for meth in args.methods.split(",")]
     data = {m: _load(m, args.samples, args.corpus) for m in args.models.split(",")}
     rows = {run: {} for run in runs}
     pipes = {m: {} for m in data} if not args.no_pipeline else {}
@@ -167,7 +175,7 @@ def _amdahl(t1: float, p: float, n: int) -> float:
 def _report(rows: dict, pipes: dict, samples: int) -> str:
     lines = [f"### Calibration, {samples} samples (seconds; ratio: onnxruntime's quantize_static time / ours)", "",
              "| model | method | ort | local | ray 1 CPU | ray 2 CPU | local/ray2 | ort/ray2 | parallel share p "
-             "| predicted 2 / 4 / 8 / 16 CPU | identical |", "|" + "---|" * 11]
+             "| predicted 2 / 4 / 8 / 16 CPU | identical |", "|" + "---|" * 11] if rows else []
     for (m, meth), r in rows.items():
         p = min(1.0, r["tasks1"] / r["ray1"])
         pred = " / ".join(f"{_amdahl(r['ray1'], p, n):.2f}" for n in (2, 4, 8, 16))
