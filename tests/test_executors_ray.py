@@ -56,3 +56,29 @@ def test_models_are_byte_identical(cluster, config, tmp_path):
         model, _ = run_pipeline(example_model(), config=dict(config, executor=spec), calibration_data=data)
         written.append(save(model, tmp_path / f"{spec}.onnx").read_bytes())
     assert written[0] == written[1]
+
+
+def test_search_precision_on_ray_decides_the_same(cluster, tmp_path, monkeypatch):
+    """search-precision's checks as rounds of tasks on 2 CPUs: its decision, findings and the
+    model bytes are the local run's (a model where it keeps four of twelve tensors float)."""
+    from test_executors_search import BRANCHY, _feeds as branchy_feeds
+
+    from qpasses.context import RunContext
+    from qpasses.executors import speculate
+    from qpasses.ir import from_proto
+    from qpasses.pipeline import PassManager
+    from qpasses.testing import parse
+
+    monkeypatch.setattr(speculate, "width", lambda workers, build, score: workers)   # not from timings
+    runs = []
+    for spec in ("local", "ray"):
+        speculate.LAST.clear()
+        model = from_proto(parse(BRANCHY))
+        ctx = RunContext({"op_types_to_quantize": ["Tanh", "Mul"], "calibration": {"method": "minmax"},
+                          "executor": spec}, branchy_feeds(40))
+        PassManager("annotate-types,calibrate{hold_out=8},search-precision{target=30},compute-qparams,"
+                    "fix-bias-scales,insert-qdq,insert-converts").run(model, ctx)
+        runs.append((model.decisions["precision_search"], ctx.findings.as_dict()["search-precision"],
+                     save(model, tmp_path / f"{spec}.onnx").read_bytes()))
+    assert runs[0] == runs[1] and len(runs[0][0]["promoted"]) >= 2
+    assert 0 < speculate.LAST["rounds"] < speculate.LAST["used"] == runs[0][0]["evaluations"] - 1

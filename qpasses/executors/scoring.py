@@ -1,9 +1,13 @@
 """Variants scored as parallel tasks: each task runs one quantized model on every reference feed
 and returns its squared error per feed and output; the driver replays the duels on those errors
 (``Replayed``), so it decides what the one-process run decides, sample counts and early stops
-included. The reference (feeds and float outputs) goes to the object store once."""
+included. The reference (feeds and float outputs) goes to the object store once.
+``objective_scores``: search-precision's candidates, each task one overall objective score."""
 from __future__ import annotations
 
+import time
+
+from ..errors import first_line
 from ..evaluate import Contender, Reference
 from . import portable
 
@@ -54,3 +58,26 @@ def prescored(executor, reference: Reference, models: list, penalties: list[floa
     shared = executor.put((reference, optimize))
     results = list(executor.map(errors_task, models, shared))
     return lambda i: Replayed(reference, results[i], penalty=penalties[i])
+
+
+def objective_score(reference: Reference, model, objective) -> dict:
+    """The objective's overall score of ``model`` on the reference feeds; a model onnxruntime cannot
+    run scores -inf, ``failed`` says why (search-precision's check, in process or as a task)."""
+    try:
+        return {"score": float(reference.score(model, objective=objective)["objective"]["overall"]), "failed": None}
+    except Exception as exc:
+        return {"score": float("-inf"), "failed": first_line(exc)}
+
+
+def objective_task(model: bytes, shared) -> dict:
+    """Runs on a worker: ``objective_score`` of one candidate (``shared``: reference, objective)."""
+    began = time.perf_counter()
+    reference, objective = shared
+    return objective_score(reference, model, objective) | {"seconds": time.perf_counter() - began}
+
+
+def objective_scores(executor, shared, models) -> list[dict]:
+    """``objective_score`` of every model (ONNX bytes; an iterable: a task starts as soon as its model
+    is built), as tasks of ``executor``, in order; ``shared``: ``executor.put((reference, objective))``,
+    once for all the rounds of a search."""
+    return list(executor.map(objective_task, models, shared))

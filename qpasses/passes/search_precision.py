@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import field
+from functools import partial
 from typing import ClassVar
 
-
+from .. import executors
 from ..analysis.sensitivity import local_errors, promotion_groups, promote
 from ..calibration.data import open_data
 from ..config import ACCURACY_FALLBACKS, ACCURACY_METRICS
 from ..errors import CalibrationDataError, first_line
 from ..evaluate import Reference, rerun_skip_reason
+from ..executors import speculate
+from ..executors.scoring import objective_score, objective_scores
 from ..ir import QModel
 from ..objective import Objective
 from ..pipeline import Pass, PassResult, run_nested, split_after
@@ -44,7 +48,9 @@ class SearchPrecision(Pass):
     probabilities) ranks first — finds by bisection the shortest head of that ranking whose move
     to ``fallback`` (float, or 16 bits) meets the target, then gives members back to 8 bits in
     halves, least sensitive first, while the target still holds: at most 2*log2(tensors) + 16
-    evaluations of a quantized copy on the held-out feeds.
+    evaluations of a quantized copy on the held-out feeds. With ``config.executor`` ray the copies
+    are scored as parallel tasks, a round of them at once: the checks the search may make next,
+    found by replaying its decisions (qpasses.executors.speculate); the same checks and result.
     Writes: the promoted tensors' table entries (float: removed, with their sharers and the biases
     derived from them, the reason in ``model.decisions["float"]``; 16-bit: the new type, with a
     why-line), ``model.decisions["precision_search"]`` (target, scores, promotions, evaluations).
@@ -143,7 +149,10 @@ class SearchPrecision(Pass):
 
 
 class _Search:
-    """Scores on the held-out feeds of the model with some tensor groups promoted (cached)."""
+    """Scores on the held-out feeds of the model with some tensor groups promoted (cached). With a
+    parallel executor (config ``executor``) the candidates are quantized here and scored as tasks,
+    several at once: the next ones the search may check, found by replaying its decisions on the
+    scores known (qpasses.executors.speculate); the decisions, and so the result, are the same."""
 
     def __init__(self, options: SearchPrecision, model: QModel, ctx, check: Reference, groups: dict, objective,
                  target: float, fallback: str):
@@ -153,28 +162,77 @@ class _Search:
         self.evaluations = 0
         self.bar = progress(ctx, NAME, self.budget, unit="evaluations")
         self.scores: dict[frozenset, float] = {}
+        self.known: dict = {}   # scored, not yet checked: key -> objective_score's result (or what building raised)
         self.computed: dict = {}   # root -> its entry in the fully quantized trial (its qparams)
+        self.executor, self.shared = executors.from_config(ctx.config), None
+        self.seconds = {"build": 0.0, "built": 0, "tasks": 0.0, "scored": 0}   # quantizing here, scoring in tasks
 
     def check(self, promoted: list[str]) -> float:
         """The objective (worst component) on the held-out feeds with ``promoted`` kept at the fallback."""
         key = frozenset(promoted)
         if key not in self.scores:
-            trial = self.model.copy(share_weights=True)
-            promote(trial, [self.groups[n] for n in promoted], self.fallback, {})
-            first, rest = split_after(self.options.then, "compute-qparams")
-            run_nested(first, trial, self.ctx)
-            if not promoted:   # its qparams measure the local errors
-                self.computed = {n: trial.quant.get(n) for n in self.groups}
-            run_nested(rest, trial, self.ctx)
-            self.evaluations += 1
-            self.bar.update(self.evaluations)
-            try:
-                result = self.check_ref.score(trial.to_proto(metadata=False), objective=self.objective)
-                self.scores[key] = float(result["objective"]["overall"])
-            except Exception as exc:   # a candidate onnxruntime cannot run is never chosen
-                self.ctx.findings.update(NAME, {f"failed_{self.evaluations}": first_line(exc)})
-                self.scores[key] = -math.inf
+            if key not in self.known:
+                self._evaluate([list(promoted)])
+            self._take(key)
         return self.scores[key]
+
+    def _evaluate(self, batch: list[list[str]]) -> None:
+        """Quantize every candidate of ``batch`` here, score them (as tasks of a parallel executor,
+        each submitted when its model is built)."""
+        keys = []
+
+        def built():
+            for promoted in batch:
+                key, began = frozenset(promoted), time.perf_counter()
+                try:
+                    trial = self._quantized(promoted)
+                except Exception as exc:   # raised when the search checks it (a speculative one: maybe never)
+                    if not self.executor.parallel:
+                        raise
+                    self.known[key] = exc
+                    continue
+                try:
+                    proto = trial.to_proto(metadata=False)
+                    model = proto.SerializeToString() if self.executor.parallel else proto
+                except Exception as exc:   # scored as a model onnxruntime cannot run
+                    self.known[key] = {"score": -math.inf, "failed": first_line(exc)}
+                    continue
+                keys.append(key)
+                self.seconds["build"] += time.perf_counter() - began
+                self.seconds["built"] += 1
+                yield model
+
+        if not self.executor.parallel:
+            results = [objective_score(self.check_ref, m, self.objective) for m in built()]
+        else:
+            if self.shared is None:   # the reference goes to the object store once
+                self.shared = self.executor.put((self.check_ref, self.objective))
+            results = objective_scores(self.executor, self.shared, built())
+            self.seconds["tasks"] += sum(r["seconds"] for r in results)
+            self.seconds["scored"] += len(results)
+        self.known.update(zip(keys, results))
+
+    def _quantized(self, promoted: list[str]) -> QModel:
+        """A copy with ``promoted`` kept at the fallback, through the ``then`` pipeline."""
+        trial = self.model.copy(share_weights=True)
+        promote(trial, [self.groups[n] for n in promoted], self.fallback, {})
+        first, rest = split_after(self.options.then, "compute-qparams")
+        run_nested(first, trial, self.ctx)
+        if not promoted:   # its qparams measure the local errors
+            self.computed = {n: trial.quant.get(n) for n in self.groups}
+        run_nested(rest, trial, self.ctx)
+        return trial
+
+    def _take(self, key: frozenset) -> None:
+        """Check the scored candidate ``key``: one evaluation of the search."""
+        result = self.known.pop(key)
+        if isinstance(result, BaseException):
+            raise result
+        self.evaluations += 1
+        self.bar.update(self.evaluations)
+        if result["failed"]:   # a candidate onnxruntime cannot run is never chosen
+            self.ctx.findings.update(NAME, {f"failed_{self.evaluations}": result["failed"]})
+        self.scores[key] = result["score"]
 
     def ranked(self) -> list[str]:
         """Group roots from the largest local error (analysis.sensitivity.local_errors) down."""
@@ -184,30 +242,87 @@ class _Search:
         return sorted(errors, key=lambda name: (-errors[name], name))
 
     def search(self) -> tuple[list[str], float]:
-        """The fewest promotions found that meet the target: the smallest prefix of the ranking
-        that does (bisection), then prefix members given back to 8 bits in halves while the
-        target still holds (from the least sensitive), within the evaluation budget."""
-        ranked, target = self.ranked(), self.target
-        if self.check(ranked) < target:   # not even with everything promoted: keep the best seen
-            best = max(self.scores, key=lambda k: (self.scores[k], -len(k)))
-            return [n for n in ranked if n in best], self.scores[best]
-        lo, hi = 0, len(ranked)   # check(ranked[:lo]) < target <= check(ranked[:hi])
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.check(ranked[:mid]) >= target:
-                hi = mid
-            else:
-                lo = mid
-        chosen = ranked[:hi]
-        chunks = [chosen[::-1]]   # least sensitive first
-        while chunks and self.evaluations < self.budget:
-            chunk = chunks.pop(0)
-            trial = [n for n in chosen if n not in set(chunk)]
-            if self.check(trial) >= target:
-                chosen = trial
-            elif len(chunk) > 1:
-                chunks += [chunk[:len(chunk) // 2], chunk[len(chunk) // 2:]]
-        return chosen, self.check(chosen)
+        """The fewest promotions found that meet the target (``_decide``); with a parallel executor,
+        its checks replayed on scores evaluated in rounds of speculative candidates."""
+        ranked, base, spent = self.ranked(), dict(self.scores), self.evaluations
+        if not self.executor.parallel:
+            return _decide(self.check, ranked, self.target, self.budget, spent, base)
+        rounds, scored = 0, 0
+        while True:
+            try:
+                result = _decide(self._replayed, ranked, self.target, self.budget, spent, base)
+                break
+            except speculate.Unknown as miss:
+                batch = speculate.frontier(lambda assumed: _decide(partial(self._supposed, assumed), ranked,
+                                                                   self.target, self.budget, spent, base),
+                                           self._width(), (self.target, -math.inf)) or [(miss.key, miss.item)]
+                self._evaluate([names for _, names in batch])
+                rounds, scored = rounds + 1, scored + len(batch)
+        speculate.LAST.clear()
+        speculate.LAST.update(rounds=rounds, scored=scored, used=self.evaluations - spent,
+                              build_seconds=self.seconds["build"], task_seconds=self.seconds["tasks"])
+        return result
+
+    def _width(self) -> int:
+        done = self.seconds
+        return speculate.width(self.executor.workers, done["build"] / max(1, done["built"]),
+                               done["tasks"] / max(1, done["scored"]))
+
+    def _replayed(self, promoted: list[str]) -> float:
+        key = frozenset(promoted)
+        if key not in self.scores:
+            if key not in self.known:
+                raise speculate.Unknown(key, list(promoted))
+            self._take(key)
+        return self.scores[key]
+
+    def _supposed(self, assumed: dict, promoted: list[str]) -> float:
+        """A score the search would see, with ``assumed`` scores for candidates not scored yet."""
+        key = frozenset(promoted)
+        if key in self.scores:
+            return self.scores[key]
+        if key in self.known:
+            if isinstance(self.known[key], BaseException):
+                raise speculate.Stop
+            return self.known[key]["score"]
+        if key in assumed:
+            return assumed[key]
+        raise speculate.Unknown(key, list(promoted))
+
+
+def _decide(check, ranked: list[str], target: float, budget: int, spent: int, base: dict) -> tuple[list[str], float]:
+    """The fewest promotions found that meet the target: the smallest prefix of the ranking that
+    does (bisection), then prefix members given back to 8 bits in halves while the target still
+    holds (from the least sensitive), within ``budget`` evaluations (``spent`` before, on the
+    candidates ``base`` scores). ``check(promoted)`` scores a candidate; a deterministic walk."""
+    seen = dict(base)
+
+    def score(promoted: list[str]) -> float:
+        key = frozenset(promoted)
+        if key not in seen:
+            seen[key] = check(promoted)
+        return seen[key]
+
+    if score(ranked) < target:   # not even with everything promoted: keep the best seen
+        best = max(seen, key=lambda k: (seen[k], -len(k)))
+        return [n for n in ranked if n in best], seen[best]
+    lo, hi = 0, len(ranked)   # score(ranked[:lo]) < target <= score(ranked[:hi])
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if score(ranked[:mid]) >= target:
+            hi = mid
+        else:
+            lo = mid
+    chosen = ranked[:hi]
+    chunks = [chosen[::-1]]   # least sensitive first
+    while chunks and spent + len(seen) - len(base) < budget:
+        chunk = chunks.pop(0)
+        trial = [n for n in chosen if n not in set(chunk)]
+        if score(trial) >= target:
+            chosen = trial
+        elif len(chunk) > 1:
+            chunks += [chunk[:len(chunk) // 2], chunk[len(chunk) // 2:]]
+    return chosen, score(chosen)
 
 
 def _round(value: float):
