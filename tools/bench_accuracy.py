@@ -34,7 +34,6 @@ import argparse
 import datetime
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
 import subprocess
@@ -51,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import accuracy_models as acc  # noqa: E402  (tools/accuracy_models.py)
-from models import FeedReader  # noqa: E402  (tools/models.py)
+from models import FeedReader, run_spawned  # noqa: E402  (tools/models.py)
 
 SHARED_CORPUS_CODE = REPO.parent / "shared" / "corpus"
 DEFAULT_CORPUS = Path(os.path.expanduser("~/.cache/qp-corpus"))
@@ -192,8 +191,8 @@ def calibration_draw(feeds: list, draw: int, draws: int) -> list:
     return feeds[:draw * size] + feeds[(draw + 1) * size:]
 
 
-def _child(tool: Tool, bm: BenchModel, n_calib: int | None, out_path: str, log_path: str, qp_src, conn,
-           draw: tuple[int, int] = (0, 1)):
+def _child(tool: Tool, bm: BenchModel, n_calib: int | None, out_path: str, log_path: str, qp_src,
+           draw: tuple[int, int], conn):
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -245,27 +244,11 @@ def _child(tool: Tool, bm: BenchModel, n_calib: int | None, out_path: str, log_p
 
 def run_child(tool: Tool, bm: BenchModel, n_calib, out_path: Path, timeout: float, qp_src,
               draw: tuple[int, int] = (0, 1)) -> dict:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
     log_path = out_path.with_suffix(".log")
     if out_path.exists():
         out_path.unlink()
-    proc = ctx.Process(target=_child, args=(tool, bm, n_calib, str(out_path), str(log_path), qp_src, child, draw))
-    proc.start()
-    child.close()
-    result = None
-    if parent.poll(timeout):
-        try:
-            result = parent.recv()
-        except EOFError:
-            result = None
-    proc.join(5 if result is not None else 0.1)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-        result = result or {"tool": tool.name, "ok": False, "error": f"timeout after {timeout:.0f} s"}
-    if result is None:
-        result = {"tool": tool.name, "ok": False, "error": f"child died (exit code {proc.exitcode}); see {log_path}"}
+    result = run_spawned(_child, (tool, bm, n_calib, str(out_path), str(log_path), qp_src, draw), timeout,
+                         log_path, {"tool": tool.name})
     result["path"] = str(out_path) if result.get("ok") else None
     result["log"] = str(log_path)
     return result

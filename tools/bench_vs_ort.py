@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -130,26 +129,9 @@ def _child(side: str, model_path: str, calib_dir: str, samples: int, cfg, out_pa
 
 
 def run_child(side, bm, samples, cfg, out_path: Path, timeout: float) -> dict:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
     log_path = out_path.with_suffix(".log")
-    proc = ctx.Process(target=_child, args=(side, str(bm.path), str(bm.calib_dir), samples, cfg,
-                                            str(out_path), str(log_path), child))
-    proc.start()
-    child.close()
-    result = None
-    if parent.poll(timeout):
-        try:
-            result = parent.recv()
-        except EOFError:
-            result = None
-    proc.join(5 if result is not None else 0.1)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-        result = result or {"side": side, "ok": False, "error": f"timeout after {timeout:.0f} s"}
-    if result is None:
-        result = {"side": side, "ok": False, "error": f"child died (exit code {proc.exitcode}); see {log_path}"}
+    result = bench_models.run_spawned(_child, (side, str(bm.path), str(bm.calib_dir), samples, cfg, str(out_path),
+                                               str(log_path)), timeout, log_path, {"side": side})
     result["path"] = str(out_path) if result.get("ok") else None
     return result
 

@@ -78,6 +78,33 @@ class Samples:
 
 
 # -- registry ----------------------------------------------------------------------------------------
+def run_spawned(target, args: tuple, timeout: float, log_path: Path, label: dict) -> dict:
+    """Run ``target(*args, conn)`` in a spawned process that sends one result dict through ``conn``;
+    wait at most ``timeout`` seconds. A timeout or a child that dies gives ``label`` with ok False and
+    the reason."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, child))
+    proc.start()
+    child.close()
+    result = None
+    if parent.poll(timeout):
+        try:
+            result = parent.recv()
+        except EOFError:
+            result = None
+    proc.join(5 if result is not None else 0.1)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        result = result or {**label, "ok": False, "error": f"timeout after {timeout:.0f} s"}
+    if result is None:
+        result = {**label, "ok": False, "error": f"child died (exit code {proc.exitcode}); see {log_path}"}
+    return result
+
+
 class FeedReader:
     """onnxruntime's CalibrationDataReader over a sequence of feeds (a list or Samples), rewindable."""
 
