@@ -6,11 +6,11 @@ import numpy as np
 import onnx
 import pytest
 
-from qpasses.cli import main
 from qpasses.evaluate import session
-from qpasses.examples import write_example
 from qpasses.report import localise, provider
 from qpasses.report.backends import with_outputs
+
+import report_kit
 
 
 class Table:
@@ -107,11 +107,7 @@ class FragileUnlessRead:
 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("example")
-    model, calib, evals = write_example(folder)
-    q = folder / "q.onnx"
-    assert main(["run", str(model), "-o", str(q), "--calib", str(calib), "--quiet"]) == 0
-    return model, q, evals
+    return report_kit.quantized_example(tmp_path_factory.mktemp("example"))
 
 
 def test_compare_names_the_tensor_whose_reading_repairs_the_provider(example, monkeypatch, capsys):

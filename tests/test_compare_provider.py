@@ -5,40 +5,22 @@ import numpy as np
 import onnx
 import pytest
 
-from qpasses.api import run_pipeline
 from qpasses.cli import main
 from qpasses.evaluate import session
-from qpasses.examples import write_example
 from qpasses.report import provider
 from qpasses.report.backends import with_outputs
 from qpasses.report.layers import layers
-from qpasses.testing import model_from_text
 
-CONVS = """
-g (float[1, 4, 8, 8] x) => (float[1, 4, 8, 8] y)
-  <float[4, 4, 3, 3] w1 = {%s}, float[4, 4, 3, 3] w2 = {%s}> {
-  c1 = Conv <pads = [1, 1, 1, 1]> (x, w1)
-  r1 = Relu (c1)
-  y = Conv <pads = [1, 1, 1, 1]> (r1, w2)
-}"""
-
+import report_kit
 
 @pytest.fixture(scope="module")
 def convs():
-    rng = np.random.default_rng(0)
-    text = CONVS % tuple(", ".join(f"{v:.4f}" for v in rng.normal(0, 0.3, 144)) for _ in range(2))
-    feeds = [{"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)} for _ in range(8)]
-    qdq, _ = run_pipeline(model_from_text(text), None, calibration_data=feeds)
-    return model_from_text(text), qdq, feeds
+    return report_kit.convs(8)
 
 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("example")
-    model, calib, evals = write_example(folder)
-    q = folder / "q.onnx"
-    assert main(["run", str(model), "-o", str(q), "--calib", str(calib), "--quiet"]) == 0
-    return model, q, evals
+    return report_kit.quantized_example(tmp_path_factory.mktemp("example"))
 
 
 class ShiftedZeroPoint:

@@ -5,7 +5,6 @@ import re
 import numpy as np
 import pytest
 
-from qpasses.api import run_pipeline
 from qpasses.cli import main
 from qpasses.examples import write_example
 from qpasses.ir import load
@@ -13,14 +12,7 @@ from qpasses.report import build
 from qpasses.report.layers import layers, precision_cells
 from qpasses.testing import model_from_text
 
-CONVS = """
-g (float[1, 4, 8, 8] x) => (float[1, 4, 8, 8] y)
-  <float[4, 4, 3, 3] w1 = {%s}, float[4, 4, 3, 3] w2 = {%s}> {
-  c1 = Conv <pads = [1, 1, 1, 1]> (x, w1)
-  r1 = Relu (c1)
-  y = Conv <pads = [1, 1, 1, 1]> (r1, w2)
-}"""
-
+import report_kit
 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
@@ -29,12 +21,7 @@ def example(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def convs():
-    rng = np.random.default_rng(0)
-    weights = [", ".join(f"{v:.4f}" for v in rng.normal(0, 0.3, 144)) for _ in range(2)]
-    text = CONVS % tuple(weights)
-    feeds = [{"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)} for _ in range(16)]
-    qdq, _ = run_pipeline(model_from_text(text), None, calibration_data=feeds)
-    return model_from_text(text), qdq, feeds
+    return report_kit.convs(16)
 
 
 def test_the_first_tensor_accumulates_only_its_own_error(convs):
@@ -135,7 +122,7 @@ def test_a_minus_one_batch_dimension_takes_any_batch(tmp_path, capsys):
     """Exporters write -1 for a dynamic batch: the data is checked against onnxruntime's session
     inputs, as `qpasses compare` does, so `report`, `run --eval --html` and `compare --per-layer` take it."""
     rng = np.random.default_rng(1)
-    text = CONVS % tuple(", ".join(f"{v:.4f}" for v in rng.normal(0, 0.3, 144)) for _ in range(2))
+    text = report_kit.CONVS % tuple(", ".join(f"{v:.4f}" for v in rng.normal(0, 0.3, 144)) for _ in range(2))
     proto = model_from_text(text).to_proto()
     for value in (*proto.graph.input, *proto.graph.output):
         value.type.tensor_type.shape.dim[0].dim_value = -1
