@@ -148,8 +148,10 @@ class TypePlanner:
         for node, rule in self.nodes:                       # ops that start quantized regions
             if not rule.needs or (force and rule.removable_if is None):
                 self.quantize_node(node, rule)
+        selected = {node.name: rule for node, rule in self.nodes}
         for node, rule in self.nodes:                       # ops quantized only inside regions
-            if rule.needs and not (force and rule.removable_if is None) and self.meets_needs(node, rule):
+            if rule.needs and not (force and rule.removable_if is None) and self.meets_needs(node, rule) \
+                    and (force or self.table_read_quantized(node, rule, selected)):
                 self.quantize_node(node, rule)
         self.apply_overrides()
         self.resolve_shares()
@@ -190,6 +192,9 @@ class TypePlanner:
         for n in ruled:
             rule = rule_for(n.op, opset)
             unmet = [n.inputs[i].name for i in rule.needs if i < len(n.inputs) and n.inputs[i].name not in self.entries]
+            if unmet == [name] and rule.constant_meets_needs and isinstance(n.inputs[0], gs.Constant):
+                return (f"{n.op} '{n.name}' looks up this constant table, and no quantized op reads what it "
+                        "selects: an 8-bit table would only add rounding")
             if unmet == [name]:
                 return f"{n.op} '{n.name}' is quantized only inside a quantized region, and nothing quantized feeds it"
             if unmet:
@@ -210,6 +215,30 @@ class TypePlanner:
                                                    and self.quantizable(t)):
                 return False
         return True
+
+    def table_read_quantized(self, node: gs.Node, rule: OpRule, selected: dict) -> bool:
+        """A lookup in a constant table (an embedding Gather) joins a quantized region only when a
+        quantized op reads what it selects, directly or through selected data-movement ops: otherwise
+        quantizing the table only adds rounding (bert_encoder: the token table alone, 8-bit per tensor,
+        cost as much as all its weight MatMuls, 29.8 dB)."""
+        if not (rule.constant_meets_needs and isinstance(node.inputs[0], gs.Constant)
+                and node.inputs[0].name not in self.entries):
+            return True
+        seen, stack = set(), [t for t in node.outputs]
+        while stack:
+            t = stack.pop()
+            if t.name in self.entries:
+                return True
+            for reader in t.outputs:
+                r = selected.get(reader.name)
+                if r is None or reader.name in seen:
+                    continue
+                seen.add(reader.name)
+                if not r.needs:
+                    return True
+                if r.shares:
+                    stack.extend(reader.outputs)
+        return False
 
     # -- entries ----------------------------------------------------------------------------
     def quantize_node(self, node: gs.Node, rule: OpRule) -> None:

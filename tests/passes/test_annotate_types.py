@@ -107,9 +107,13 @@ FAMILIES = {
     "shape_only_on_float_input_stays_float": ("""g (float[2,3] x) => (float[3,2] y) { t = Transpose<perm=[1,0]>(x)
                                                  y = Sigmoid(t) }""",
                                               {"t": (ACT, U8, None, None), "y": (ACT, U8, None, None)}),
-    "gather_constant_table": ("""g (int64[2] i) => (float[2,2] y) <float[3,2] tab = {1,2,3,4,5,6}> {
-                                 y = Gather(tab, i) }""",
-                              {"tab": ("weight", U8, None, None), "y": (ACT, U8, None, "tab")}),
+    "gather_constant_table": ("""g (int64[2] i) => (float[2,2] y) <float[3,2] tab = {1,2,3,4,5,6}, int64[2] shape = {2, 2}> {
+                                 e = Gather(tab, i)  r = Reshape(e, shape)  y = Sigmoid(r) }""",
+                              {"tab": ("weight", U8, None, None), "e": (ACT, U8, None, "tab"),
+                               "r": (ACT, U8, None, "e"), "y": (ACT, U8, None, None)}),
+    # nothing quantized reads what the lookup selects: an 8-bit table would only add rounding
+    "gather_constant_table_read_float": ("""g (int64[2] i) => (float[2,2] y) <float[3,2] tab = {1,2,3,4,5,6}> {
+                                            e = Gather(tab, i)  y = Neg(e) }""", {}),
     "split": ("""g (float[4] x) => (float[2] a, float[2] b) { s = Sigmoid(x)  a, b = Split<num_outputs=2>(s) }""",
               {"x": (ACT, U8, None, None), "s": (ACT, U8, None, None), "a": (ACT, U8, None, "s"),
                "b": (ACT, U8, None, "s")}),
