@@ -459,8 +459,9 @@ def parse_tools(args) -> list[Tool]:
     if len({t.name for t in tools}) != len(tools):
         raise SystemExit("tool names must be unique")
     if args.tools:
-        keep = args.tools.split(",")
-        tools = [t for t in tools if t.name in keep]
+        keep = set(args.tools.split(","))
+        extras = {spec.partition("=")[0] for spec in args.qp_config + args.qp_passes} if "extras" in keep else set()
+        tools = [t for t in tools if t.name in keep or t.name in extras]
     return tools
 
 
@@ -468,7 +469,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(ALL_MODELS), help=f"comma list of {', '.join(ALL_MODELS)}")
-    ap.add_argument("--tools", help="comma list: only these tool columns (ort, nncf, nncf_tf, qpasses, extras)")
+    ap.add_argument("--tools", help="comma list: only these tool columns (ort, nncf, nncf_tf, qpasses, a "
+                                    "--qp-config/--qp-passes name, or extras: all of those)")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_CALIB} calibration / {QUICK_EVAL} eval samples")
     ap.add_argument("--calib-samples", type=int, help="calibration samples (default: all, 32-64)")
     ap.add_argument("--eval-samples", type=int, help="eval samples (default: all, 32)")
