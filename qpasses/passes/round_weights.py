@@ -1,0 +1,212 @@
+"""round-weights: choose each integer weight's codes to minimise its layer's output error (GPTQ)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from ..analysis.scopes import scopes
+from ..calibration.runner import collect_stats
+from ..errors import CalibrationDataError
+from ..evaluate import rerun_skip_reason
+from ..ir import QModel
+from ..pipeline import Pass, PassResult
+from ..qtypes import qtype
+from ..registry import register
+from ..rounding import Geometry, Hessian, conv_geometry, round_codes
+
+NAME = "round-weights"
+DECISION = "weight_rounding"
+
+
+@dataclass
+class Target:
+    """One weight to round: the node reading it, the weight constant, how the layer reads its input,
+    and how its array maps to [groups, output channels, inputs] (``to_rows``/``from_rows``)."""
+
+    node: gs.Node
+    weight: gs.Constant
+    geo: Geometry
+    layout: str          # conv | kn (MatMul, Gemm transB=0: [K, N]) | nk (Gemm transB=1: [N, K])
+    hessian: Hessian | None = None
+
+    def to_rows(self, values: np.ndarray) -> np.ndarray:
+        if self.layout == "conv":
+            return values.reshape(self.geo.groups, values.shape[0] // self.geo.groups, -1)
+        return (values.T if self.layout == "kn" else values)[None]
+
+    def from_rows(self, rows: np.ndarray, shape: tuple) -> np.ndarray:
+        if self.layout == "conv":
+            return rows.reshape(shape)
+        return rows[0].T if self.layout == "kn" else rows[0]
+
+
+def find_targets(model: QModel, activation_bits: int) -> list[Target]:
+    """Main-graph Conv (1-D/2-D), MatMul and Gemm (transA = 0) layers whose constant weight, read by
+    that node only, has integer qparams in the table (no convert) and whose data input is a tensor
+    left float or quantized to at least ``activation_bits`` bits."""
+    inner, out = scopes(model), []
+    for node in model.graph.nodes:
+        if node.op not in ("Conv", "MatMul", "Gemm") or len(node.inputs) < 2 or inner.scope_of(node) != 0:
+            continue
+        data, weight = node.inputs[0], node.inputs[1]
+        tq = model.quant.get(weight.name)
+        if (isinstance(data, gs.Constant) or not isinstance(weight, gs.Constant) or len(weight.outputs) != 1
+                or tq is None or tq.role != "weight" or not tq.scale or tq.convert is not None
+                or qtype(tq.qtype).is_float or np.asarray(weight.values).dtype.kind != "f"):
+            continue
+        source = model.quant.get(data.name)
+        if source is not None and min(qtype(t).bits for t in _types(source)) < activation_bits:
+            continue
+        shape = np.shape(weight.values)
+        if node.op == "Conv":
+            geo, layout = conv_geometry(node.attrs, shape), "conv"
+        elif node.op == "Gemm" and not node.attrs.get("transA", 0) and len(shape) == 2:
+            layout = "nk" if node.attrs.get("transB", 0) else "kn"
+            geo = Geometry("dense", shape[1] if layout == "nk" else shape[0])
+        elif node.op == "MatMul" and len(shape) == 2:
+            geo, layout = Geometry("dense", shape[0]), "kn"
+        else:
+            continue
+        if geo is None or (geo.kind == "conv" and shape[0] % geo.groups):
+            continue
+        axis = 1 if layout == "kn" else 0
+        if len(tq.scale) > 1 and (tq.axis is None or tq.axis % len(shape) != axis):
+            continue
+        out.append(Target(node, weight, geo, layout))
+    return out
+
+
+class _Readers:
+    """The Hessians of every target reading one tensor (collect_stats feeds it whole arrays)."""
+
+    min = max = 0.0   # collect_stats' test for body tensors that never ran
+
+    def __init__(self, hessians: list[Hessian]):
+        self.hessians = hessians
+
+    def update(self, x, *_) -> None:
+        for h in self.hessians:
+            h.update(x)
+
+
+@register
+class RoundWeights(Pass):
+    """Pick each integer weight's codes to minimise its layer's output error on calibration data (GPTQ).
+
+    Reads: the table's scale and zero point of each constant Conv/MatMul/Gemm weight (after
+    compute-qparams) and the calibration data (X^T X of each layer's float input, sampled rows of
+    its receptive fields, one streamed float run per batch of layers). Writes: each such weight's
+    float values become its rounded codes dequantized (on its grid, so insert-qdq stores exactly
+    those codes), with a why-line; ``model.decisions["weight_rounding"]``. Round-to-nearest error
+    is spread over the inputs not yet rounded, weighted by the inverse of X^T X: on ppocr_v4_rec,
+    8-bit weights alone go from 14.9 dB (round to nearest) to 28.9 dB output SNR. Invariants: codes
+    within the type's range; scales and zero points unchanged; a second run changes nothing.
+    """
+
+    name: ClassVar[str] = NAME
+    requires: ClassVar[frozenset] = frozenset({"qparams-computed"})
+    preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated", "qparams-computed"})
+    example: ClassVar[str] = """
+        <ir_version: 10, opset_import: ["" : 17]>
+        g (float[1, 3, 5, 5] x) => (float[1, 2, 5, 5] y) <float[2, 3, 1, 1] w = {0.31, -0.52, 0.2, -0.45,
+        0.93, -0.41}, float[2] b = {0.5, -0.25}>
+        {
+            y = Conv (x, w, b)
+        }
+    """
+    example_prelude: ClassVar[str] = "annotate-types,calibrate,compute-qparams"
+    example_config: ClassVar[dict] = {"activation_type": "uint16"}   # it rounds layers with 16-bit inputs by default
+
+    activation_bits: int = field(default=16, metadata={
+        "help": "round only layers whose input is float or quantized to at least this many bits (8: all; "
+                "with 8-bit inputs the activation grids set the error: no gain measured on ppocr_v4_rec, "
+                "bert_encoder, ppocr_v2_cls, crnn_lstm, for a float run)"})
+    samples: int = field(default=16, metadata={"help": "calibration feeds X^T X is accumulated over"})
+    damping: float = field(default=0.01, metadata={"help": "added to diag(X^T X), times its mean"})
+    max_hessian_mb: float = field(default=256.0, metadata={
+        "help": "X^T X of the layers measured in one float run (more layers: more runs); a layer "
+                "whose own X^T X is larger keeps round-to-nearest"})
+    max_nodes: int = field(default=20000, metadata={"help": "do nothing for graphs with more nodes than this"})
+    max_weight_mb: float = field(default=1024.0, metadata={"help": "do nothing for models with more weight data"})
+
+    def run(self, model: QModel, ctx) -> PassResult:
+        if DECISION in model.decisions:
+            return PassResult(model, False, {"rounded": 0})
+        targets = find_targets(model, self.activation_bits)
+        if not targets:
+            return PassResult(model, False, {"rounded": 0})
+        if model.decisions.get("bias_correction", {}).get("applied"):
+            ctx.findings.set(NAME, {"skipped": "the biases were corrected for round-to-nearest weights"})
+            return PassResult(model, False, {"rounded": 0})
+        skip = rerun_skip_reason(model, ctx.calibration_data, self.max_nodes, self.max_weight_mb)
+        if skip:
+            ctx.findings.set(NAME, {"skipped": skip})
+            return PassResult(model, False, {"rounded": 0})
+        budget = self.max_hessian_mb * 2**20
+        targets = [t for t in targets if t.geo.h_bytes <= budget]
+        rounded, samples = 0, 0
+        try:
+            for batch in _batches(targets, budget):
+                samples = self._measure(model, ctx, batch)
+                rounded += sum(self._round(model, t, samples) for t in batch)
+        except CalibrationDataError as exc:
+            ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({exc})"})
+            return PassResult(model, False, {"rounded": 0})
+        model.decisions[DECISION] = {"by": NAME, "layers": len(targets), "rounded": rounded, "samples": samples}
+        ctx.findings.set(NAME, {"layers": len(targets), "rounded": rounded, "samples": samples})
+        return PassResult(model, True, {"rounded": rounded, "samples": samples})
+
+    def _measure(self, model: QModel, ctx, batch: list[Target]) -> int:
+        by_input: dict[str, list[Hessian]] = {}
+        for k, t in enumerate(batch):
+            t.hessian = Hessian(t.geo, seed=k)
+            by_input.setdefault(t.node.inputs[0].name, []).append(t.hessian)
+        _, count = collect_stats(model, ctx.calibration_data, max_samples=self.samples, only=set(by_input),
+                                 collector_for=lambda name: _Readers(by_input.get(name, [])))
+        return count
+
+    def _round(self, model: QModel, t: Target, samples: int) -> bool:
+        tq = model.quant[t.weight.name]
+        values = np.asarray(t.weight.values)
+        if t.hessian is None or t.hessian.rows == 0:
+            return False
+        rows = t.to_rows(values.astype(np.float64))
+        groups, per_group = rows.shape[:2]
+        scale = _per_row(tq.scale, groups, per_group)
+        zero = _per_row(tq.zero_point, groups, per_group)
+        qt = qtype(tq.qtype)
+        codes = round_codes(rows, scale, zero, qt.qmin, qt.qmax, t.hessian.h, self.damping)
+        new = t.from_rows((codes - zero[..., None]) * scale[..., None], values.shape).astype(values.dtype)
+        t.hessian = None
+        if np.array_equal(new, values):
+            return False
+        t.weight.values = new
+        tq.because(f"{NAME}: codes chosen to minimise the output error of '{t.node.name}' on {samples} "
+                   f"calibration samples (GPTQ with these scales)")
+        return True
+
+
+def _types(tq) -> list[str]:
+    """The quantized types a tensor's readers may see (its own, and its convert's)."""
+    return [tq.qtype] + ([tq.convert.qtype] if tq.convert is not None else [])
+
+
+def _per_row(values, groups: int, per_group: int) -> np.ndarray:
+    """A per-tensor or per-output-channel qparam as [groups, per_group]."""
+    arr = np.asarray(values, np.float64).ravel()
+    return np.broadcast_to(arr if arr.size > 1 else arr[:1], (groups * per_group,)).reshape(groups, per_group)
+
+
+def _batches(targets: list[Target], budget: float):
+    batch, used = [], 0
+    for t in targets:
+        if batch and used + t.geo.h_bytes > budget:
+            yield batch
+            batch, used = [], 0
+        batch.append(t)
+        used += t.geo.h_bytes
+    if batch:
+        yield batch
