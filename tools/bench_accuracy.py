@@ -14,7 +14,8 @@ are timed, imports and data loading are not):
 * ``nncf_tf``: the same with ``model_type=nncf.ModelType.TRANSFORMER`` (only on the transformer
   models: bert_encoder and ppocr_v4_rec, whose SVTR neck has attention);
 * ``qpasses``: ``qpasses.quantize(path, feeds)`` (the default pipeline), saved with ``qpasses.save``;
-* extra qpasses runs: ``--qp-config name=cfg.json`` (a config) and ``--qp-passes name='pipeline'``.
+* extra qpasses runs: ``--qp-config name=cfg.json`` (a config) and ``--qp-passes name='pipeline'``
+  (both with one name: that config with that pipeline).
 
 Measured on the held-out eval samples for every produced model: the model's task metric against
 the float model's outputs, output SNR (dB, the minimum over outputs of
@@ -451,11 +452,15 @@ def parse_tools(args) -> list[Tool]:
         if not path or not Path(path).is_file():
             raise SystemExit(f"--qp-config {spec!r}: expected name=path.json of an existing file")
         tools.append(Tool(name, "qp", config=str(Path(path).resolve())))
-    for spec in args.qp_passes:
+    for spec in args.qp_passes:   # a name also given to --qp-config: that config with this pipeline
         name, _, text = spec.partition("=")
         if not text:
             raise SystemExit(f"--qp-passes {spec!r}: expected name='pipeline text'")
-        tools.append(Tool(name, "qp", passes=text))
+        same = [k for k, t in enumerate(tools) if t.name == name and t.config and not t.passes]
+        if same:
+            tools[same[0]] = Tool(name, "qp", config=tools[same[0]].config, passes=text)
+        else:
+            tools.append(Tool(name, "qp", passes=text))
     if len({t.name for t in tools}) != len(tools):
         raise SystemExit("tool names must be unique")
     if args.tools:
