@@ -7,9 +7,10 @@ import onnx_graphsurgeon as gs
 from ..ir import constant_dtype
 from .blocks import Blocked
 from .matmulnbits import dq_inputs, nbits_attrs, nbits_inputs
+from .mx import MXBlocked
 from .targets import Target
 
-QDQ_OPSET = 21   # int4/uint4 and DequantizeLinear's block_size
+QDQ_OPSET = 21   # int4/uint4, float8 and DequantizeLinear's block_size
 
 
 def to_matmulnbits(target: Target, w: Blocked, namer) -> gs.Node:
@@ -32,11 +33,14 @@ def to_matmulnbits(target: Target, w: Blocked, namer) -> gs.Node:
     return new
 
 
-def to_dequantize(target: Target, w: Blocked, namer) -> gs.Node:
+def to_dequantize(target: Target, w: Blocked | MXBlocked, namer) -> gs.Node:
     """A DequantizeLinear(axis, block_size) writing the weight's float value for the node to read."""
     node, base = target.node, target.weight.name
     dtype = np.dtype(constant_dtype(target.weight))
-    arrays = dq_inputs(w, target.transposed, dtype)
+    if isinstance(w, MXBlocked):
+        arrays = w.dq_arrays(target.transposed, dtype)
+    else:
+        arrays = dq_inputs(w, target.transposed, dtype)
     inputs = [gs.Constant(namer(f"{base}_q"), arrays["x"]), gs.Constant(namer(f"{base}_scale"), arrays["scale"])]
     if arrays["zero_point"] is not None:
         inputs.append(gs.Constant(namer(f"{base}_zero_point"), arrays["zero_point"]))

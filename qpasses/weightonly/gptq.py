@@ -8,12 +8,14 @@ batch of COLUMNS channels each channel updates the rest of the batch, and the ba
 the later channels in one matrix product. Block parameters (scale, zero point) are chosen by
 rtn.choose_params on the weights as they are when a block's first channel is reached; with
 act_order they are fixed beforehand from the original weights (blocks stay contiguous along K, as
-MatMulNBits and DequantizeLinear need)."""
+MatMulNBits and DequantizeLinear need). With an MX ``element`` the per-block parameter is a
+power-of-two exponent (mx.choose_exponents) and each column rounds to the element grid."""
 from __future__ import annotations
 
 import numpy as np
 
 from .blocks import Blocked, rows_of
+from .mx import Element, MXBlocked, choose_exponents, exponent_bounds
 from .rtn import REFINE, choose_params
 
 COLUMNS = 128
@@ -52,8 +54,9 @@ def inverse_cholesky(h: np.ndarray, damping: float) -> np.ndarray:
 
 
 def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size: int, symmetric: bool,
-                  damping: float = 0.01, act_order: bool = True, refine: int = REFINE) -> Blocked:
-    """W [K, N] and H [K, K] -> Blocked."""
+                  damping: float = 0.01, act_order: bool = True, refine: int = REFINE,
+                  element: Element | None = None, dtype=np.float32) -> Blocked | MXBlocked:
+    """W [K, N] and H [K, K] -> Blocked (MXBlocked with an MX ``element``)."""
     k, n = weight.shape
     blocks = rows_of(weight, block_size)                    # [N, nb, bs]
     nb = blocks.shape[1]
@@ -70,10 +73,15 @@ def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size
     scales = np.zeros((n, nb), np.float32)
     zeros = np.zeros((n, nb), np.float32)
     fixed = np.zeros(nb, bool)
+    bounds = exponent_bounds(element, dtype) if element else None
+    exps = np.zeros((n, nb), np.int32)
     if act_order:   # static block parameters from the original weights
-        scales, zeros = choose_params(blocks, bits, symmetric, refine)
+        if element:
+            exps = choose_exponents(blocks, element, bounds, axis=-1)
+        else:
+            scales, zeros = choose_params(blocks, bits, symmetric, refine)
         fixed[:] = True
-    codes = np.zeros((n, kp), np.uint8)
+    codes = np.zeros((n, kp), np.float32 if element else np.uint8)
     group = perm // block_size
     top = 2 ** bits - 1
     columns = max(COLUMNS, block_size)   # a lazy batch holds whole blocks
@@ -84,15 +92,26 @@ def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size
         u1 = u[i1:i2, i1:i2]
         for i in range(i2 - i1):
             g = group[i1 + i]
-            if not fixed[g]:   # in order: the block's columns as GPTQ has updated them
-                s, z = choose_params(w1[:, None, i:i + block_size], bits, symmetric, refine)
-                scales[:, g], zeros[:, g], fixed[g] = s[:, 0], z[:, 0], True
-            s, z = scales[:, g], zeros[:, g]
             col = w1[:, i]
-            q = np.clip(np.rint(col / np.where(s == 0, 1, s)) + z, 0, top)
-            codes[:, perm[i1 + i]] = q
-            e = (col - (q - z) * s) / u1[i, i]
+            if element:
+                if not fixed[g]:
+                    exps[:, g], fixed[g] = choose_exponents(w1[:, None, i:i + block_size], element, bounds,
+                                                            axis=-1)[:, 0], True
+                q = element.round(np.ldexp(col, -exps[:, g]))
+                codes[:, perm[i1 + i]] = q
+                e = (col - np.ldexp(q, exps[:, g])) / u1[i, i]
+            else:
+                if not fixed[g]:   # in order: the block's columns as GPTQ has updated them
+                    s, z = choose_params(w1[:, None, i:i + block_size], bits, symmetric, refine)
+                    scales[:, g], zeros[:, g], fixed[g] = s[:, 0], z[:, 0], True
+                s, z = scales[:, g], zeros[:, g]
+                q = np.clip(np.rint(col / np.where(s == 0, 1, s)) + z, 0, top)
+                codes[:, perm[i1 + i]] = q
+                e = (col - (q - z) * s) / u1[i, i]
             w1[:, i + 1:] -= np.outer(e, u1[i, i + 1:])
             err1[:, i] = e
         w[:, i2:] -= err1 @ u[i1:i2, i2:]
+    if element:
+        return MXBlocked(np.ascontiguousarray(codes.T.astype(element.storage)).reshape(nb, block_size, n),
+                         exps.T.copy(), k, element)
     return Blocked(codes.reshape(n, nb, block_size), scales, zeros.astype(np.uint8), k, bits, symmetric)
