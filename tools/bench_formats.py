@@ -158,13 +158,9 @@ def timed(fn, repeats: int):
     return results[-1][0], float(np.median([r[1] for r in results]))
 
 
-
-    def __iter__(self):   # onnxruntime's GPTQ (its neural_compressor copy) iterates the reader
-        return iter(self.feeds)
-
-
-def ours(proto, algorithm, fmt, calib):
-    cfg = {"mode": "weight_only", "weight_only": {"algorithm": algorithm, "format": fmt, "bits": 4, "block_size": 32}}
+def ours(proto, algorithm, fmt, calib, **extra):
+    extra = {"bits": 4, **extra} if "scheme" not in extra else extra   # an MX scheme fixes its element bits
+    cfg = {"mode": "weight_only", "weight_only": {"algorithm": algorithm, "format": fmt, "block_size": 32, **extra}}
     t = time.perf_counter()   # qpasses reads the proto without changing it: no copy
     model, _ = run_pipeline(proto, "quantize-weights", ctx=RunContext(cfg, calib))
     out = model.to_proto(metadata=False)
@@ -231,6 +227,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="decoder,encoder_block")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--algorithms", default="rtn,hqq,gptq,awq")
+    ap.add_argument("--tables", default="nbits,mx", help="nbits: int4 against onnxruntime's quantizer; "
+                    "mx: the MX schemes beside int8 per channel and int4 block 32 (tools/bench_formats_mx.py)")
     ap.add_argument("--repeats", type=int, default=5, help="timed rtn runs per side (median, after one warm-up)")
     ap.add_argument("--cores", type=int, default=0, help="run both sides on this many CPUs (default: all; "
                     "onnxruntime's RTN is C++ on a thread pool, ours numpy on one thread)")
@@ -247,9 +245,15 @@ def main(argv=None) -> int:
         print("bench_formats: onnxruntime's matmul_nbits_quantizer needs onnx-ir: pip install onnx-ir", file=sys.stderr)
         return 2
     print(f"CPUs: {len(os.sched_getaffinity(0))} of {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}\n", flush=True)
+    tables = args.tables.split(",")
     for name in args.models.split(","):
-        print("\n".join(run(name, args.layers, args.algorithms.split(","), args.repeats)), flush=True)
-        print()
+        if "nbits" in tables:
+            print("\n".join(run(name, args.layers, args.algorithms.split(","), args.repeats)), flush=True)
+            print()
+        if "mx" in tables:
+            from bench_formats_mx import mx_table   # tools/bench_formats_mx.py
+            print("\n".join(mx_table(name, *load(name, args.layers), ours, outputs, snr, args.layers)), flush=True)
+            print()
     return 0
 
 
