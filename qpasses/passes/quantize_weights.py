@@ -13,11 +13,12 @@ from ..pipeline import Pass, PassResult
 from ..qdq import new_namer, require_opset
 from ..registry import register
 from ..weightonly import awq
-from ..weightonly.emit import QDQ_OPSET, to_dequantize, to_matmulnbits
+from ..weightonly.emit import QDQ_OPSET, output_arrays, to_dequantize, to_matmulnbits
 from ..weightonly.gptq import quantize_gptq
 from ..weightonly.hessian import input_stats
 from ..weightonly.hqq import quantize_hqq
 from ..weightonly.mx import ELEMENTS, quantize_mx
+from ..weightonly.parallel import in_order
 from ..weightonly.rtn import quantize_rtn
 from ..weightonly.scaling import divide_input
 from ..weightonly.targets import find_targets
@@ -69,13 +70,18 @@ class QuantizeWeights(Pass):
         prepared = self._awq(model, targets, stats, cfg, namer) if cfg.algorithm == "awq" else {}
         replaced, added = {}, {}
         done = model.decisions.setdefault(DECISIONS, {})
-        for target in targets:
+
+        def quantize(target):   # on a worker thread: no graph edits
+            blocked = prepared.get(target.weight.name) or self._quantize(target, stats, cfg)
+            return blocked, output_arrays(target, blocked, cfg.format)
+
+        for target, (blocked, arrays) in zip(targets, in_order(targets, quantize)):
             name = target.weight.name
-            blocked = prepared.pop(name, None) or self._quantize(target, stats, cfg)
+            prepared.pop(name, None)
             if cfg.format == "matmulnbits":
-                replaced[id(target.node)] = to_matmulnbits(target, blocked, namer)
+                replaced[id(target.node)] = to_matmulnbits(target, blocked, namer, arrays)
             else:
-                added.setdefault(id(target.node), []).append(to_dequantize(target, blocked, namer))
+                added.setdefault(id(target.node), []).append(to_dequantize(target, blocked, namer, arrays))
             target.weight.values = np.zeros(0, np.float32)   # drop the float weight now
             kind = cfg.scheme if cfg.scheme != "int" else f"{'u' if not blocked.symmetric else ''}int{cfg.bits}"
             done[name] = f"{NAME}: {cfg.algorithm} {kind} block {cfg.block_size} along K -> {cfg.format}"

@@ -1,0 +1,56 @@
+"""Weights quantized on threads: the same bytes as one thread, results in order, bounded in flight."""
+import hashlib
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from qpasses.api import run_pipeline
+from qpasses.weightonly import parallel
+
+sys.path.insert(0, str(Path(__file__).parent / "passes"))
+from test_quantize_weights import mlp  # noqa: E402
+
+
+def digest(proto, feeds, **wo):
+    model, _ = run_pipeline(proto, config={"mode": "weight_only", "weight_only": wo}, calibration_data=feeds)
+    return hashlib.sha256(model.to_proto(metadata=False).SerializeToString()).hexdigest()
+
+
+@pytest.mark.parametrize("wo", [{"algorithm": "rtn", "format": "matmulnbits"}, {"algorithm": "rtn", "bits": 8},
+                                {"algorithm": "gptq", "format": "matmulnbits"}, {"algorithm": "awq"},
+                                {"algorithm": "hqq", "format": "matmulnbits"}, {"algorithm": "gptq", "scheme": "mxfp4"}])
+def test_threads_give_the_same_bytes(wo, monkeypatch):
+    proto, feeds = mlp(k=96, n=64, outliers=True, layernorm=True)
+    monkeypatch.setattr(parallel, "THREADS", 1)
+    one = digest(proto, feeds, **wo)
+    monkeypatch.setattr(parallel, "THREADS", 3)
+    assert digest(proto, feeds, **wo) == one
+
+
+def test_in_order_keeps_order_and_bounds_the_jobs_in_flight(monkeypatch):
+    monkeypatch.setattr(parallel, "THREADS", 2)
+    lock, state = threading.Lock(), {"started": 0, "consumed": 0, "ahead": 0}
+
+    def job(i):
+        with lock:
+            state["started"] += 1
+            state["ahead"] = max(state["ahead"], state["started"] - state["consumed"])
+        time.sleep(0.002 * (i % 3))
+        return i
+
+    out = []
+    for value in parallel.in_order(list(range(12)), job):
+        out.append(value)
+        with lock:
+            state["consumed"] += 1
+    assert out == list(range(12))
+    assert state["ahead"] <= 4   # threads + 1 submitted beyond the result being handed over
+
+
+def test_one_thread_runs_inline(monkeypatch):
+    monkeypatch.setattr(parallel, "THREADS", 1)
+    names = list(parallel.in_order([1, 2], lambda _: threading.current_thread().name))
+    assert names == [threading.current_thread().name] * 2
