@@ -75,7 +75,8 @@ class QuantizeWeights(Pass):
             blocked = prepared.get(target.weight.name) or self._quantize(target, stats, cfg)
             return blocked, output_arrays(target, blocked, cfg.format)
 
-        for target, (blocked, arrays) in zip(targets, in_order(targets, quantize)):
+        values = sum(int(np.prod(t.weight.shape)) for t in targets)
+        for target, (blocked, arrays) in zip(targets, in_order(targets, quantize, values)):
             name = target.weight.name
             prepared.pop(name, None)
             if cfg.format == "matmulnbits":

@@ -9,11 +9,15 @@ from itertools import islice
 
 MAX_THREADS = 4
 THREADS = 0   # 0: one per CPU this process may run on (at most MAX_THREADS); 1: no pool
+MIN_VALUES = 1 << 22   # fewer weight values than this run inline (a pool cost more than it saved)
 
 
-def thread_count() -> int:
+def thread_count(values: int | None = None) -> int:
+    """Threads for weights of ``values`` values in all (None: as if many)."""
     if THREADS:
         return THREADS
+    if values is not None and values < MIN_VALUES:
+        return 1
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:   # no affinity on this platform
@@ -21,10 +25,10 @@ def thread_count() -> int:
     return max(1, min(MAX_THREADS, cpus))
 
 
-def in_order(jobs: list, fn):
-    """Yield fn(job) for each job, in order. At most thread_count() run at once and one more result
-    waits, so the weights in flight (and their temporaries) stay bounded."""
-    threads = thread_count()
+def in_order(jobs: list, fn, values: int | None = None):
+    """Yield fn(job) for each job, in order. At most thread_count(values) run at once and one more
+    result waits, so the weights in flight (and their temporaries) stay bounded."""
+    threads = thread_count(values)
     if threads == 1 or len(jobs) < 2:
         for job in jobs:
             yield fn(job)
