@@ -5,6 +5,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from qpasses.api import run_pipeline
@@ -54,3 +55,18 @@ def test_one_thread_runs_inline(monkeypatch):
     monkeypatch.setattr(parallel, "THREADS", 1)
     names = list(parallel.in_order([1, 2], lambda _: threading.current_thread().name))
     assert names == [threading.current_thread().name] * 2
+
+
+@pytest.mark.parametrize("shape", [(64, 3072), (128, 256), (7, 96)])
+def test_hessian_gemm_is_numpys_syrk_bit_for_bit(shape):
+    """InputStats multiplies x.T by a copy of x (gemm: twice as fast as the syrk numpy picks for
+    x.T @ x); the float32 products must be the same bits, so the Hessians and GPTQ's output are."""
+    from qpasses.weightonly.hessian import InputStats
+
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(shape).astype(np.float32) * np.float32(3) for _ in range(3)]
+    st, want = InputStats(), np.zeros((shape[1], shape[1]))
+    for x in xs:
+        st.update(x)
+        want += x.T @ x
+    np.testing.assert_array_equal(st.xtx, want)

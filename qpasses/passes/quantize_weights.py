@@ -46,8 +46,9 @@ class QuantizeWeights(Pass):
     float8 elements with a power-of-two scale per 32 (weightonly/mx.py). awq also divides each input
     by its channel scales (folded into a LayerNormalization that only those weights read, else a
     Mul). ``model.decisions["weight_only"]`` holds what each weight became; weights left float are
-    in ``model.decisions["float"]`` with the reason. Weights are processed one at a time (each float
-    weight is dropped once quantized). Invariants: codes within 2^bits levels; outputs run in
+    in ``model.decisions["float"]`` with the reason. Weights are quantized on a thread pool (one per
+    CPU from 4 M weight values), at most threads + 1 in flight, and edited into the graph in order
+    (the same bytes as on one thread; each float weight is dropped once quantized). Invariants: codes within 2^bits levels; outputs run in
     onnxruntime; a second run finds nothing left to quantize.
     """
 
