@@ -10,8 +10,8 @@ time to quantize (ModelProto in, ModelProto out, both sides; onnxruntime's quant
 input, so it is given a copy made before its timer starts) and its ratio to onnxruntime's, and the
 median latency of the MatMulNBits models (ours / onnxruntime's RTN, runs interleaved). RTN times are
 the median of ``--repeats`` runs after a warm-up (first-call imports excluded on both sides); the
-slower algorithms run once. ``--cores 1`` runs both sides on one CPU (onnxruntime's RTN uses a
-thread pool over every core, ours one thread). numpy's BLAS runs on one thread on both sides (OPENBLAS_NUM_THREADS=1
+slower algorithms run ``--slow-repeats`` times (default once). ``--cores 1`` runs both sides on one CPU (onnxruntime's RTN uses a
+thread pool over every core, ours a thread per core from 4 M weight values). numpy's BLAS runs on one thread on both sides (OPENBLAS_NUM_THREADS=1
 unless set): on 2 shared cores its threads thrash (a 1024 x 1024 Cholesky took 2.5 s threaded,
 0.1 s on one thread). onnxruntime's RTN is its
 DEFAULT algorithm (C++), HQQ and GPTQ its own implementations; AWQ has no onnxruntime CPU
@@ -185,12 +185,12 @@ def _secs(x: float) -> str:
     return f"{x:.3f}" if x < 1 else f"{x:.2f}"
 
 
-def run(name: str, layers: int, algorithms: list[str], repeats: int) -> list[str]:
+def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeats: int = 1) -> list[str]:
     proto, calib, evald = load(name, layers)
     ref = outputs(proto, evald)
     rows, models = [], {}
     for alg in algorithms:
-        times = repeats if alg == "rtn" else 1   # the others run for seconds to minutes
+        times = repeats if alg == "rtn" else slow_repeats   # the others run for seconds to minutes
         q, secs = timed(lambda: ours(proto, alg, "matmulnbits", calib), times)
         models[alg] = q
         row = {"alg": alg, "snr": snr(ref, outputs(q, evald)), "secs": secs}
@@ -230,8 +230,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tables", default="nbits,mx", help="nbits: int4 against onnxruntime's quantizer; "
                     "mx: the MX schemes beside int8 per channel and int4 block 32 (tools/bench_formats_mx.py)")
     ap.add_argument("--repeats", type=int, default=5, help="timed rtn runs per side (median, after one warm-up)")
+    ap.add_argument("--slow-repeats", type=int, default=1, help="timed hqq/gptq/awq runs per side (median, "
+                    "after one warm-up when > 1)")
     ap.add_argument("--cores", type=int, default=0, help="run both sides on this many CPUs (default: all; "
-                    "onnxruntime's RTN is C++ on a thread pool, ours numpy on one thread)")
+                    "onnxruntime's RTN is C++ on a thread pool, ours numpy on a thread per core)")
     args = ap.parse_args(argv)
     if args.cores:
         cpus = sorted(os.sched_getaffinity(0))
@@ -248,7 +250,8 @@ def main(argv=None) -> int:
     tables = args.tables.split(",")
     for name in args.models.split(","):
         if "nbits" in tables:
-            print("\n".join(run(name, args.layers, args.algorithms.split(","), args.repeats)), flush=True)
+            print("\n".join(run(name, args.layers, args.algorithms.split(","), args.repeats, args.slow_repeats)),
+                  flush=True)
             print()
         if "mx" in tables:
             from bench_formats_mx import mx_table   # tools/bench_formats_mx.py
