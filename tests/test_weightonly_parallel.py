@@ -1,4 +1,5 @@
-"""Weights quantized on threads: the same bytes as one thread, results in order, bounded in flight."""
+"""Speed work with the same bytes: weights on threads (results in order, bounded in flight), the
+Hessian products, GPTQ on the weights sharing an input at once."""
 import hashlib
 import sys
 import threading
@@ -70,3 +71,25 @@ def test_hessian_gemm_is_numpys_syrk_bit_for_bit(shape):
         st.update(x)
         want += x.T @ x
     np.testing.assert_array_equal(st.xtx, want)
+
+
+@pytest.mark.parametrize("symmetric, act_order, scheme", [(True, False, None), (False, True, None),
+                                                          (True, True, "mxfp8_e4m3"), (True, False, "mxint8")])
+def test_gptq_on_weights_sharing_an_input_is_gptq_on_each(symmetric, act_order, scheme):
+    from qpasses.weightonly.gptq import quantize_gptq, quantize_gptq_shared
+    from qpasses.weightonly.mx import ELEMENTS
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((256, 80)).astype(np.float32)
+    x[:, :2] *= 20
+    h = (2.0 / len(x)) * (x.T.astype(np.float64) @ x)
+    ws = [(rng.standard_normal((80, n)) * 0.05).astype(np.float32) for n in (48, 17, 64)]
+    element = ELEMENTS.get(scheme)
+    together = quantize_gptq_shared(ws, h, 4, 32, symmetric, 0.01, act_order, element=element)
+    for w, got in zip(ws, together):
+        alone = quantize_gptq(w, h, 4, 32, symmetric, 0.01, act_order, element=element)
+        np.testing.assert_array_equal(got.codes, alone.codes)
+        np.testing.assert_array_equal(got.dequantize(), alone.dequantize())
+        if element is None:
+            np.testing.assert_array_equal(got.scales, alone.scales)
+            np.testing.assert_array_equal(got.zero_points, alone.zero_points)

@@ -14,7 +14,7 @@ from ..qdq import new_namer, require_opset
 from ..registry import register
 from ..weightonly import awq
 from ..weightonly.emit import QDQ_OPSET, output_arrays, to_dequantize, to_matmulnbits
-from ..weightonly.gptq import quantize_gptq
+from ..weightonly.gptq import quantize_gptq, quantize_gptq_shared
 from ..weightonly.hessian import input_stats
 from ..weightonly.hqq import quantize_hqq
 from ..weightonly.mx import ELEMENTS, quantize_mx
@@ -72,12 +72,16 @@ class QuantizeWeights(Pass):
         replaced, added = {}, {}
         done = model.decisions.setdefault(DECISIONS, {})
 
-        def quantize(target):   # on a worker thread: no graph edits
-            blocked = prepared.get(target.weight.name) or self._quantize(target, stats, cfg)
-            return blocked, output_arrays(target, blocked, cfg.format)
+        def quantize(group):   # on a worker thread: no graph edits
+            return [(t, b, output_arrays(t, b, cfg.format)) for t, b in zip(group, self._quantize_group(
+                group, stats, cfg, prepared))]
 
         values = sum(int(np.prod(t.weight.shape)) for t in targets)
-        for target, (blocked, arrays) in zip(targets, in_order(targets, quantize, values)):
+        results, ready = in_order(self._jobs(targets, stats, cfg), quantize, values), {}
+        for target in targets:
+            while id(target) not in ready:   # graph edits in target order, whatever the jobs
+                ready.update((id(t), (b, a)) for t, b, a in next(results))
+            blocked, arrays = ready.pop(id(target))
             name = target.weight.name
             prepared.pop(name, None)
             if cfg.format == "matmulnbits":
@@ -87,6 +91,7 @@ class QuantizeWeights(Pass):
             target.weight.values = np.zeros(0, np.float32)   # drop the float weight now
             kind = cfg.scheme if cfg.scheme != "int" else f"{'u' if not blocked.symmetric else ''}int{cfg.bits}"
             done[name] = f"{NAME}: {cfg.algorithm} {kind} block {cfg.block_size} along K -> {cfg.format}"
+        results.close()
         nodes = []
         for node in model.graph.nodes:
             nodes.extend(added.get(id(node), []))
@@ -102,6 +107,26 @@ class QuantizeWeights(Pass):
             raise CalibrationDataError(f"weight_only.algorithm {ctx.config.weight_only.algorithm} "
                                        "needs calibration data (--calib)")
         return input_stats(model, ctx.calibration_data, {t.activation.name for t in targets})
+
+    @staticmethod
+    def _jobs(targets, stats, cfg) -> list[list]:
+        """Targets quantized together: for gptq, those reading the same input (one Hessian, same
+        float type); else one by one. In the order of each job's first target."""
+        if cfg.algorithm != "gptq":
+            return [[t] for t in targets]
+        jobs: dict = {}
+        for t in targets:
+            key = (t.activation.name, constant_dtype(t.weight)) if t.activation.name in stats else id(t)
+            jobs.setdefault(key, []).append(t)
+        return list(jobs.values())
+
+    def _quantize_group(self, group, stats, cfg, prepared) -> list:
+        if len(group) == 1:
+            return [prepared.get(group[0].weight.name) or self._quantize(group[0], stats, cfg)]
+        element = ELEMENTS.get(cfg.scheme)
+        return quantize_gptq_shared([t.matrix for t in group], stats[group[0].activation.name].hessian, cfg.bits,
+                                    cfg.block_size, cfg.symmetric or element is not None, cfg.damping, cfg.act_order,
+                                    element=element, dtype=np.dtype(constant_dtype(group[0].weight)))
 
     @staticmethod
     def _quantize(target, stats, cfg):

@@ -115,3 +115,27 @@ def quantize_gptq(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size
         return MXBlocked(np.ascontiguousarray(codes.T.astype(element.storage)).reshape(nb, block_size, n),
                          exps.T.copy(), k, element)
     return Blocked(codes.reshape(n, nb, block_size), scales, zeros.astype(np.uint8), k, bits, symmetric)
+
+
+def quantize_gptq_shared(weights: list[np.ndarray], hessian: np.ndarray, bits: int, block_size: int,
+                         symmetric: bool, damping: float = 0.01, act_order: bool = True,
+                         element: Element | None = None, dtype=np.float32) -> list[Blocked | MXBlocked]:
+    """Weights reading the same input (one Hessian) as one: their output channels side by side, so
+    one factorisation and one column loop serve them all. Rows never mix in GPTQ, so each weight
+    gets what quantize_gptq gives it alone."""
+    if len(weights) == 1:
+        return [quantize_gptq(weights[0], hessian, bits, block_size, symmetric, damping, act_order,
+                              element=element, dtype=dtype)]
+    together = quantize_gptq(np.concatenate(weights, axis=1), hessian, bits, block_size, symmetric, damping,
+                             act_order, element=element, dtype=dtype)
+    out, start = [], 0
+    for w in weights:
+        cols = slice(start, start + w.shape[1])
+        start += w.shape[1]
+        if element:
+            out.append(MXBlocked(together.codes[..., cols].copy(), together.exponents[:, cols].copy(),
+                                 together.k, element))
+        else:
+            out.append(Blocked(together.codes[cols].copy(), together.scales[cols].copy(),
+                               together.zero_points[cols].copy(), together.k, bits, symmetric))
+    return out
