@@ -1,6 +1,7 @@
 """Weight-only int4 (block 32) side by side with onnxruntime's matmul_nbits_quantizer, in one run.
 
     python tools/bench_formats.py [--models decoder,encoder_block] [--layers 4] [--algorithms rtn,hqq,gptq,awq]
+                                  [--tables nbits,mx] [--cores 1] [--repeats 5] [--slow-repeats 1]
 
 Models: ``decoder``, a GPT-2-small-shaped pre-LN decoder stack built here with onnx.helper (d 768,
 12 heads, MLP 3072, causal attention, tanh-free erf GELU, ``--layers`` layers, seeded weights; the
@@ -10,13 +11,14 @@ time to quantize (ModelProto in, ModelProto out, both sides; onnxruntime's quant
 input, so it is given a copy made before its timer starts) and its ratio to onnxruntime's, and the
 median latency of the MatMulNBits models (ours / onnxruntime's RTN, runs interleaved). RTN times are
 the median of ``--repeats`` runs after a warm-up (first-call imports excluded on both sides); the
-slower algorithms run ``--slow-repeats`` times (default once). ``--cores 1`` runs both sides on one CPU (onnxruntime's RTN uses a
-thread pool over every core, ours a thread per core from 4 M weight values). numpy's BLAS runs on one thread on both sides (OPENBLAS_NUM_THREADS=1
-unless set): on 2 shared cores its threads thrash (a 1024 x 1024 Cholesky took 2.5 s threaded,
-0.1 s on one thread). onnxruntime's RTN is its
-DEFAULT algorithm (C++), HQQ and GPTQ its own implementations; AWQ has no onnxruntime CPU
-counterpart (nvidia_awq needs ModelOpt and a tokenizer) and is compared with our RTN. Needs onnx-ir
-(onnxruntime's quantizer imports it) and torch (its HQQ).
+slower algorithms run ``--slow-repeats`` times (default once). ``--cores 1`` runs both sides on one
+CPU (onnxruntime's RTN uses a thread pool over every core, ours a thread per core from 4 M weight
+values). numpy's BLAS runs on one thread on both sides (OPENBLAS_NUM_THREADS=1 unless set): on 2
+shared cores its threads thrash (a 1024 x 1024 Cholesky took 2.5 s threaded, 0.1 s on one thread).
+onnxruntime's RTN is its DEFAULT algorithm (C++), HQQ and GPTQ its own implementations; AWQ has no
+onnxruntime CPU counterpart (nvidia_awq needs ModelOpt and a tokenizer) and is compared with our
+RTN. ``--tables mx`` adds the MX schemes (tools/bench_formats_mx.py). Needs onnx-ir (onnxruntime's
+quantizer imports it) and torch (its HQQ).
 """
 from __future__ import annotations
 
