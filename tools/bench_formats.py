@@ -1,6 +1,7 @@
 """Weight-only int4 (block 32) side by side with onnxruntime's matmul_nbits_quantizer, in one run.
 
     python tools/bench_formats.py [--models decoder,encoder_block] [--layers 4] [--algorithms rtn,hqq,gptq,awq]
+                                  [--tables nbits,mx] [--cores 1] [--repeats 5] [--slow-repeats 1]
 
 Models: ``decoder``, a GPT-2-small-shaped pre-LN decoder stack built here with onnx.helper (d 768,
 12 heads, MLP 3072, causal attention, tanh-free erf GELU, ``--layers`` layers, seeded weights; the
@@ -10,13 +11,14 @@ time to quantize (ModelProto in, ModelProto out, both sides; onnxruntime's quant
 input, so it is given a copy made before its timer starts) and its ratio to onnxruntime's, and the
 median latency of the MatMulNBits models (ours / onnxruntime's RTN, runs interleaved). RTN times are
 the median of ``--repeats`` runs after a warm-up (first-call imports excluded on both sides); the
-slower algorithms run once. ``--cores 1`` runs both sides on one CPU (onnxruntime's RTN uses a
-thread pool over every core, ours one thread). numpy's BLAS runs on one thread on both sides (OPENBLAS_NUM_THREADS=1
-unless set): on 2 shared cores its threads thrash (a 1024 x 1024 Cholesky took 2.5 s threaded,
-0.1 s on one thread). onnxruntime's RTN is its
-DEFAULT algorithm (C++), HQQ and GPTQ its own implementations; AWQ has no onnxruntime CPU
-counterpart (nvidia_awq needs ModelOpt and a tokenizer) and is compared with our RTN. Needs onnx-ir
-(onnxruntime's quantizer imports it) and torch (its HQQ).
+slower algorithms run ``--slow-repeats`` times (default once). ``--cores 1`` runs both sides on one
+CPU (onnxruntime's RTN uses a thread pool over every core, ours a thread per core from 4 M weight
+values). numpy's BLAS runs on one thread on both sides (OPENBLAS_NUM_THREADS=1 unless set): on 2
+shared cores its threads thrash (a 1024 x 1024 Cholesky took 2.5 s threaded, 0.1 s on one thread).
+onnxruntime's RTN is its DEFAULT algorithm (C++), HQQ and GPTQ its own implementations; AWQ has no
+onnxruntime CPU counterpart (nvidia_awq needs ModelOpt and a tokenizer) and is compared with our
+RTN. ``--tables mx`` adds the MX schemes (tools/bench_formats_mx.py). Needs onnx-ir (onnxruntime's
+quantizer imports it) and torch (its HQQ).
 """
 from __future__ import annotations
 
@@ -158,13 +160,9 @@ def timed(fn, repeats: int):
     return results[-1][0], float(np.median([r[1] for r in results]))
 
 
-
-    def __iter__(self):   # onnxruntime's GPTQ (its neural_compressor copy) iterates the reader
-        return iter(self.feeds)
-
-
-def ours(proto, algorithm, fmt, calib):
-    cfg = {"mode": "weight_only", "weight_only": {"algorithm": algorithm, "format": fmt, "bits": 4, "block_size": 32}}
+def ours(proto, algorithm, fmt, calib, **extra):
+    extra = {"bits": 4, **extra} if "scheme" not in extra else extra   # an MX scheme fixes its element bits
+    cfg = {"mode": "weight_only", "weight_only": {"algorithm": algorithm, "format": fmt, "block_size": 32, **extra}}
     t = time.perf_counter()   # qpasses reads the proto without changing it: no copy
     model, _ = run_pipeline(proto, "quantize-weights", ctx=RunContext(cfg, calib))
     out = model.to_proto(metadata=False)
@@ -189,12 +187,12 @@ def _secs(x: float) -> str:
     return f"{x:.3f}" if x < 1 else f"{x:.2f}"
 
 
-def run(name: str, layers: int, algorithms: list[str], repeats: int) -> list[str]:
+def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeats: int = 1) -> list[str]:
     proto, calib, evald = load(name, layers)
     ref = outputs(proto, evald)
     rows, models = [], {}
     for alg in algorithms:
-        times = repeats if alg == "rtn" else 1   # the others run for seconds to minutes
+        times = repeats if alg == "rtn" else slow_repeats   # the others run for seconds to minutes
         q, secs = timed(lambda: ours(proto, alg, "matmulnbits", calib), times)
         models[alg] = q
         row = {"alg": alg, "snr": snr(ref, outputs(q, evald)), "secs": secs}
@@ -231,9 +229,13 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="decoder,encoder_block")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--algorithms", default="rtn,hqq,gptq,awq")
+    ap.add_argument("--tables", default="nbits,mx", help="nbits: int4 against onnxruntime's quantizer; "
+                    "mx: the MX schemes beside int8 per channel and int4 block 32 (tools/bench_formats_mx.py)")
     ap.add_argument("--repeats", type=int, default=5, help="timed rtn runs per side (median, after one warm-up)")
+    ap.add_argument("--slow-repeats", type=int, default=1, help="timed hqq/gptq/awq runs per side (median, "
+                    "after one warm-up when > 1)")
     ap.add_argument("--cores", type=int, default=0, help="run both sides on this many CPUs (default: all; "
-                    "onnxruntime's RTN is C++ on a thread pool, ours numpy on one thread)")
+                    "onnxruntime's RTN is C++ on a thread pool, ours numpy on a thread per core)")
     args = ap.parse_args(argv)
     if args.cores:
         cpus = sorted(os.sched_getaffinity(0))
@@ -247,9 +249,16 @@ def main(argv=None) -> int:
         print("bench_formats: onnxruntime's matmul_nbits_quantizer needs onnx-ir: pip install onnx-ir", file=sys.stderr)
         return 2
     print(f"CPUs: {len(os.sched_getaffinity(0))} of {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}\n", flush=True)
+    tables = args.tables.split(",")
     for name in args.models.split(","):
-        print("\n".join(run(name, args.layers, args.algorithms.split(","), args.repeats)), flush=True)
-        print()
+        if "nbits" in tables:
+            print("\n".join(run(name, args.layers, args.algorithms.split(","), args.repeats, args.slow_repeats)),
+                  flush=True)
+            print()
+        if "mx" in tables:
+            from bench_formats_mx import mx_table   # tools/bench_formats_mx.py
+            print("\n".join(mx_table(name, *load(name, args.layers), ours, outputs, snr, args.layers)), flush=True)
+            print()
     return 0
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's qpasses, in the child too
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_big_model import build, samples  # noqa: E402
 from procstats import status_mb  # noqa: E402

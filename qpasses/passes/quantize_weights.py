@@ -8,15 +8,17 @@ import onnx_graphsurgeon as gs
 
 from ..decisions import leave_float
 from ..errors import CalibrationDataError
-from ..ir import QModel
+from ..ir import QModel, constant_dtype
 from ..pipeline import Pass, PassResult
 from ..qdq import new_namer, require_opset
 from ..registry import register
 from ..weightonly import awq
-from ..weightonly.emit import QDQ_OPSET, to_dequantize, to_matmulnbits
-from ..weightonly.gptq import quantize_gptq
+from ..weightonly.emit import QDQ_OPSET, output_arrays, to_dequantize, to_matmulnbits
+from ..weightonly.gptq import quantize_gptq, quantize_gptq_shared
 from ..weightonly.hessian import input_stats
 from ..weightonly.hqq import quantize_hqq
+from ..weightonly.mx import ELEMENTS, quantize_mx
+from ..weightonly.parallel import in_order
 from ..weightonly.rtn import quantize_rtn
 from ..weightonly.scaling import divide_input
 from ..weightonly.targets import find_targets
@@ -36,15 +38,17 @@ class QuantizeWeights(Pass):
     """Quantize MatMul/Gemm weights per block along K (RTN, HQQ, GPTQ or AWQ; QDQ or MatMulNBits).
 
     Reads: the config's ``weight_only`` block (bits, block_size, symmetric, algorithm, format,
-    exclude, damping, act_order) and, for gptq and awq, the calibration data (X^T X and mean |x| of
+    exclude, damping, act_order, scheme: int or an MX format with power-of-two block scales) and, for gptq and awq, the calibration data (X^T X and mean |x| of
     every weight's input, one streamed float run). Writes: each constant 2-D weight of a MatMul (or a
     Gemm with alpha = beta = 1) read by nothing else becomes int4/int8 codes with a scale (and zero
     point) per block of ``block_size`` input channels: a DequantizeLinear(axis, block_size) feeding
-    the node (opset 21), or the node becomes com.microsoft.MatMulNBits. awq also divides each input
+    the node (opset 21), or the node becomes com.microsoft.MatMulNBits; an MX scheme gives int8 or
+    float8 elements with a power-of-two scale per 32 (weightonly/mx.py). awq also divides each input
     by its channel scales (folded into a LayerNormalization that only those weights read, else a
     Mul). ``model.decisions["weight_only"]`` holds what each weight became; weights left float are
-    in ``model.decisions["float"]`` with the reason. Weights are processed one at a time (each float
-    weight is dropped once quantized). Invariants: codes within 2^bits levels; outputs run in
+    in ``model.decisions["float"]`` with the reason. Weights are quantized on a thread pool (one per
+    CPU from 4 M weight values), at most threads + 1 in flight, and edited into the graph in order
+    (the same bytes as on one thread; each float weight is dropped once quantized). Invariants: codes within 2^bits levels; outputs run in
     onnxruntime; a second run finds nothing left to quantize.
     """
 
@@ -67,16 +71,27 @@ class QuantizeWeights(Pass):
         prepared = self._awq(model, targets, stats, cfg, namer) if cfg.algorithm == "awq" else {}
         replaced, added = {}, {}
         done = model.decisions.setdefault(DECISIONS, {})
+
+        def quantize(group):   # on a worker thread: no graph edits
+            return [(t, b, output_arrays(t, b, cfg.format)) for t, b in zip(group, self._quantize_group(
+                group, stats, cfg, prepared))]
+
+        values = sum(int(np.prod(t.weight.shape)) for t in targets)
+        results, ready = in_order(self._jobs(targets, stats, cfg), quantize, values), {}
         for target in targets:
+            while id(target) not in ready:   # graph edits in target order, whatever the jobs
+                ready.update((id(t), (b, a)) for t, b, a in next(results))
+            blocked, arrays = ready.pop(id(target))
             name = target.weight.name
-            blocked = prepared.pop(name, None) or self._quantize(target, stats, cfg)
+            prepared.pop(name, None)
             if cfg.format == "matmulnbits":
-                replaced[id(target.node)] = to_matmulnbits(target, blocked, namer)
+                replaced[id(target.node)] = to_matmulnbits(target, blocked, namer, arrays)
             else:
-                added.setdefault(id(target.node), []).append(to_dequantize(target, blocked, namer))
+                added.setdefault(id(target.node), []).append(to_dequantize(target, blocked, namer, arrays))
             target.weight.values = np.zeros(0, np.float32)   # drop the float weight now
-            done[name] = (f"{NAME}: {cfg.algorithm} {'u' if not blocked.symmetric else ''}int{cfg.bits} "
-                          f"block {cfg.block_size} along K -> {cfg.format}")
+            kind = cfg.scheme if cfg.scheme != "int" else f"{'u' if not blocked.symmetric else ''}int{cfg.bits}"
+            done[name] = f"{NAME}: {cfg.algorithm} {kind} block {cfg.block_size} along K -> {cfg.format}"
+        results.close()
         nodes = []
         for node in model.graph.nodes:
             nodes.extend(added.get(id(node), []))
@@ -94,11 +109,37 @@ class QuantizeWeights(Pass):
         return input_stats(model, ctx.calibration_data, {t.activation.name for t in targets})
 
     @staticmethod
+    def _jobs(targets, stats, cfg) -> list[list]:
+        """Targets quantized together: for gptq, those reading the same input (one Hessian, same
+        float type); else one by one. In the order of each job's first target."""
+        if cfg.algorithm != "gptq":
+            return [[t] for t in targets]
+        jobs: dict = {}
+        for t in targets:
+            key = (t.activation.name, constant_dtype(t.weight)) if t.activation.name in stats else id(t)
+            jobs.setdefault(key, []).append(t)
+        return list(jobs.values())
+
+    def _quantize_group(self, group, stats, cfg, prepared) -> list:
+        if len(group) == 1:
+            return [prepared.get(group[0].weight.name) or self._quantize(group[0], stats, cfg)]
+        element = ELEMENTS.get(cfg.scheme)
+        return quantize_gptq_shared([t.matrix for t in group], stats[group[0].activation.name].hessian, cfg.bits,
+                                    cfg.block_size, cfg.symmetric or element is not None, cfg.damping, cfg.act_order,
+                                    element=element, dtype=np.dtype(constant_dtype(group[0].weight)))
+
+    @staticmethod
     def _quantize(target, stats, cfg):
         w = target.matrix
+        dtype = np.dtype(constant_dtype(target.weight))
+        st = stats.get(target.activation.name)
+        if cfg.scheme != "int":
+            if cfg.algorithm == "gptq" and st is not None:
+                return quantize_gptq(w, st.hessian, cfg.bits, cfg.block_size, True, cfg.damping, cfg.act_order,
+                                     element=ELEMENTS[cfg.scheme], dtype=dtype)
+            return quantize_mx(w, cfg.scheme, dtype)
         if cfg.algorithm == "hqq":
             return quantize_hqq(w, cfg.bits, cfg.block_size, integer_zero_points=cfg.format == "qdq")
-        st = stats.get(target.activation.name)
         if cfg.algorithm == "gptq" and st is not None:
             return quantize_gptq(w, st.hessian, cfg.bits, cfg.block_size, cfg.symmetric, cfg.damping, cfg.act_order)
         return quantize_rtn(w, cfg.bits, cfg.block_size, cfg.symmetric)
@@ -114,8 +155,14 @@ class QuantizeWeights(Pass):
             st = stats.get(act)
             if st is None:
                 continue
+            mx = None
+            if cfg.scheme != "int":
+                dtype = np.dtype(constant_dtype(members[0].weight))
+
+                def mx(w, channel_weights, dtype=dtype):
+                    return quantize_mx(w, cfg.scheme, dtype, channel_weights)
             scales, quantized, _ = awq.search([t.matrix for t in members], st.hessian, st.mean_abs,
-                                              cfg.bits, cfg.block_size, cfg.symmetric)
+                                              cfg.bits, cfg.block_size, cfg.symmetric, quantize=mx)
             if not np.allclose(scales, 1.0):
                 divide_input(model, members[0].activation, [t.node for t in members], scales, namer)
             out.update((t.weight.name, q) for t, q in zip(members, quantized))

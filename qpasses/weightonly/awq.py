@@ -25,19 +25,27 @@ def output_error(weight: np.ndarray, approx: np.ndarray, hessian: np.ndarray) ->
 
 
 def search(weights: list[np.ndarray], hessian: np.ndarray, mean_abs: np.ndarray, bits: int,
-           block_size: int, symmetric: bool, alphas=ALPHAS) -> tuple[np.ndarray, list[Blocked], float]:
-    """(scales s [K], the weights diag(s) W quantized, alpha) of least summed output error."""
+           block_size: int, symmetric: bool, alphas=ALPHAS, quantize=None) -> tuple[np.ndarray, list[Blocked], float]:
+    """(scales s [K], the weights diag(s) W quantized, alpha) of least summed output error.
+    ``quantize(w, channel_weights)``: another block quantizer (MX), which has no clipped-range stage."""
     diag = np.diag(hessian).astype(np.float32)
+    if quantize is None:
+        def quantize(w, channel_weights):
+            return quantize_rtn(w, bits, block_size, symmetric, channel_weights=channel_weights)
+        clip_stage = True
+    else:
+        clip_stage = False
     best = None
     for alpha in alphas:
         s = channel_scales(mean_abs, alpha)
         importance = diag / (s * s)   # the error of diag(s) W's block, seen at the output
-        quantized = [quantize_rtn(w * s[:, None], bits, block_size, symmetric, channel_weights=importance)
-                     for w in weights]
+        quantized = [quantize(w * s[:, None], importance) for w in weights]
         err = sum(output_error(w, q.dequantize() / s[:, None], hessian) for w, q in zip(weights, quantized))
         if best is None or err < best[0]:
             best = (err, s, quantized, alpha)
     err, s, _, alpha = best   # then each block's clipped range at the chosen alpha
+    if not clip_stage:
+        return best[1], best[2], best[3]
     importance = diag / (s * s)
     clipped = [quantize_rtn(w * s[:, None], bits, block_size, symmetric, channel_weights=importance, clip_search=True)
                for w in weights]

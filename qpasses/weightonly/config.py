@@ -8,6 +8,8 @@ from ..config import _Problems, _boolean, _build, _number
 
 WEIGHT_ONLY_ALGORITHMS = ("rtn", "hqq", "gptq", "awq")
 WEIGHT_ONLY_FORMATS = ("qdq", "matmulnbits")
+WEIGHT_ONLY_SCHEMES = ("int", "mxint8", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")   # mx*: weightonly/mx.py
+MX_BITS = {"mxint8": 8, "mxfp8_e4m3": 8, "mxfp8_e5m2": 8, "mxfp4": 4}
 # onnxruntime's matmul_nbits_quantizer spellings
 _WEIGHT_ONLY_ALIASES = {"default": "rtn", "qoperator": "matmulnbits", "quantformat.qoperator": "matmulnbits",
                         "quantformat.qdq": "qdq", "is_symmetric": "symmetric", "percdamp": "damping",
@@ -27,6 +29,7 @@ class WeightOnlyConfig:
     exclude: list = field(default_factory=list)   # node or weight names, or fnmatch patterns
     damping: float = 0.01           # gptq: fraction of the mean Hessian diagonal added to it
     act_order: bool = False         # gptq: columns in order of decreasing Hessian diagonal (static blocks)
+    scheme: str = "int"             # int (bits, block_size, symmetric) or an MX format (block 32, power-of-two scales)
 
     def __post_init__(self):
         problems = _Problems()
@@ -49,13 +52,36 @@ class WeightOnlyConfig:
         self.damping = _number(problems, "weight_only.damping", self.damping, lambda v: 0 <= v <= 1, "a number in [0, 1]")
         for key in ("symmetric", "act_order"):
             _boolean(problems, self, key, "weight_only.")
+        self.scheme = str(self.scheme).lower()
+        if self.scheme not in WEIGHT_ONLY_SCHEMES:
+            problems.append(f"weight_only.scheme: {self.scheme!r} is not one of {', '.join(WEIGHT_ONLY_SCHEMES)}")
+        elif self.scheme != "int":
+            problems.extend(_mx_conflicts(self))
+            self.bits = MX_BITS[self.scheme]
         problems.raise_if_any()
+
+
+def _mx_conflicts(cfg: WeightOnlyConfig) -> list[str]:
+    """What an MX scheme (block 32, symmetric power-of-two scales, DequantizeLinear) cannot honour."""
+    out, s = [], cfg.scheme
+    if cfg.block_size != 32:
+        out.append(f"weight_only.block_size: scheme {s} fixes blocks of 32, got {cfg.block_size!r}")
+    if cfg.symmetric is not True:
+        out.append(f"weight_only.symmetric: scheme {s} is symmetric (no zero point)")
+    if cfg.format == "matmulnbits":
+        out.append(f"weight_only.format: MatMulNBits holds integer codes, not {s}; use format: qdq")
+    if cfg.algorithm == "hqq":
+        out.append(f"weight_only.algorithm: hqq optimises a zero point, which {s} has not; use rtn, gptq or awq")
+    return out
 
 
 def build(data: dict) -> WeightOnlyConfig:
     """A WeightOnlyConfig from a mapping (onnxruntime spellings accepted); ConfigError lists every problem."""
     problems = _Problems()
-    config = _build(WeightOnlyConfig, {_WEIGHT_ONLY_ALIASES.get(k, k): v for k, v in data.items()},
-                    "weight_only.", problems)
+    data = {_WEIGHT_ONLY_ALIASES.get(k, k): v for k, v in data.items()}
+    scheme = str(data.get("scheme", "int")).lower()
+    if scheme in MX_BITS and "bits" in data and data["bits"] != MX_BITS[scheme]:
+        problems.append(f"weight_only.bits: scheme {scheme} has {MX_BITS[scheme]}-bit elements, got {data['bits']!r}")
+    config = _build(WeightOnlyConfig, data, "weight_only.", problems)
     problems.raise_if_any()
     return config

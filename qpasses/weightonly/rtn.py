@@ -28,13 +28,15 @@ def centered_codes(blocks: np.ndarray, scales: np.ndarray, zero_points: np.ndarr
 def refit_scales(blocks, scales, zero_points, bits: int, weights=None, axis: int = -1) -> np.ndarray:
     """The least-squares scale per block for the codes ``scales`` round to (zero points fixed)."""
     q = centered_codes(blocks, scales, zero_points, bits, axis)
-    qw = q if weights is None else q * weights
-    num = np.multiply(blocks, qw).sum(axis=axis)
     if weights is None and q.shape[axis] * (2 ** bits - 1) ** 2 < 2 ** 24:
-        # sums of squared codes are integers float32 holds exactly in any order: einsum, no temporary
+        # sums of squared codes are integers float32 holds exactly in any order: einsum, no temporary;
+        # then the products w * q overwrite q (the same products and sums as in a new array)
         sub = "abc"[:q.ndim]
         den = np.einsum(f"{sub},{sub}->{sub.replace(sub[axis], '')}", q, q)
+        num = np.multiply(blocks, q, out=q).sum(axis=axis)
     else:
+        qw = q if weights is None else q * weights
+        num = np.multiply(blocks, qw).sum(axis=axis)
         den = np.multiply(q, qw, out=q).sum(axis=axis)
     ok = den > 0
     return np.where(ok, num / np.where(ok, den, 1), scales).astype(np.float32)
@@ -49,7 +51,7 @@ def choose_params(blocks: np.ndarray, bits: int, symmetric: bool, refine: int = 
     return scales, zps
 
 
-CHUNK = 1 << 20   # elements of W quantized at once (blocks are independent): bounded temporaries
+CHUNK = 1 << 18   # elements of W quantized at once (blocks are independent): temporaries near L2's size
 
 
 def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool,

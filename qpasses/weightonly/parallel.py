@@ -1,0 +1,46 @@
+"""Weights quantized on a small thread pool (numpy releases the GIL in its array loops), results
+in the weights' order so the graph edits and the output bytes do not depend on the threads."""
+from __future__ import annotations
+
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
+
+MAX_THREADS = 4
+THREADS = 0   # 0: one per CPU this process may run on (at most MAX_THREADS); 1: no pool
+MIN_VALUES = 1 << 22   # fewer weight values than this run inline (a pool cost more than it saved)
+
+
+def thread_count(values: int | None = None) -> int:
+    """Threads for weights of ``values`` values in all (None: as if many)."""
+    if THREADS:
+        return THREADS
+    if values is not None and values < MIN_VALUES:
+        return 1
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:   # no affinity on this platform
+        cpus = os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, cpus))
+
+
+def in_order(jobs: list, fn, values: int | None = None):
+    """Yield fn(job) for each job, in order. At most thread_count(values) run at once and one more
+    result waits, so the weights in flight (and their temporaries) stay bounded."""
+    threads = thread_count(values)
+    if threads == 1 or len(jobs) < 2:
+        for job in jobs:
+            yield fn(job)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="quantize-weights") as pool:
+        rest = iter(jobs)
+        pending = deque(pool.submit(fn, job) for job in islice(rest, threads + 1))
+        try:
+            while pending:
+                result = pending.popleft().result()
+                pending.extend(pool.submit(fn, job) for job in islice(rest, 1))
+                yield result
+        finally:
+            for future in pending:
+                future.cancel()

@@ -1,0 +1,95 @@
+"""Speed work with the same bytes: weights on threads (results in order, bounded in flight), the
+Hessian products, GPTQ on the weights sharing an input at once."""
+import hashlib
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qpasses.api import run_pipeline
+from qpasses.weightonly import parallel
+
+sys.path.insert(0, str(Path(__file__).parent / "passes"))
+from test_quantize_weights import mlp  # noqa: E402
+
+
+def digest(proto, feeds, **wo):
+    model, _ = run_pipeline(proto, config={"mode": "weight_only", "weight_only": wo}, calibration_data=feeds)
+    return hashlib.sha256(model.to_proto(metadata=False).SerializeToString()).hexdigest()
+
+
+@pytest.mark.parametrize("wo", [{"algorithm": "rtn", "format": "matmulnbits"}, {"algorithm": "rtn", "bits": 8},
+                                {"algorithm": "gptq", "format": "matmulnbits"}, {"algorithm": "awq"},
+                                {"algorithm": "hqq", "format": "matmulnbits"}, {"algorithm": "gptq", "scheme": "mxfp4"}])
+def test_threads_give_the_same_bytes(wo, monkeypatch):
+    proto, feeds = mlp(k=96, n=64, outliers=True, layernorm=True)
+    monkeypatch.setattr(parallel, "THREADS", 1)
+    one = digest(proto, feeds, **wo)
+    monkeypatch.setattr(parallel, "THREADS", 3)
+    assert digest(proto, feeds, **wo) == one
+
+
+def test_in_order_keeps_order_and_bounds_the_jobs_in_flight(monkeypatch):
+    monkeypatch.setattr(parallel, "THREADS", 2)
+    lock, state = threading.Lock(), {"started": 0, "consumed": 0, "ahead": 0}
+
+    def job(i):
+        with lock:
+            state["started"] += 1
+            state["ahead"] = max(state["ahead"], state["started"] - state["consumed"])
+        time.sleep(0.002 * (i % 3))
+        return i
+
+    out = []
+    for value in parallel.in_order(list(range(12)), job):
+        out.append(value)
+        with lock:
+            state["consumed"] += 1
+    assert out == list(range(12))
+    assert state["ahead"] <= 4   # threads + 1 submitted beyond the result being handed over
+
+
+def test_one_thread_runs_inline(monkeypatch):
+    monkeypatch.setattr(parallel, "THREADS", 1)
+    names = list(parallel.in_order([1, 2], lambda _: threading.current_thread().name))
+    assert names == [threading.current_thread().name] * 2
+
+
+@pytest.mark.parametrize("shape", [(64, 3072), (128, 256), (7, 96)])
+def test_hessian_gemm_is_numpys_syrk_bit_for_bit(shape):
+    """InputStats multiplies x.T by a copy of x (gemm: twice as fast as the syrk numpy picks for
+    x.T @ x); the float32 products must be the same bits, so the Hessians and GPTQ's output are."""
+    from qpasses.weightonly.hessian import InputStats
+
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(shape).astype(np.float32) * np.float32(3) for _ in range(3)]
+    st, want = InputStats(), np.zeros((shape[1], shape[1]))
+    for x in xs:
+        st.update(x)
+        want += x.T @ x
+    np.testing.assert_array_equal(st.xtx, want)
+
+
+@pytest.mark.parametrize("symmetric, act_order, scheme", [(True, False, None), (False, True, None),
+                                                          (True, True, "mxfp8_e4m3"), (True, False, "mxint8")])
+def test_gptq_on_weights_sharing_an_input_is_gptq_on_each(symmetric, act_order, scheme):
+    from qpasses.weightonly.gptq import quantize_gptq, quantize_gptq_shared
+    from qpasses.weightonly.mx import ELEMENTS
+
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((256, 80)).astype(np.float32)
+    x[:, :2] *= 20
+    h = (2.0 / len(x)) * (x.T.astype(np.float64) @ x)
+    ws = [(rng.standard_normal((80, n)) * 0.05).astype(np.float32) for n in (48, 17, 64)]
+    element = ELEMENTS.get(scheme)
+    together = quantize_gptq_shared(ws, h, 4, 32, symmetric, 0.01, act_order, element=element)
+    for w, got in zip(ws, together):
+        alone = quantize_gptq(w, h, 4, 32, symmetric, 0.01, act_order, element=element)
+        np.testing.assert_array_equal(got.codes, alone.codes)
+        np.testing.assert_array_equal(got.dequantize(), alone.dequantize())
+        if element is None:
+            np.testing.assert_array_equal(got.scales, alone.scales)
+            np.testing.assert_array_equal(got.zero_points, alone.zero_points)
