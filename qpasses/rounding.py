@@ -114,16 +114,23 @@ class Hessian:
     def __init__(self, geo: Geometry, seed: int):
         self.geo, self.rng = geo, np.random.default_rng(seed)
         self.xtx = np.zeros((geo.groups, geo.k, geo.k))
+        self.sum = np.zeros((geo.groups, geo.k))
         self.rows = 0
 
     def update(self, x: np.ndarray) -> None:
         cols = input_rows(x, self.geo, self.rng)
         self.xtx += cols @ cols.transpose(0, 2, 1)   # float32 products of one sample, summed in float64
+        self.sum += cols.sum(axis=2, dtype=np.float64)
         self.rows += cols.shape[2]
 
     @property
     def h(self) -> np.ndarray:
         return self.xtx / max(self.rows, 1)
+
+    @property
+    def mean(self) -> np.ndarray:
+        """[G, K]: the mean input row."""
+        return self.sum / max(self.rows, 1)
 
 
 def upper_inverse_cholesky(h: np.ndarray, damping: float) -> np.ndarray:

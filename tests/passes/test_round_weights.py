@@ -1,4 +1,4 @@
-"""round-weights (opt-in): GPTQ codes with the table's scales (layers with 16-bit inputs by default)."""
+"""round-weights: GPTQ codes with the table's scales (layers with 16-bit inputs by default)."""
 import numpy as np
 import pytest
 
@@ -11,8 +11,8 @@ from qpasses.rounding import Geometry, conv_geometry, input_rows, round_codes, u
 from qpasses.testing import model_from_text, parse, run, run_passes
 from qpasses.verify import check_onnx
 
-WITHOUT = QUANTIZE_PIPELINE
-WITH = QUANTIZE_PIPELINE.replace("compute-qparams,", "compute-qparams,round-weights,")
+WITHOUT = QUANTIZE_PIPELINE.replace("round-weights,", "")
+WITH = QUANTIZE_PIPELINE
 A16W8 = {"activation_type": "uint16", "weight_type": "int8"}
 
 
@@ -83,6 +83,20 @@ def test_a16w8_output_error_drops_and_weights_stay_on_their_grid(text, shape):
     np.testing.assert_array_equal((codes.astype(np.float32) - 0) * scale, values)   # exactly on the grid
     original = np.asarray(model_from_text(text).tensors()["w"].values)
     assert not np.array_equal(codes, quantize_values(original, tq.scale, tq.zero_point, tq.qtype, axis))
+
+
+def test_the_mean_output_change_leaves_the_bias():
+    feeds = _feeds((1, 8, 12, 12), 8)
+    model = model_from_text(CONV)
+    run_passes("annotate-types,calibrate,compute-qparams,round-weights", model, A16W8, feeds)
+    rounded = model.to_proto()
+    assert any("round-weights" in why for why in model.quant["b"].why)
+    mean = lambda proto: np.mean([run(proto, f)[0].mean(axis=(0, 2, 3)) for f in feeds], axis=0)  # noqa: E731
+    float_mean, rounded_mean = mean(parse(CONV)), mean(rounded)
+    np.testing.assert_allclose(rounded_mean, float_mean, atol=1e-5)   # per channel, on the calibration feeds
+    plain = model_from_text(CONV)
+    run_passes("annotate-types,calibrate,compute-qparams,round-weights{correct_bias=false}", plain, A16W8, feeds)
+    assert np.abs(mean(plain.to_proto()) - float_mean).max() > 10 * np.abs(rounded_mean - float_mean).max()
 
 
 def test_8_bit_inputs_are_left_alone_by_default():
