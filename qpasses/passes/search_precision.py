@@ -21,6 +21,7 @@ from ..ir import QModel
 from ..objective import Objective
 from ..pipeline import Pass, PassResult, run_nested, split_after
 from ..progress import progress
+from ..qdq import require_opset
 from ..registry import register
 
 NAME = "search-precision"
@@ -164,6 +165,7 @@ class _Search:
         self.scores: dict[frozenset, float] = {}
         self.known: dict = {}   # scored, not yet checked: key -> objective_score's result (or what building raised)
         self.computed: dict = {}   # root -> its entry in the fully quantized trial (its qparams)
+        self.raised: QModel | None = None   # the model at the highest opset a trial needed (see _quantized)
         self.executor, self.shared = executors.from_config(ctx.config), None
         self.seconds = {"build": 0.0, "built": 0, "tasks": 0.0, "scored": 0}   # quantizing here, scoring in tasks
 
@@ -214,13 +216,19 @@ class _Search:
 
     def _quantized(self, promoted: list[str]) -> QModel:
         """A copy with ``promoted`` kept at the fallback, through the ``then`` pipeline."""
-        trial = self.model.copy(share_weights=True)
+        trial = (self.raised or self.model).copy(share_weights=True)
         promote(trial, [self.groups[n] for n in promoted], self.fallback, {})
         first, rest = split_after(self.options.then, "compute-qparams")
         run_nested(first, trial, self.ctx)
         if not promoted:   # its qparams measure the local errors
             self.computed = {n: trial.quant.get(n) for n in self.groups}
         run_nested(rest, trial, self.ctx)
+        if trial.opset > (self.raised or self.model).opset:
+            # insert-qdq raised the opset (onnx.version_converter for some ops: 0.26 s a trial on
+            # ppocr_v4_rec); later trials start from a copy raised once, as that does not change
+            # what any node computes
+            self.raised = self.model.copy(share_weights=True)
+            require_opset(self.raised, trial.opset)
         return trial
 
     def _take(self, key: frozenset) -> None:

@@ -140,3 +140,48 @@ def test_a_concat_of_mixed_ranges_stays_float_with_its_reason():
     reason = float_reasons(model)["y"]["reason"]
     assert "Concat" in reason and "x apart" in reason and "'p'" in reason
     assert _snr(model, ctx, MASKED, _feeds(16, seed=9)) > 25
+
+
+# opset 11: Unsqueeze/Squeeze take axes as an attribute, so raising the opset for 16-bit Q/DQ (21)
+# goes through onnx.version_converter
+OLD_OPSET = """
+<ir_version: 8, opset_import: ["" : 11]>
+g (float[1, 64] x) => (float[1, 64] y) <float k = {3.0}>
+{
+  u = Unsqueeze <axes = [0]> (x)
+  a = Tanh(u)
+  b = Mul(a, k)
+  c = Tanh(b)
+  d = Mul(c, k)
+  t = Tanh(d)
+  y = Squeeze <axes = [0]> (t)
+}
+"""
+
+
+def test_trials_raise_the_opset_once_with_the_same_decision(monkeypatch):
+    import onnx.version_converter
+
+    import qpasses.passes.search_precision as search_precision
+
+    real, calls = onnx.version_converter.convert_version, []
+
+    def counted(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    def run():
+        model = from_proto(parse(OLD_OPSET))
+        ctx = RunContext({"op_types_to_quantize": ["Tanh", "Mul"], "calibration": {"method": "minmax"}},
+                         _outlier_feeds(40))
+        PassManager(PRELUDE).run(model, ctx)
+        PassManager([SearchPrecision(target=30, fallback="uint16")]).run(model, ctx)
+        return model.decisions["precision_search"]
+
+    monkeypatch.setattr(onnx.version_converter, "convert_version", counted)
+    once = run()
+    assert once["met"] and once["evaluations"] > 2
+    assert len(calls) <= 2, calls   # the first trial's and the copy later trials start from (per opset)
+    monkeypatch.setattr(search_precision, "require_opset", lambda model, opset: False)   # every trial raises
+    calls.clear()
+    assert run() == once and len(calls) > 2
