@@ -204,8 +204,10 @@ class RoundWeights(Pass):
         bias = t.node.inputs[2] if len(t.node.inputs) > 2 and t.node.op != "MatMul" else None
         if self.correct_bias and isinstance(bias, gs.Constant) and np.size(bias.values) == shift.size \
                 and len(bias.outputs) == 1:
+            if t.node.op == "Gemm":   # y = alpha A B + beta C
+                shift = shift * float(t.node.attrs.get("alpha", 1.0)) / float(t.node.attrs.get("beta", 1.0) or 1.0)
             old = np.asarray(bias.values)
-            bias.values = (old.astype(np.float64) - shift).astype(old.dtype)
+            bias.values = (old.astype(np.float64) - shift.reshape(old.shape)).astype(old.dtype)
             if bias.name in model.quant:
                 model.quant[bias.name].because(f"{NAME}: minus the rounded weights' mean output change on "
                                                f"{samples} calibration samples")

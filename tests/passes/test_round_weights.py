@@ -204,3 +204,22 @@ def test_input_rows_same_padding_1d_and_sampling():
     rows = input_rows(many, dense, np.random.default_rng(0))
     assert rows.shape[0] == 1 and 0 < rows.shape[2] < 400_000
     assert len({tuple(r) for r in rows[0].T}) == rows.shape[2]   # sampled without replacement
+
+
+GEMM = f"""
+g (float[32, 16] x) => (float[32, 4] y)
+<float[4, 16] w = {{{_weights((4, 16), 5)}}}, float[1, 4] c = {{0.1, -0.2, 0.3, 0.4}}>
+{{
+    y = Gemm <transB = 1, alpha = 2.0, beta = 0.5> (x, w, c)
+}}
+"""
+
+
+def test_gemm_alpha_beta_bias_keeps_the_mean_output():
+    feeds = _feeds((1, 32, 16), 8)
+    feeds = [{"x": f["x"][0]} for f in feeds]
+    model = model_from_text(GEMM)
+    run_passes("annotate-types,calibrate,compute-qparams,round-weights", model, A16W8, feeds)
+    assert model.decisions["weight_rounding"]["rounded"] == 1
+    mean = lambda proto: np.mean([run(proto, f)[0].mean(axis=0) for f in feeds], axis=0)  # noqa: E731
+    np.testing.assert_allclose(mean(model.to_proto()), mean(parse(GEMM)), atol=1e-5)
