@@ -40,7 +40,8 @@ def _feeds(shape, n, seed=0):
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        common = rng.standard_normal(shape[:1] + (1,) + shape[2:]) if len(shape) == 4 else rng.standard_normal(shape[:-1] + (1,))
+        shared = shape[:1] + (1,) + shape[2:] if len(shape) == 4 else shape[:-1] + (1,)
+        common = rng.standard_normal(shared)
         x = 2.0 * common + 0.3 * rng.standard_normal(shape)
         out.append({"x": x.astype(np.float32)})
     return out
