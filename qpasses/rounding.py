@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .conv_pads import auto_pad_of, conv_pads
 from .weightonly.gptq import inverse_cholesky
 
 ROW_ELEMENTS = 4_000_000      # at most this many floats of receptive fields per sample and layer
@@ -46,11 +47,9 @@ def conv_geometry(attrs: dict, weight_shape: tuple) -> Geometry | None:
     rank = len(kernel)
     if rank not in (1, 2):
         return None
-    auto_pad = attrs.get("auto_pad", "NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
     return Geometry("conv", int(np.prod(weight_shape[1:])), int(attrs.get("group", 1)), kernel,
                     tuple(attrs.get("strides", [1] * rank)), tuple(attrs.get("pads", [0] * 2 * rank)),
-                    tuple(attrs.get("dilations", [1] * rank)), auto_pad)
+                    tuple(attrs.get("dilations", [1] * rank)), auto_pad_of(attrs))
 
 
 def input_rows(x: np.ndarray, geo: Geometry, rng: np.random.Generator) -> np.ndarray:
@@ -65,8 +64,8 @@ def input_rows(x: np.ndarray, geo: Geometry, rng: np.random.Generator) -> np.nda
                        (0, geo.pads[0], 0, geo.pads[1]), (1,) + geo.dilations, geo.auto_pad)
         x = x[:, :, None, :]
     n, c, height, width = x.shape
-    pads = _pads(geo, (height, width))
-    xp = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+    begins, ends = conv_pads(geo.auto_pad, geo.pads, (height, width), geo.kernel, geo.strides, geo.dilations)
+    xp = np.pad(x, ((0, 0), (0, 0), (begins[0], ends[0]), (begins[1], ends[1])))
     (kh, kw), (sh, sw), (dh, dw) = geo.kernel, geo.strides, geo.dilations
     span_h, span_w = dh * (kh - 1) + 1, dw * (kw - 1) + 1
     if xp.shape[2] < span_h or xp.shape[3] < span_w:
@@ -91,21 +90,6 @@ def _pick(total: int, budget: int, rng: np.random.Generator) -> np.ndarray:
     if total <= budget:
         return np.arange(total)
     return np.sort(rng.choice(total, budget, replace=False))
-
-
-def _pads(geo: Geometry, size: tuple) -> tuple:
-    if geo.auto_pad == "VALID":
-        return (0, 0, 0, 0)
-    if geo.auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        begin, end = [], []
-        for s, k, st, d in zip(size, geo.kernel, geo.strides, geo.dilations):
-            out = -(-s // st)
-            total = max(0, (out - 1) * st + (k - 1) * d + 1 - s)
-            small = total // 2
-            begin.append(small if geo.auto_pad == "SAME_UPPER" else total - small)
-            end.append(total - begin[-1])
-        return (begin[0], begin[1], end[0], end[1])
-    return tuple(int(p) for p in geo.pads)
 
 
 class Hessian:

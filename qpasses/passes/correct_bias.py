@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..analysis.scopes import scopes
 from ..calibration.data import open_data
 from ..calibration.segments import SegmentedSession
+from ..conv_pads import auto_pad_of, conv_pads
 from ..errors import CalibrationDataError
 from ..evaluate import rerun_skip_reason
 from ..ir import QModel
@@ -128,21 +129,15 @@ def tap_indicators(node: gs.Node, in_shape, out_shape) -> list[np.ndarray] | Non
     kernel = list(node.inputs[1].shape[2:]) if node.inputs[1].shape else []
     attrs = node.attrs
     strides, dilations = attrs.get("strides", [1] * rank), attrs.get("dilations", [1] * rank)
-    auto_pad = attrs.get("auto_pad", "NOTSET")
-    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    auto_pad = auto_pad_of(attrs)
     transposed = node.op == "ConvTranspose"
     if len(kernel) != rank or (transposed and (auto_pad != "NOTSET" or "output_shape" in attrs)):
         return None
-    pads = attrs.get("pads", [0] * 2 * rank)
+    begins, _ = conv_pads(auto_pad, attrs.get("pads", [0] * 2 * rank), in_shape[2:], kernel, strides, dilations)
     out = []
     for j in range(rank):
         size, n_out, k, s, d = in_shape[2 + j], out_shape[2 + j], kernel[j], strides[j], dilations[j]
-        begin = pads[j]
-        if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-            total = max(0, (n_out - 1) * s + (k - 1) * d + 1 - size)
-            begin = total // 2 if auto_pad == "SAME_UPPER" else total - total // 2
-        elif auto_pad == "VALID":
-            begin = 0
+        begin = begins[j]
         matrix = np.zeros((size, k), np.float32)
         for tap in range(k):
             if transposed:   # input i reaches output i*s + tap*d - begin
