@@ -178,8 +178,7 @@ def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int 
                   averaging_constant: float | None = None, max_samples: int = 0,
                   progress_stream=None, in_memory_weights: bool | None = None,
                   only: set[str] | None = None, kept: "KeptSamples | None" = None,
-                  shard_start: int | None = None, collector=None,
-                  collector_for=None) -> tuple[dict[str, TensorStats], int]:
+                  shard_start: int | None = None, collector=None) -> tuple[dict[str, TensorStats], int]:
     """Run ``model`` on every sample of ``data`` (validated one by one, read once) and return
     ({tensor name: TensorStats} in graph order, number of samples). ``only`` limits the tensors
     measured (fewer model outputs also leave onnxruntime's fusions, e.g. Conv+Relu, intact).
@@ -187,12 +186,10 @@ def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int 
     the whole model (else left empty). ``shard_start``: the data is a shard of a larger set
     starting at that sample (qpasses.executors.calibration): errors number samples from there and
     the statistics stay mergeable (``TensorStats.merge``; no tensor is dropped). ``collector``: a
-    factory of objects with ``update(array)`` (and ``min``/``max``) fed every whole array instead
-    of TensorStats (e.g. weightonly.hessian); ``collector_for``: the same, called with the tensor's name."""
+    factory, called with each tensor's name, of objects with ``update(array)`` (and ``min``/``max``)
+    fed every whole array instead of TensorStats (e.g. weightonly.hessian, round-weights)."""
     data = open_data(data)
-    if collector_for is None and collector is not None:
-        collector_for = lambda name: collector()  # noqa: E731
-    use_hist = method in HISTOGRAM_METHODS or collector_for is not None
+    use_hist = method in HISTOGRAM_METHODS or collector is not None
     total = data.count if not max_samples else min(max_samples, data.count or max_samples)
     plan = _Plan(model, use_hist, in_memory_weights, only, samples=total, capture=kept is not None)
     if kept is not None and plan.capture and not plan.budget:
@@ -201,7 +198,7 @@ def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int 
         kept = None
     bins = histogram_bins(num_bins) if use_hist else 0
     shard = shard_start is not None
-    stats = {name: collector_for(name) if collector_for else TensorStats(bins, averaging_constant, mergeable=shard)
+    stats = {name: collector(name) if collector else TensorStats(bins, averaging_constant, mergeable=shard)
              for name, _ in plan.tensors}
     feeds = enumerate(data.validated(plan.specs, max_samples), shard_start or 0)
     progress = lambda label, n: Progress(label, n, progress_stream)  # noqa: E731

@@ -180,14 +180,12 @@ class RoundWeights(Pass):
             t.hessian = Hessian(t.geo, seed=k)
             by_input.setdefault(t.node.inputs[0].name, []).append(t.hessian)
         _, count = collect_stats(model, ctx.calibration_data, max_samples=self.samples, only=set(by_input),
-                                 collector_for=lambda name: _Readers(by_input.get(name, [])))
+                                 collector=lambda name: _Readers(by_input.get(name, [])))
         return count
 
     def _round(self, model: QModel, t: Target, samples: int) -> bool:
         tq = model.quant[t.weight.name]
         values = np.asarray(t.weight.values)
-        if t.hessian is None or t.hessian.rows == 0:
-            return False
         rows = t.to_rows(values.astype(np.float64))
         groups, per_group = rows.shape[:2]
         scale = _per_row(tq.scale, groups, per_group)

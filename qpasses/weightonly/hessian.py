@@ -40,5 +40,5 @@ class InputStats:
 
 def input_stats(model, data, names: set[str]) -> dict[str, InputStats]:
     """{tensor: InputStats} of ``names`` over every calibration sample."""
-    stats, _ = collect_stats(model, data, only=set(names), collector=InputStats)
+    stats, _ = collect_stats(model, data, only=set(names), collector=lambda name: InputStats())
     return {name: st for name, st in stats.items() if name in names and st.xtx is not None}
