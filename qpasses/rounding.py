@@ -47,9 +47,12 @@ def conv_geometry(attrs: dict, weight_shape: tuple) -> Geometry | None:
     rank = len(kernel)
     if rank not in (1, 2):
         return None
-    return Geometry("conv", int(np.prod(weight_shape[1:])), int(attrs.get("group", 1)), kernel,
-                    tuple(attrs.get("strides", [1] * rank)), tuple(attrs.get("pads", [0] * 2 * rank)),
-                    tuple(attrs.get("dilations", [1] * rank)), auto_pad_of(attrs))
+    strides, dilations = tuple(attrs.get("strides", [1] * rank)), tuple(attrs.get("dilations", [1] * rank))
+    pads = tuple(attrs.get("pads", [0] * 2 * rank))
+    if rank == 1:   # read as 2-D with height 1 (input_rows adds the axis)
+        kernel, strides, dilations, pads = (1,) + kernel, (1,) + strides, (1,) + dilations, (0, pads[0], 0, pads[1])
+    return Geometry("conv", int(np.prod(weight_shape[1:])), int(attrs.get("group", 1)), kernel, strides, pads,
+                    dilations, auto_pad_of(attrs))
 
 
 def input_rows(x: np.ndarray, geo: Geometry, rng: np.random.Generator) -> np.ndarray:
@@ -59,9 +62,7 @@ def input_rows(x: np.ndarray, geo: Geometry, rng: np.random.Generator) -> np.nda
     if geo.kind == "dense":
         rows = x.reshape(-1, x.shape[-1])
         return np.ascontiguousarray(rows[_pick(len(rows), _row_budget(geo), rng)].T)[None]
-    if len(geo.kernel) == 1:   # 1-D as 2-D with height 1
-        geo = Geometry("conv", geo.k, geo.groups, (1,) + geo.kernel, (1,) + geo.strides,
-                       (0, geo.pads[0], 0, geo.pads[1]), (1,) + geo.dilations, geo.auto_pad)
+    if x.ndim == 3:   # a 1-D conv (conv_geometry made it 2-D with height 1)
         x = x[:, :, None, :]
     n, c, height, width = x.shape
     begins, ends = conv_pads(geo.auto_pad, geo.pads, (height, width), geo.kernel, geo.strides, geo.dilations)
