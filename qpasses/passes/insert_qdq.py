@@ -25,6 +25,11 @@ from . import CONV_RELU_EXAMPLE
 
 NAME = "insert-qdq"
 CLAMPS = ("Relu", "Clip")
+# onnxruntime's WeightBiasQuantization gives a float initializer weight of these ops a per-tensor
+# int8 grid when their input comes from a DequantizeLinear: a weight kept float (by the search, an
+# override, an excluded node) would run 8-bit on a coarser grid than its own. Such a reader reads
+# the float tensor instead, so it runs in float as the table says.
+FLOAT_WEIGHT_OPS = ("Conv", "ConvTranspose", "Gemm")
 _CLIP6_DEFAULT = 3.4028234663852886e38  # Clip-6 attribute defaults: float32 lowest/max
 
 
@@ -37,6 +42,7 @@ class TensorFacts:
     quantized: bool            # already has Q/DQ (produced by a DQ or read by a Q)
     dtype: str                 # float type name ("float32", "float16", ...); "" for non-float tensors
     rank: int | None = None
+    weighted_readers: tuple[tuple[str, str], ...] = ()   # (reader, its float constant weight): see FLOAT_WEIGHT_OPS
 
 
 @dataclass(frozen=True)
@@ -90,8 +96,21 @@ def analyse(model: QModel) -> GraphFacts:
             kind = "node" if producer(t) is not None else "input"
         shape = getattr(t, "shape", None)
         facts[name] = TensorFacts(kind, tuple(dict.fromkeys(n.name for n in t.outputs)), name in outputs,
-                                  is_quantized(t), dtypes[name], None if shape is None else len(shape))
+                                  is_quantized(t), dtypes[name], None if shape is None else len(shape),
+                                  _weighted_readers(t))
     return GraphFacts(facts, clamps)
+
+
+def _weighted_readers(t: gs.Tensor) -> tuple[tuple[str, str], ...]:
+    """(reader, weight) for each FLOAT_WEIGHT_OPS node reading ``t`` as its data input with a float
+    constant weight."""
+    found = []
+    for node in t.outputs:
+        if node.op in FLOAT_WEIGHT_OPS and len(node.inputs) > 1 and node.inputs[0] is t:
+            w = node.inputs[1]
+            if isinstance(w, gs.Constant) and np.issubdtype(w.values.dtype, np.floating):
+                found.append((node.name, w.name))
+    return tuple(found)
 
 
 def _clamp(node: gs.Node, opset: int) -> Clamp | None:
@@ -134,6 +153,7 @@ class Insert:
     params_of: str             # tensor whose scale/zero-point initializers are used (itself unless shared)
     dq_writes: str | None = None   # existing tensor the DQ writes (graph output, merged Relu/Clip output)
     merged: str | None = None      # Relu/Clip node removed: the DQ writes its output
+    float_readers: tuple[str, ...] = ()   # readers that keep the float value (FLOAT_WEIGHT_OPS)
 
 
 @dataclass
@@ -172,8 +192,12 @@ def plan_qdq(table, facts: GraphFacts) -> Plan:
         dq_writes = clamp.output if clamp else name if f.kind == "node" and f.is_output else None
         inserts[name] = Insert(name, "stored" if stored else "pair", entry.role, qp, f.dtype, name,
                                dq_writes, clamp.node if clamp else None)
+    stored = {name for name, ins in inserts.items() if ins.how == "stored"}
     for name, ins in inserts.items():
-        inserts[name] = replace(ins, params_of=_share_root(table, inserts, name))
+        keep = tuple(r for r, w in facts.tensors[name].weighted_readers
+                     if w not in stored and not (w in facts.tensors and facts.tensors[w].quantized))
+        inserts[name] = replace(ins, params_of=_share_root(table, inserts, name),
+                                float_readers=keep if ins.how == "pair" else ())
     opset = max((min_opset(i.qparams, scale_dtype(i.dtype)) for i in inserts.values()), default=0)
     return Plan(list(inserts.values()), skipped, opset)
 
@@ -259,8 +283,13 @@ def apply_plan(model: QModel, plan: Plan) -> Counter:
             out = t
         q = make_q(namer, name, src, qdq_params, qp)
         dq = make_dq(namer, name, q.outputs[0], qdq_params, qp, dtype, out=out, shape=t.shape)
+        keep = [n for n in t.outputs if n.name in ins.float_readers]
         if out is None:
-            redirect(t, dq.outputs[0], skip=[q])
+            redirect(t, dq.outputs[0], skip=[q] + keep)
+        elif keep and src is not t:   # a graph output: those readers read the producer's float value
+            for node in keep:
+                node.inputs[0] = src
+        counts["float_readers"] += len(keep)
         place.after(anchor, [q, dq])
         dequantized.append((dq, home))
         counts["q_nodes"] += 1

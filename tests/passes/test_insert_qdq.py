@@ -572,3 +572,32 @@ def test_which_ops_survive_a_plain_opset_bump(op, old, new, kept):
     from qpasses.qdq import signature_kept
 
     assert signature_kept(op, old, new) is kept
+
+
+@pytest.mark.parametrize("output", [False, True])
+def test_a_conv_whose_weight_stays_float_reads_the_float_input(output):
+    """onnxruntime would give the float weight a per-tensor int8 grid (WeightBiasQuantization) if the
+    Conv read the DequantizeLinear: it reads the float tensor, so it runs in float as the table says."""
+    w1 = np.random.default_rng(3).standard_normal((4, 3, 3, 3)).astype(np.float32)
+    w1[0] *= 50   # one channel far larger: a per-tensor grid erases the others
+    body = f"""
+g (float[1,3,6,6] x) => (float[1,4,4,4] y, float[1,4,4,4] z{', float[1,3,6,6] r' if output else ''}) <{const('w0', (4, 3, 3, 3), 2)},
+  float[4,3,3,3] w1 = {{{','.join(f'{v:.5f}' for v in w1.ravel())}}}> {{
+    r = Relu(x)
+    y = Conv(r, w0)
+    z = Conv(r, w1)
+}}"""
+    model = model_from_text(body)
+    feeds = feeds_for(model)
+    build_table(model, feeds, acts=["r", "y"], weights={"w0": 0})
+    stats = insert(model).stats
+    assert stats["float_readers"] == 1
+    proto = check_onnx(model)
+    conv_z = next(n for n in proto.graph.node if n.output[0] == "z")
+    assert list(conv_z.input) == [("r_float" if output else "r"), "w1"]
+    float_model = model_from_text(body)
+    for feed in feeds:
+        want = run(float_model, feed)[1]
+        got = session(proto).run(["z"], feed)[0]   # onnxruntime at its default optimization level
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert "QLinearConv" in optimized_ops(model)   # y still runs 8-bit
