@@ -276,6 +276,10 @@ BAD = [
      "'Gelu' is not an ONNX operator in opset 17 (it needs opset 20)"),
     ("custom domain op", lambda d, o: run(d, _custom_op("com.example", "Frobnicate"), calib=feeds()),
      "node 'custom' is op 'Frobnicate' of domain 'com.example'"),
+    ("custom domain op, only inputs observed", lambda d, o: run(  # calibrate runs nothing: search-precision says it
+        d, _custom_op("com.example", "Frobnicate"), calib=feeds(),
+        config={"op_types_to_exclude_output_quantization": ["MatMul"]}),
+     "node 'custom' is op 'Frobnicate' of domain 'com.example'"),
     ("bfloat16 calibration", lambda d, o: run(d, mlp(TensorProto.BFLOAT16, opset=21), calib=feeds()),
      "the model expects bfloat16"),
     ("external data ../", lambda d, o: run(d, edited(mlp(), lambda m: _external(m, "../secret.bin"))),

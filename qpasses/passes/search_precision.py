@@ -13,7 +13,8 @@ from .. import executors
 from ..analysis.sensitivity import local_errors, promotion_groups, promote
 from ..calibration.data import open_data
 from ..config import ACCURACY_FALLBACKS, ACCURACY_METRICS
-from ..errors import CalibrationDataError, first_line
+from ..calibration.sessions import unrunnable
+from ..errors import CalibrationDataError, ModelError, first_line
 from ..evaluate import Reference, rerun_skip_reason
 from ..executors import speculate
 from ..executors.scoring import objective_score, objective_scores
@@ -143,7 +144,12 @@ class SearchPrecision(Pass):
         data = open_data(ctx.calibration_data)
         start = model.decisions.get("calibration", {}).get("held_out_from")
         feeds = itertools.islice(data, start, None) if start else iter(data)
-        reference = Reference.run(model, feeds, self.samples)   # a QModel: big ones run segmented
+        try:
+            reference = Reference.run(model, feeds, self.samples)   # a QModel: big ones run segmented
+        except (CalibrationDataError, ModelError):
+            raise
+        except Exception as exc:   # onnxruntime refused the float model (calibrate may not have run it)
+            raise ModelError(f"onnxruntime cannot run the model: {unrunnable(model, exc)}") from None
         if not reference.feeds:
             raise CalibrationDataError("no feed to score on")
         return reference, bool(start)
