@@ -261,6 +261,43 @@ def _one_line(exc) -> str:
     return f"{type(exc).__name__}: {text}"[:300]
 
 
+# onnxruntime's integer kernels for weighted ops, and where their weight input sits
+INTEGER_KERNELS = {"QLinearConv": 3, "QLinearMatMul": 3, "QGemm": 3, "MatMulIntegerToFloat": 1,
+                   "ConvInteger": 1, "MatMulInteger": 1, "DynamicQuantizeMatMul": 1}
+
+
+def integer_weighted_kernels(path) -> int:
+    """How many weighted ops onnxruntime (CPU, default optimization) runs as integer kernels: the
+    QLinearConv/QLinearMatMul/QGemm/MatMulIntegerToFloat/... nodes of its optimized graph (bodies
+    included) whose weight is a constant. A DQ -> MatMul -> Add without a Q after the Add, for one,
+    becomes a float Gemm although both MatMul inputs come from 8-bit DQs."""
+    import tempfile
+
+    import onnx
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+        ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        model = onnx.load(opts.optimized_model_filepath)
+
+    def walk(graph, consts: set) -> int:
+        consts = consts | {t.name for t in graph.initializer} | {
+            o for n in graph.node if n.op_type == "Constant" for o in n.output}
+        count = 0
+        for n in graph.node:
+            at = INTEGER_KERNELS.get(n.op_type)
+            count += at is not None and len(n.input) > at and n.input[at] in consts
+            for a in n.attribute:
+                for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else []) + list(a.graphs):
+                    count += walk(g, consts)
+        return count
+
+    return walk(model.graph, set())
+
+
 def _session(path):
     import onnxruntime as ort
 
@@ -311,6 +348,10 @@ def measure(result: dict, bm: BenchModel, feeds: list[dict], outs_f) -> None:
     except Exception as exc:
         result["ort_load"] = _one_line(exc)
         return
+    try:
+        result["integer_kernels"] = integer_weighted_kernels(path)
+    except Exception as exc:
+        result["share_error"] = _one_line(exc)
     try:
         outs_q = [sess.run(None, f) for f in feeds]
         result["metric_name"], result["task"] = bm.metric(outs_f, outs_q)
@@ -400,8 +441,8 @@ def tables(rows: list[dict], tools: list[Tool]) -> str:
         res = row["results"]
         out.append(f"| {row['model']} | {row['metric']} | {_fmt(row.get('chance'))} | "
                    + " | ".join(cell(res.get(n), "task") for n in names) + " |")
-    out += ["", "| model | tool | task | SNR dB | 8-bit weighted ops | quantize s | status |",
-            "|---|---|---|---|---|---|---|"]
+    out += ["", "| model | tool | task | SNR dB | 8-bit weighted ops | run as integer kernels | quantize s | status |",
+            "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         for n in names:
             r = row["results"].get(n)
@@ -409,7 +450,7 @@ def tables(rows: list[dict], tools: list[Tool]) -> str:
                 continue
             st = status(r)
             out.append(f"| {row['model']} | {n} | {cell(r, 'task')} | {cell(r, 'snr', 2)} | {cell(r, 'share')} | "
-                       f"{cell(r, 'seconds', 1)} | {'ok' if st is None else st[:90]} |")
+                       f"{cell(r, 'integer_kernels')} | {cell(r, 'seconds', 1)} | {'ok' if st is None else st[:90]} |")
     out += ["", "| model | nodes | weighted ops | opset | outputs |", "|---|---|---|---|---|"]
     for row in rows:
         d = row.get("model_info", {})
