@@ -14,8 +14,8 @@ from .. import decisions
 from ..dataflow import dataflow
 from ..graphutil import unique_name
 from ..ir import QModel
-from ..oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, WEIGHT, OpRule, holds, rule_for, selected_op_types,
-                       weight_axis)
+from ..oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, WEIGHT, OpRule, holds, multiplies_activations,
+                       rule_for, selected_op_types, weight_axis)
 from ..overrides import TensorOverride, validate
 from ..pipeline import Pass, PassResult
 from ..qtypes import qtype
@@ -88,7 +88,8 @@ def selected_nodes(model: QModel, config: QuantConfig) -> list[tuple[gs.Node, Op
     for node in all_nodes(model):
         rule = rule_for(node.op, model.opset)
         if (rule is not None and (not ops or node.op in ops) and (not only or node.name in only)
-                and node.name not in excluded):
+                and node.name not in excluded
+                and not (config.op_types_to_quantize is None and multiplies_activations(node))):
             out.append((node, rule))
     return out
 
@@ -183,6 +184,9 @@ class TypePlanner:
             if n.name in cfg.nodes_to_exclude:
                 return f"{n.op} '{n.name}' is in the config's nodes_to_exclude"
         for n in ruled:
+            if n.name not in selected and cfg.op_types_to_quantize is None and multiplies_activations(n):
+                return (f"MatMul '{n.name}' multiplies two computed tensors (attention) and stays float by "
+                        "default (op_types_to_quantize: all, or a list naming MatMul, quantizes it)")
             if n.name not in selected and cfg.op_types_to_quantize is None and n.op in NOT_BY_DEFAULT:
                 return (f"{n.op} '{n.name}' stays float by default (an element-wise op: "
                         f"op_types_to_quantize: all, or a list naming {n.op}, quantizes it)")

@@ -507,3 +507,24 @@ def test_by_default_element_wise_ops_stay_float_with_a_reason():
     assert "stays float by default" in reasons["a"]["reason"] and "op_types_to_quantize: all" in reasons["a"]["reason"]
     everything, _ = annotate(text, op_types_to_quantize="all")
     assert {"a", "s"} <= set(everything.quant)
+
+
+def test_by_default_a_matmul_of_two_computed_tensors_stays_float_with_a_reason():
+    text = """
+    g (float[1,4,8] x) => (float[1,4,8] y) <float[8,8] wq = {%s}, float[8,8] wk = {%s}> {
+      q = MatMul (x, wq)
+      k = MatMul (x, wk)
+      kt = Transpose <perm = [0,2,1]> (k)
+      s = MatMul (q, kt)
+      p = Softmax <axis = -1> (s)
+      y = MatMul (p, q)
+    }""" % (",".join(["0.1"] * 64), ",".join(["0.2"] * 64))
+    model, _ = annotate(text, op_types_to_quantize=None)
+    assert {"x", "wq", "wk", "q", "k"} <= set(model.quant)   # weight MatMuls: inputs, weights, outputs
+    assert not {"s", "p", "y"} & set(model.quant) and model.quant["kt"].shares == "k"   # a move of k
+    reasons = model.decisions["float"]
+    assert "multiplies two computed tensors" in reasons["s"]["reason"]
+    assert "multiplies two computed tensors" in reasons["y"]["reason"]
+    for selection in ("all", ["MatMul"]):
+        everything, _ = annotate(text, op_types_to_quantize=selection)
+        assert {"s", "p", "y"} <= set(everything.quant)
