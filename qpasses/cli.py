@@ -237,9 +237,9 @@ def cmd_run(args) -> int:
         for line in _objective_lines(objective, report["accuracy"], report["objective"], always=False):
             say(f"qpasses: {line}")
     if "types-annotated" in model.facts or "qdq-inserted" in model.facts:
-        from .summary import summary_line
+        from .summary import run_summary
 
-        report["summary"] = summary_line(model.to_proto(metadata=False), float_reasons(model))
+        report["summary"], report["integer_kernels"] = run_summary(model, float_reasons(model))
         say(f"qpasses: {report['summary']}")
     if args.time_passes:
         say(timer.table())

@@ -68,11 +68,14 @@ def _commonest_reason(floats: dict) -> str:
     return f"; most often ({count} of {len(reasons)} float tensors): {example}"
 
 
-def summary_line(proto: onnx.ModelProto, floats: dict) -> str:
+def summary_line(proto: onnx.ModelProto, floats: dict, kernels: int | None = None) -> str:
     """'8-bit: 94 % of weighted ops (47 of 50); kept float: 6 tensors (a, b, c, ...)', or, when no
-    tensor is quantized, 'nothing quantized: 0 of N compute nodes (...)' with the commonest reason."""
+    tensor is quantized, 'nothing quantized: 0 of N compute nodes (...)' with the commonest reason.
+    ``kernels``: how many of them onnxruntime runs as integer kernels (qpasses.kernels), said when
+    it differs."""
     quantized, total = weighted_ops(proto)
-    share = f"{100 * quantized / total:.0f} % of weighted ops ({quantized} of {total})" if total else "no weighted op"
+    runs = f"; onnxruntime runs {kernels} as integer kernels" if kernels is not None and kernels != quantized else ""
+    share = f"{100 * quantized / total:.0f} % of weighted ops ({quantized} of {total}{runs})" if total else "no weighted op"
     graphs = list(_graphs(proto.graph))
     if not any(n.op_type == "DequantizeLinear" for g in graphs for n in g.node):
         compute = [sum(1 for n in g.node if n.op_type not in _QDQ) for g in graphs]
@@ -83,3 +86,13 @@ def summary_line(proto: onnx.ModelProto, floats: dict) -> str:
     listed = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     kept = f"; kept float: {len(names)} tensors ({listed})" if names else "; nothing kept float"
     return f"8-bit: {share}{kept}"
+
+
+def run_summary(model, floats: dict) -> tuple[str, int | None]:
+    """(summary_line, integer kernels onnxruntime runs) of a model after a run (kernels: only once
+    Q/DQ are inserted, else None)."""
+    from .kernels import integer_kernels
+
+    proto = model.to_proto(metadata=False)
+    kernels = integer_kernels(proto) if "qdq-inserted" in model.facts else None
+    return summary_line(proto, floats, kernels), kernels

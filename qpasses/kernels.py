@@ -1,0 +1,49 @@
+"""Which weighted ops onnxruntime actually runs as integer kernels: read off its optimized graph.
+
+8-bit DequantizeLinear inputs do not make an op run in 8 bits: a Conv without a Q after it, or a
+DQ -> MatMul -> Add fused into a Gemm with no Q after the Add, runs in float on the CPU provider.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import onnx
+
+# onnxruntime's integer kernels for weighted ops -> the position of their weight input
+INTEGER_KERNELS = {"QLinearConv": 3, "QLinearMatMul": 3, "QGemm": 3, "MatMulIntegerToFloat": 1,
+                   "ConvInteger": 1, "MatMulInteger": 1, "DynamicQuantizeMatMul": 1}
+MAX_NODES = 5000   # above this the optimized copy is not worth its time for a summary line
+
+
+def integer_kernels(proto: onnx.ModelProto) -> int | None:
+    """How many integer kernels with a constant weight onnxruntime's CPU provider runs for
+    ``proto`` at its default optimization level (If/Loop/Scan bodies included); None when the
+    model is too big to check here, holds external data, or onnxruntime refuses it."""
+    if len(proto.graph.node) > MAX_NODES or proto.ByteSize() > (1 << 30):
+        return None
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+        try:
+            ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+            optimized = onnx.load(opts.optimized_model_filepath)
+        except Exception:   # the summary stays DQ-based; loading the model is checked elsewhere
+            return None
+    return _count(optimized.graph, set())
+
+
+def _count(graph: onnx.GraphProto, outer: set[str]) -> int:
+    consts = outer | {t.name for t in graph.initializer} | {
+        o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    count = 0
+    for node in graph.node:
+        at = INTEGER_KERNELS.get(node.op_type)
+        count += at is not None and len(node.input) > at and node.input[at] in consts
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                count += _count(sub, consts)
+    return count
