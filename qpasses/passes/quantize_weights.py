@@ -142,7 +142,7 @@ class QuantizeWeights(Pass):
             return quantize_hqq(w, cfg.bits, cfg.block_size, integer_zero_points=cfg.format == "qdq")
         if cfg.algorithm == "gptq" and st is not None:
             return quantize_gptq(w, st.hessian, cfg.bits, cfg.block_size, cfg.symmetric, cfg.damping, cfg.act_order)
-        return quantize_rtn(w, cfg.bits, cfg.block_size, cfg.symmetric)
+        return quantize_rtn(w, cfg.bits, cfg.block_size, cfg.symmetric, pack=cfg.format == "matmulnbits")
 
     @staticmethod
     def _awq(model, targets, stats, cfg, namer) -> dict:
