@@ -160,6 +160,63 @@ def timed(fn, repeats: int):
     return results[-1][0], float(np.median([r[1] for r in results]))
 
 
+def timed_pair(a, b, repeats: int):
+    """timed() of two functions, their calls alternating (a load change falls on both sides alike)."""
+    if repeats > 1:
+        a(), b()
+    runs = [(a(), b()) if i % 2 == 0 else tuple(reversed((b(), a()))) for i in range(repeats)]
+    return [(runs[-1][j][0], float(np.median([r[j][1] for r in runs]))) for j in (0, 1)]
+
+
+def ort_kernel(w: np.ndarray):
+    """onnxruntime's compiled symmetric int4 block-32 RTN (what its DEFAULT algorithm calls): B, scales."""
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits
+
+    k, n = w.shape
+    blocks = -(-k // 32)
+    b, scales = np.zeros((n, blocks, 16), np.uint8), np.zeros((n, blocks), np.float32)
+    quantize_matmul_4bits(b, w, scales, np.zeros((n, (blocks + 1) // 2), np.uint8), 32, n, k, True)
+    return b, scales
+
+
+def kernel_lines(proto, repeats: int) -> list[str]:
+    """The RTN arithmetic alone on each side (the MatMul weights as arrays in, B and scales out),
+    and how onnxruntime's compiled kernel's bytes compare with our RTN's (plain and refitted)."""
+    from qpasses.weightonly.matmulnbits import nbits_inputs
+    from qpasses.weightonly.rtn import quantize_rtn
+
+    names = {n.input[1] for n in proto.graph.node if n.op_type == "MatMul"}
+    ws = [numpy_helper.to_array(t) for t in proto.graph.initializer if t.name in names and len(t.dims) == 2]
+    plain = same = scales_moved = blocks = codes_moved = codes = 0
+    for w in ws:
+        b, s = ort_kernel(w)
+        p0, p1 = (nbits_inputs(quantize_rtn(w, 4, 32, True, refine=r, pack=True)) for r in (0, 1))
+        plain += int(np.sum(p0["B"] != b))
+        same += np.array_equal(p0["scales"], s.reshape(-1))
+        scales_moved += int(np.sum(p1["scales"] != s.reshape(-1)))
+        blocks, codes = blocks + s.size, codes + 2 * b.size
+        codes_moved += int(np.sum((p1["B"] & 15) != (b & 15)) + np.sum((p1["B"] >> 4) != (b >> 4)))
+
+    def mine_fn():
+        return [nbits_inputs(quantize_rtn(w, 4, 32, True, pack=True)) for w in ws]
+
+    def ort_fn():
+        return [ort_kernel(w) for w in ws]
+    (_, mine), (_, ort) = timed_pair(lambda: (None, _clock(mine_fn)), lambda: (None, _clock(ort_fn)), repeats)
+    return [f"RTN arithmetic alone ({len(ws)} MatMul weights, {sum(w.size for w in ws) / 1e6:.2f} M values as arrays "
+            f"in, B and scales out; median of {repeats}): ours {mine * 1e3:.1f} ms, onnxruntime's compiled "
+            f"quantize_matmul_4bits {ort * 1e3:.1f} ms, ratio {mine / ort:.2f}. Its bytes against our plain RTN "
+            f"(refine 0): scales {'identical' if same == len(ws) else 'differ'}, {plain} B bytes differ; against our "
+            f"default RTN (one least-squares refit): {scales_moved} of {blocks} scales and {codes_moved} of {codes} "
+            f"codes differ, so it is no fast path for ours."]
+
+
+def _clock(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def ours(proto, algorithm, fmt, calib, **extra):
     extra = {"bits": 4, **extra} if "scheme" not in extra else extra   # an MX scheme fixes its element bits
     cfg = {"mode": "weight_only", "weight_only": {"algorithm": algorithm, "format": fmt, "block_size": 32, **extra}}
@@ -184,7 +241,7 @@ def theirs(proto, algorithm, calib):
 
 
 def _secs(x: float) -> str:
-    return f"{x:.3f}" if x < 1 else f"{x:.2f}"
+    return f"{x:.4f}" if x < 0.1 else f"{x:.3f}" if x < 1 else f"{x:.2f}"
 
 
 def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeats: int = 1) -> list[str]:
@@ -192,13 +249,17 @@ def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeat
     ref = outputs(proto, evald)
     rows, models = [], {}
     for alg in algorithms:
-        times = repeats if alg == "rtn" else slow_repeats   # the others run for seconds to minutes
-        q, secs = timed(lambda: ours(proto, alg, "matmulnbits", calib), times)
+        if alg == "rtn":   # the sides alternate, so a change of machine load falls on both
+            (q, secs), (tq, tsecs) = timed_pair(lambda: ours(proto, alg, "matmulnbits", calib),
+                                                lambda: theirs(proto, alg, calib), repeats)
+        else:              # the others run for seconds to minutes
+            q, secs = timed(lambda: ours(proto, alg, "matmulnbits", calib), slow_repeats)
         models[alg] = q
         row = {"alg": alg, "snr": snr(ref, outputs(q, evald)), "secs": secs}
         if alg != "awq":
             try:
-                tq, tsecs = timed(lambda: theirs(proto, alg, calib), times)
+                if alg != "rtn":
+                    tq, tsecs = timed(lambda: theirs(proto, alg, calib), slow_repeats)
                 row.update(ort_snr=snr(ref, outputs(tq, evald)), ort_secs=tsecs)
                 models[f"ort_{alg}"] = tq
             except Exception as exc:   # an onnxruntime algorithm that cannot run here: say so
@@ -217,6 +278,8 @@ def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeat
             note = f"vs our rtn {r['snr'] - rtn:+.2f}" if r["alg"] == "awq" else r.get("ort_error", "")
             lines.append(f"| {r['alg']} | {r['snr']:.2f} | - | {note} | {_secs(r['secs'])} | - | - |")
     lines.append(f"| rtn as QDQ (DequantizeLinear block 32) | {snr(ref, outputs(qdq, evald)):.2f} | | | | | |")
+    if "rtn" in algorithms:
+        lines += [""] + kernel_lines(proto, repeats)
     if "rtn" in models and "ort_rtn" in models:
         a, b, f, d = latencies([models["rtn"], models["ort_rtn"], proto, qdq], evald[0])
         lines += ["", f"MatMulNBits latency (1 thread, median of 100 interleaved runs): ours {a * 1e3:.2f} ms, "
@@ -259,6 +322,7 @@ def main(argv=None) -> int:
             from bench_formats_mx import mx_table   # tools/bench_formats_mx.py
             print("\n".join(mx_table(name, *load(name, args.layers), ours, outputs, snr, args.layers)), flush=True)
             print()
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
     return 0
 
 
