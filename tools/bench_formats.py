@@ -211,6 +211,68 @@ def kernel_lines(proto, repeats: int) -> list[str]:
             f"codes differ, so it is no fast path for ours."]
 
 
+def phase_lines(proto, repeats: int) -> list[str]:
+    """Where each side's RTN time goes (medians of ``repeats``; the same start and end as the table:
+    ModelProto in, ModelProto out). The inner parts are timed by wrapping the functions that do them."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as mq
+
+    from qpasses import ir
+    from qpasses.passes import quantize_weights as qw
+    from qpasses.pipeline import PassManager
+    from qpasses.validate import validate_proto
+    from qpasses.weightonly import targets
+
+    spent: dict[str, float] = {}
+
+    def wrapped(module, name):
+        inner = getattr(module, name)
+
+        def timed_call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+        return inner, timed_call
+
+    patches = [(m, n, *wrapped(m, n)) for m, n in ((targets, "read_values"), (qw, "quantize_rtn"),
+                                                    (mq, "quantize_matmul_4bits"))]
+    cfg = {"mode": "weight_only", "weight_only": {"algorithm": "rtn", "format": "matmulnbits", "block_size": 32}}
+    rows: list[list[float]] = []
+    for m, n, _, new in patches:
+        setattr(m, n, new)
+    try:
+        for _ in range(repeats + 1):
+            spent.clear()
+            t0 = time.perf_counter()
+            validate_proto(proto)
+            t1 = time.perf_counter()
+            model = ir.load(proto)   # validates again, then imports into gs
+            t2 = time.perf_counter()
+            PassManager("quantize-weights").run(model, RunContext(cfg))
+            t3 = time.perf_counter()
+            model.to_proto(metadata=False)
+            t4 = time.perf_counter()
+            theirs = copy.deepcopy(proto)
+            t5 = time.perf_counter()
+            q = mq.MatMulNBitsQuantizer(theirs, block_size=32, is_symmetric=True, bits=4,
+                                        algo_config=mq.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True))
+            q.process()
+            t6 = time.perf_counter()
+            read, rtn, kernel = (spent.get(k, 0.0) for k in ("read_values", "quantize_rtn", "quantize_matmul_4bits"))
+            rows.append([t1 - t0, t2 - t1 - (t1 - t0), read, rtn, t3 - t2 - read - rtn, t4 - t3, t4 - t1,
+                         kernel, t6 - t5 - kernel, t6 - t5])
+    finally:
+        for m, n, old, _ in patches:
+            setattr(m, n, old)
+    med = np.median(rows[1:], axis=0) * 1e3
+    names = ["ours: validate_proto", "ours: gs import", "ours: weights out of the proto (one copy each)",
+             "ours: RTN arithmetic and B packing", "ours: rest of the pass (targets, graph edits, cleanup)",
+             "ours: export to a ModelProto", "ours: total", "onnxruntime: compiled kernel",
+             "onnxruntime: rest (proto walk, tensors in and out)", "onnxruntime: total"]
+    return ["| phase (ms) | median |", "|---|---|"] + [f"| {a} | {b:.1f} |" for a, b in zip(names, med)]
+
+
 def _clock(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -279,7 +341,7 @@ def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeat
             lines.append(f"| {r['alg']} | {r['snr']:.2f} | - | {note} | {_secs(r['secs'])} | - | - |")
     lines.append(f"| rtn as QDQ (DequantizeLinear block 32) | {snr(ref, outputs(qdq, evald)):.2f} | | | | | |")
     if "rtn" in algorithms:
-        lines += [""] + kernel_lines(proto, repeats)
+        lines += [""] + kernel_lines(proto, repeats) + [""] + phase_lines(proto, repeats)
     if "rtn" in models and "ort_rtn" in models:
         a, b, f, d = latencies([models["rtn"], models["ort_rtn"], proto, qdq], evald[0])
         lines += ["", f"MatMulNBits latency (1 thread, median of 100 interleaved runs): ours {a * 1e3:.2f} ms, "
