@@ -84,3 +84,19 @@ def test_weighted_or_searched_rtn_takes_the_general_path():
     w = weight(96, 24, 3)
     got = rtn.quantize_rtn(w, 4, 32, True, channel_weights=np.ones(96, np.float32), pack=True)
     assert got.codes is not None and got.packed is None
+
+
+def test_onnxruntimes_compiled_rtn_is_no_drop_in_for_ours():
+    """onnxruntime's quantize_matmul_4bits (its RTN kernel) rounds exact .5 ties up, ours to even, and
+    has no refit: it cannot stand in for our RTN (tools/README.md, "Time after issue 17i")."""
+    kernel = pytest.importorskip("onnxruntime.capi._pybind_state").quantize_matmul_4bits
+    w = np.zeros((64, 8), np.float32)
+    w[0] = -8.0   # each first block's scale is 1
+    w[1:9] = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, -3.5], np.float32)[:, None]
+    b, scales = np.zeros((8, 2, 16), np.uint8), np.zeros((8, 2), np.float32)
+    kernel(b, w, scales, np.zeros((8, 1), np.uint8), 32, 8, 64, True)
+    theirs = np.stack([b & 15, b >> 4], axis=-1).reshape(8, 64)[0, 1:9].astype(int) - 8
+    ours = rtn.quantize_rtn(w, 4, 32, True, refine=0, pack=True)
+    assert theirs.tolist() == [1, 2, 3, 0, -1, -2, 4, -3]
+    assert (ours.kn_codes()[1:9, 0].astype(int) - 8).tolist() == [0, 2, 2, 0, -2, -2, 4, -4]
+    np.testing.assert_array_equal(ours.scales[:, 0], scales[:, 0])
