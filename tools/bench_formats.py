@@ -11,7 +11,9 @@ time to quantize (ModelProto in, ModelProto out, both sides; onnxruntime's quant
 input, so it is given a copy made before its timer starts) and its ratio to onnxruntime's, and the
 median latency of the MatMulNBits models (ours / onnxruntime's RTN, runs interleaved). RTN times are
 the median of ``--repeats`` runs after a warm-up (first-call imports excluded on both sides); the
-slower algorithms run ``--slow-repeats`` times (default once). ``--cores 1`` runs both sides on one
+slower algorithms run ``--slow-repeats`` times (default once); the two sides' runs alternate. With
+rtn, two more blocks: the RTN arithmetic alone on each side (onnxruntime's compiled kernel against
+ours, and whether its bytes could stand in for ours) and where each side's RTN time goes. ``--cores 1`` runs both sides on one
 CPU (onnxruntime's RTN uses a thread pool over every core, ours a thread per core from 4 M weight
 values). numpy's BLAS runs on one thread on both sides (OPENBLAS_NUM_THREADS=1 unless set): on 2
 shared cores its threads thrash (a 1024 x 1024 Cholesky took 2.5 s threaded, 0.1 s on one thread).
@@ -44,6 +46,8 @@ logging.disable(logging.WARNING)
 
 from qpasses.api import run_pipeline  # noqa: E402
 from qpasses.context import RunContext  # noqa: E402
+
+from bench_formats_rtn import kernel_lines, phase_lines, timed_pair  # noqa: E402  (tools/bench_formats_rtn.py)
 
 D, HEADS, FF, SEQ = 768, 12, 3072, 64
 
@@ -160,125 +164,6 @@ def timed(fn, repeats: int):
     return results[-1][0], float(np.median([r[1] for r in results]))
 
 
-def timed_pair(a, b, repeats: int):
-    """timed() of two functions, their calls alternating (a load change falls on both sides alike)."""
-    if repeats > 1:
-        a(), b()
-    runs = [(a(), b()) if i % 2 == 0 else tuple(reversed((b(), a()))) for i in range(repeats)]
-    return [(runs[-1][j][0], float(np.median([r[j][1] for r in runs]))) for j in (0, 1)]
-
-
-def ort_kernel(w: np.ndarray):
-    """onnxruntime's compiled symmetric int4 block-32 RTN (what its DEFAULT algorithm calls): B, scales."""
-    from onnxruntime.capi._pybind_state import quantize_matmul_4bits
-
-    k, n = w.shape
-    blocks = -(-k // 32)
-    b, scales = np.zeros((n, blocks, 16), np.uint8), np.zeros((n, blocks), np.float32)
-    quantize_matmul_4bits(b, w, scales, np.zeros((n, (blocks + 1) // 2), np.uint8), 32, n, k, True)
-    return b, scales
-
-
-def kernel_lines(proto, repeats: int) -> list[str]:
-    """The RTN arithmetic alone on each side (the MatMul weights as arrays in, B and scales out),
-    and how onnxruntime's compiled kernel's bytes compare with our RTN's (plain and refitted)."""
-    from qpasses.weightonly.matmulnbits import nbits_inputs
-    from qpasses.weightonly.rtn import quantize_rtn
-
-    names = {n.input[1] for n in proto.graph.node if n.op_type == "MatMul"}
-    ws = [numpy_helper.to_array(t) for t in proto.graph.initializer if t.name in names and len(t.dims) == 2]
-    plain = same = scales_moved = blocks = codes_moved = codes = 0
-    for w in ws:
-        b, s = ort_kernel(w)
-        p0, p1 = (nbits_inputs(quantize_rtn(w, 4, 32, True, refine=r, pack=True)) for r in (0, 1))
-        plain += int(np.sum(p0["B"] != b))
-        same += np.array_equal(p0["scales"], s.reshape(-1))
-        scales_moved += int(np.sum(p1["scales"] != s.reshape(-1)))
-        blocks, codes = blocks + s.size, codes + 2 * b.size
-        codes_moved += int(np.sum((p1["B"] & 15) != (b & 15)) + np.sum((p1["B"] >> 4) != (b >> 4)))
-
-    def mine_fn():
-        return [nbits_inputs(quantize_rtn(w, 4, 32, True, pack=True)) for w in ws]
-
-    def ort_fn():
-        return [ort_kernel(w) for w in ws]
-    (_, mine), (_, ort) = timed_pair(lambda: (None, _clock(mine_fn)), lambda: (None, _clock(ort_fn)), repeats)
-    return [f"RTN arithmetic alone ({len(ws)} MatMul weights, {sum(w.size for w in ws) / 1e6:.2f} M values as arrays "
-            f"in, B and scales out; median of {repeats}): ours {mine * 1e3:.1f} ms, onnxruntime's compiled "
-            f"quantize_matmul_4bits {ort * 1e3:.1f} ms, ratio {mine / ort:.2f}. Its bytes against our plain RTN "
-            f"(refine 0): scales {'identical' if same == len(ws) else 'differ'}, {plain} B bytes differ; against our "
-            f"default RTN (one least-squares refit): {scales_moved} of {blocks} scales and {codes_moved} of {codes} "
-            f"codes differ, so it is no fast path for ours."]
-
-
-def phase_lines(proto, repeats: int) -> list[str]:
-    """Where each side's RTN time goes (medians of ``repeats``; the same start and end as the table:
-    ModelProto in, ModelProto out). The inner parts are timed by wrapping the functions that do them."""
-    from onnxruntime.quantization import matmul_nbits_quantizer as mq
-
-    from qpasses import ir
-    from qpasses.passes import quantize_weights as qw
-    from qpasses.pipeline import PassManager
-    from qpasses.validate import validate_proto
-    from qpasses.weightonly import targets
-
-    spent: dict[str, float] = {}
-
-    def wrapped(module, name):
-        inner = getattr(module, name)
-
-        def timed_call(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
-        return inner, timed_call
-
-    patches = [(m, n, *wrapped(m, n)) for m, n in ((targets, "read_values"), (qw, "quantize_rtn"),
-                                                    (mq, "quantize_matmul_4bits"))]
-    cfg = {"mode": "weight_only", "weight_only": {"algorithm": "rtn", "format": "matmulnbits", "block_size": 32}}
-    rows: list[list[float]] = []
-    for m, n, _, new in patches:
-        setattr(m, n, new)
-    try:
-        for _ in range(repeats + 1):
-            spent.clear()
-            t0 = time.perf_counter()
-            validate_proto(proto)
-            t1 = time.perf_counter()
-            model = ir.load(proto)   # validates again, then imports into gs
-            t2 = time.perf_counter()
-            PassManager("quantize-weights").run(model, RunContext(cfg))
-            t3 = time.perf_counter()
-            model.to_proto(metadata=False)
-            t4 = time.perf_counter()
-            theirs = copy.deepcopy(proto)
-            t5 = time.perf_counter()
-            q = mq.MatMulNBitsQuantizer(theirs, block_size=32, is_symmetric=True, bits=4,
-                                        algo_config=mq.DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True))
-            q.process()
-            t6 = time.perf_counter()
-            read, rtn, kernel = (spent.get(k, 0.0) for k in ("read_values", "quantize_rtn", "quantize_matmul_4bits"))
-            rows.append([t1 - t0, t2 - t1 - (t1 - t0), read, rtn, t3 - t2 - read - rtn, t4 - t3, t4 - t1,
-                         kernel, t6 - t5 - kernel, t6 - t5])
-    finally:
-        for m, n, old, _ in patches:
-            setattr(m, n, old)
-    med = np.median(rows[1:], axis=0) * 1e3
-    names = ["ours: validate_proto", "ours: gs import", "ours: weights out of the proto (one copy each)",
-             "ours: RTN arithmetic and B packing", "ours: rest of the pass (targets, graph edits, cleanup)",
-             "ours: export to a ModelProto", "ours: total", "onnxruntime: compiled kernel",
-             "onnxruntime: rest (proto walk, tensors in and out)", "onnxruntime: total"]
-    return ["| phase (ms) | median |", "|---|---|"] + [f"| {a} | {b:.1f} |" for a, b in zip(names, med)]
-
-
-def _clock(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
 def ours(proto, algorithm, fmt, calib, **extra):
     extra = {"bits": 4, **extra} if "scheme" not in extra else extra   # an MX scheme fixes its element bits
     cfg = {"mode": "weight_only", "weight_only": {"algorithm": algorithm, "format": fmt, "block_size": 32, **extra}}
@@ -311,21 +196,23 @@ def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeat
     ref = outputs(proto, evald)
     rows, models = [], {}
     for alg in algorithms:
-        if alg == "rtn":   # the sides alternate, so a change of machine load falls on both
-            (q, secs), (tq, tsecs) = timed_pair(lambda: ours(proto, alg, "matmulnbits", calib),
-                                                lambda: theirs(proto, alg, calib), repeats)
-        else:              # the others run for seconds to minutes
-            q, secs = timed(lambda: ours(proto, alg, "matmulnbits", calib), slow_repeats)
-        models[alg] = q
-        row = {"alg": alg, "snr": snr(ref, outputs(q, evald)), "secs": secs}
+        times = repeats if alg == "rtn" else slow_repeats   # the others run for seconds to minutes
+
+        def mine(alg=alg):
+            return ours(proto, alg, "matmulnbits", calib)
+        row, theirs_out = {"alg": alg}, None
         if alg != "awq":
-            try:
-                if alg != "rtn":
-                    tq, tsecs = timed(lambda: theirs(proto, alg, calib), slow_repeats)
-                row.update(ort_snr=snr(ref, outputs(tq, evald)), ort_secs=tsecs)
-                models[f"ort_{alg}"] = tq
+            try:   # the sides alternate, so a change of machine load falls on both
+                (q, secs), (theirs_out, tsecs) = timed_pair(mine, lambda: theirs(proto, alg, calib), times)
             except Exception as exc:   # an onnxruntime algorithm that cannot run here: say so
                 row["ort_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+        if theirs_out is None:
+            q, secs = timed(mine, times)
+        else:
+            row.update(ort_snr=snr(ref, outputs(theirs_out, evald)), ort_secs=tsecs)
+            models[f"ort_{alg}"] = theirs_out
+        models[alg] = q
+        row.update(snr=snr(ref, outputs(q, evald)), secs=secs)
         rows.append(row)
     qdq, _ = ours(proto, "rtn", "qdq", calib)
     lines = [f"### {name}" + (f" ({layers} layers)" if name == "decoder" else ""), "",
