@@ -65,14 +65,15 @@ def kernel_lines(proto, repeats: int) -> list[str]:
 
 def phase_lines(proto, repeats: int) -> list[str]:
     """Where each side's RTN time goes (medians of ``repeats``; the same start and end as the table:
-    ModelProto in, ModelProto out). The inner parts are timed by wrapping the functions that do them."""
+    ModelProto in, ModelProto out). The inner parts are timed by wrapping the functions that do
+    them; ours on one thread (with the pool, the wrapped times would add up the threads')."""
     from onnxruntime.quantization import matmul_nbits_quantizer as mq
 
     from qpasses import ir
     from qpasses.passes import quantize_weights as qw
     from qpasses.pipeline import PassManager
     from qpasses.validate import validate_proto
-    from qpasses.weightonly import targets
+    from qpasses.weightonly import parallel, targets
 
     spent: dict[str, float] = {}
 
@@ -91,6 +92,7 @@ def phase_lines(proto, repeats: int) -> list[str]:
                                                     (mq, "quantize_matmul_4bits"))]
     cfg = {"mode": "weight_only", "weight_only": {"algorithm": "rtn", "format": "matmulnbits", "block_size": 32}}
     rows: list[list[float]] = []
+    patches.append((parallel, "THREADS", parallel.THREADS, 1))
     for m, n, _, new in patches:
         setattr(m, n, new)
     try:
@@ -118,7 +120,7 @@ def phase_lines(proto, repeats: int) -> list[str]:
         for m, n, old, _ in patches:
             setattr(m, n, old)
     med = np.median(rows[1:], axis=0) * 1e3
-    names = ["ours: validate_proto", "ours: gs import", "ours: weights out of the proto (one copy each)",
+    names = ["ours (one thread): validate_proto", "ours: gs import", "ours: weights out of the proto (one copy each)",
              "ours: RTN arithmetic and B packing", "ours: rest of the pass (targets, graph edits, cleanup)",
              "ours: export to a ModelProto", "ours: total", "onnxruntime: compiled kernel",
              "onnxruntime: rest (proto walk, tensors in and out)", "onnxruntime: total"]
