@@ -100,3 +100,28 @@ def test_onnxruntimes_compiled_rtn_is_no_drop_in_for_ours():
     assert theirs.tolist() == [1, 2, 3, 0, -1, -2, 4, -3]
     assert (ours.kn_codes()[1:9, 0].astype(int) - 8).tolist() == [0, 2, 2, 0, -2, -2, 4, -4]
     np.testing.assert_array_equal(ours.scales[:, 0], scales[:, 0])
+
+
+@pytest.mark.parametrize("wo", [{"format": "matmulnbits"}, {"format": "matmulnbits", "symmetric": False},
+                                {"format": "qdq"}, {"format": "matmulnbits", "bits": 8},
+                                {"format": "matmulnbits", "block_size": 16}])
+@pytest.mark.parametrize("gemm_trans", [False, True])
+def test_the_pass_writes_the_same_model_without_fastrtn(monkeypatch, wo, gemm_trans):
+    import hashlib
+    import sys
+    from pathlib import Path
+
+    from qpasses.api import run_pipeline
+
+    sys.path.insert(0, str(Path(__file__).parent / "passes"))
+    from test_quantize_weights import mlp
+
+    proto, _ = mlp(k=96, n=40, gemm_trans=gemm_trans, outliers=True)
+
+    def digest():
+        model, _ = run_pipeline(proto, "quantize-weights", config={"mode": "weight_only",
+                                                                   "weight_only": {"algorithm": "rtn", **wo}})
+        return hashlib.sha256(model.to_proto(metadata=False).SerializeToString()).hexdigest()
+    fast = digest()
+    monkeypatch.setattr(fastrtn, "applies", lambda blocks, bits: False)
+    assert digest() == fast
