@@ -10,7 +10,7 @@ import numpy as np
 from . import fastrtn
 from .blocks import Blocked, columns_of, minmax_params
 
-REFINE = 1   # least-squares refits per block; 0 is plain min/max RTN (bit for bit onnxruntime's)
+REFINE = 1   # least-squares refits per block; 0 is plain min/max RTN (onnxruntime's but at exact .5 ties)
 
 
 def centered_codes(blocks: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, bits: int,
@@ -56,7 +56,8 @@ CHUNK = 1 << 18   # elements of W quantized at once (blocks are independent): te
 
 
 def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool,
-                 refine: int = REFINE, channel_weights=None, clip_search: bool = False, pack: bool = False) -> Blocked:
+                 refine: int = REFINE, channel_weights=None, clip_search: bool = False,
+                 pack: bool = False) -> Blocked:
     """W [K, N] -> Blocked (codes in W's layout). ``channel_weights`` [K]: importance of each input
     channel in the error; ``clip_search``: ranges from search_clip instead of min/max. ``pack``:
     4-bit codes come as MatMulNBits' B only (fastrtn.py; the same codes, never unpacked here)."""
