@@ -11,7 +11,9 @@ time to quantize (ModelProto in, ModelProto out, both sides; onnxruntime's quant
 input, so it is given a copy made before its timer starts) and its ratio to onnxruntime's, and the
 median latency of the MatMulNBits models (ours / onnxruntime's RTN, runs interleaved). RTN times are
 the median of ``--repeats`` runs after a warm-up (first-call imports excluded on both sides); the
-slower algorithms run ``--slow-repeats`` times (default once). ``--cores 1`` runs both sides on one
+slower algorithms run ``--slow-repeats`` times (default once); the two sides' runs alternate. With
+rtn, two more blocks: the RTN arithmetic alone on each side (onnxruntime's compiled kernel against
+ours, and whether its bytes could stand in for ours) and where each side's RTN time goes. ``--cores 1`` runs both sides on one
 CPU (onnxruntime's RTN uses a thread pool over every core, ours a thread per core from 4 M weight
 values). numpy's BLAS runs on one thread on both sides (OPENBLAS_NUM_THREADS=1 unless set): on 2
 shared cores its threads thrash (a 1024 x 1024 Cholesky took 2.5 s threaded, 0.1 s on one thread).
@@ -44,6 +46,8 @@ logging.disable(logging.WARNING)
 
 from qpasses.api import run_pipeline  # noqa: E402
 from qpasses.context import RunContext  # noqa: E402
+
+from bench_formats_rtn import kernel_lines, phase_lines, timed_pair  # noqa: E402  (tools/bench_formats_rtn.py)
 
 D, HEADS, FF, SEQ = 768, 12, 3072, 64
 
@@ -184,7 +188,7 @@ def theirs(proto, algorithm, calib):
 
 
 def _secs(x: float) -> str:
-    return f"{x:.3f}" if x < 1 else f"{x:.2f}"
+    return f"{x:.4f}" if x < 0.1 else f"{x:.3f}" if x < 1 else f"{x:.2f}"
 
 
 def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeats: int = 1) -> list[str]:
@@ -193,16 +197,22 @@ def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeat
     rows, models = [], {}
     for alg in algorithms:
         times = repeats if alg == "rtn" else slow_repeats   # the others run for seconds to minutes
-        q, secs = timed(lambda: ours(proto, alg, "matmulnbits", calib), times)
-        models[alg] = q
-        row = {"alg": alg, "snr": snr(ref, outputs(q, evald)), "secs": secs}
+
+        def mine(alg=alg):
+            return ours(proto, alg, "matmulnbits", calib)
+        row, theirs_out = {"alg": alg}, None
         if alg != "awq":
-            try:
-                tq, tsecs = timed(lambda: theirs(proto, alg, calib), times)
-                row.update(ort_snr=snr(ref, outputs(tq, evald)), ort_secs=tsecs)
-                models[f"ort_{alg}"] = tq
+            try:   # the sides alternate, so a change of machine load falls on both
+                (q, secs), (theirs_out, tsecs) = timed_pair(mine, lambda: theirs(proto, alg, calib), times)
             except Exception as exc:   # an onnxruntime algorithm that cannot run here: say so
                 row["ort_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+        if theirs_out is None:
+            q, secs = timed(mine, times)
+        else:
+            row.update(ort_snr=snr(ref, outputs(theirs_out, evald)), ort_secs=tsecs)
+            models[f"ort_{alg}"] = theirs_out
+        models[alg] = q
+        row.update(snr=snr(ref, outputs(q, evald)), secs=secs)
         rows.append(row)
     qdq, _ = ours(proto, "rtn", "qdq", calib)
     lines = [f"### {name}" + (f" ({layers} layers)" if name == "decoder" else ""), "",
@@ -217,6 +227,8 @@ def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeat
             note = f"vs our rtn {r['snr'] - rtn:+.2f}" if r["alg"] == "awq" else r.get("ort_error", "")
             lines.append(f"| {r['alg']} | {r['snr']:.2f} | - | {note} | {_secs(r['secs'])} | - | - |")
     lines.append(f"| rtn as QDQ (DequantizeLinear block 32) | {snr(ref, outputs(qdq, evald)):.2f} | | | | | |")
+    if "rtn" in algorithms:
+        lines += [""] + kernel_lines(proto, repeats) + [""] + phase_lines(proto, repeats)
     if "rtn" in models and "ort_rtn" in models:
         a, b, f, d = latencies([models["rtn"], models["ort_rtn"], proto, qdq], evald[0])
         lines += ["", f"MatMulNBits latency (1 thread, median of 100 interleaved runs): ours {a * 1e3:.2f} ms, "
@@ -259,6 +271,7 @@ def main(argv=None) -> int:
             from bench_formats_mx import mx_table   # tools/bench_formats_mx.py
             print("\n".join(mx_table(name, *load(name, args.layers), ours, outputs, snr, args.layers)), flush=True)
             print()
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
     return 0
 
 

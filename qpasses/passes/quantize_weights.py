@@ -8,7 +8,7 @@ import onnx_graphsurgeon as gs
 
 from ..decisions import leave_float
 from ..errors import CalibrationDataError
-from ..ir import QModel, constant_dtype
+from ..ir import QModel
 from ..pipeline import Pass, PassResult
 from ..qdq import new_namer, require_opset
 from ..registry import register
@@ -116,7 +116,7 @@ class QuantizeWeights(Pass):
             return [[t] for t in targets]
         jobs: dict = {}
         for t in targets:
-            key = (t.activation.name, constant_dtype(t.weight)) if t.activation.name in stats else id(t)
+            key = (t.activation.name, t.dtype) if t.activation.name in stats else id(t)
             jobs.setdefault(key, []).append(t)
         return list(jobs.values())
 
@@ -126,12 +126,12 @@ class QuantizeWeights(Pass):
         element = ELEMENTS.get(cfg.scheme)
         return quantize_gptq_shared([t.matrix for t in group], stats[group[0].activation.name].hessian, cfg.bits,
                                     cfg.block_size, cfg.symmetric or element is not None, cfg.damping, cfg.act_order,
-                                    element=element, dtype=np.dtype(constant_dtype(group[0].weight)))
+                                    element=element, dtype=group[0].dtype)
 
     @staticmethod
     def _quantize(target, stats, cfg):
         w = target.matrix
-        dtype = np.dtype(constant_dtype(target.weight))
+        dtype = target.dtype
         st = stats.get(target.activation.name)
         if cfg.scheme != "int":
             if cfg.algorithm == "gptq" and st is not None:
@@ -142,7 +142,7 @@ class QuantizeWeights(Pass):
             return quantize_hqq(w, cfg.bits, cfg.block_size, integer_zero_points=cfg.format == "qdq")
         if cfg.algorithm == "gptq" and st is not None:
             return quantize_gptq(w, st.hessian, cfg.bits, cfg.block_size, cfg.symmetric, cfg.damping, cfg.act_order)
-        return quantize_rtn(w, cfg.bits, cfg.block_size, cfg.symmetric)
+        return quantize_rtn(w, cfg.bits, cfg.block_size, cfg.symmetric, pack=cfg.format == "matmulnbits")
 
     @staticmethod
     def _awq(model, targets, stats, cfg, namer) -> dict:
@@ -157,7 +157,7 @@ class QuantizeWeights(Pass):
                 continue
             mx = None
             if cfg.scheme != "int":
-                dtype = np.dtype(constant_dtype(members[0].weight))
+                dtype = members[0].dtype
 
                 def mx(w, channel_weights, dtype=dtype):
                     return quantize_mx(w, cfg.scheme, dtype, channel_weights)

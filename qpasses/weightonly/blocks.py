@@ -22,13 +22,18 @@ class Blocked:
     bits: int
     symmetric: bool
     columns: bool = False    # codes laid out along W [K, N] (as RTN computes them, no transpose)
+    packed: np.ndarray | None = None   # 4-bit codes as MatMulNBits' B [N, n_blocks, bs / 2] (codes None)
 
     @property
     def block_size(self) -> int:
+        if self.codes is None:
+            return self.packed.shape[2] * 2
         return self.codes.shape[1 if self.columns else 2]
 
     @property
     def n(self) -> int:
+        if self.codes is None:
+            return self.packed.shape[0]
         return self.codes.shape[2 if self.columns else 0]
 
     @property
@@ -37,13 +42,15 @@ class Blocked:
 
     def rows(self) -> np.ndarray:
         """Codes [N, n_blocks, block_size]."""
+        if self.codes is None:   # low nibble first
+            return np.stack([self.packed & 15, self.packed >> 4], axis=-1).reshape(self.packed.shape[:2] + (-1,))
         return np.ascontiguousarray(self.codes.transpose(2, 0, 1)) if self.columns else self.codes
 
     def kn_codes(self) -> np.ndarray:
         """Codes [K, N] (W's own layout)."""
         if self.columns:
             return self.codes.reshape(-1, self.n)[:self.k]
-        return self.codes.reshape(self.n, -1)[:, :self.k].T
+        return self.rows().reshape(self.n, -1)[:, :self.k].T
 
     def dequantize(self) -> np.ndarray:
         """The weight as it will be computed, [K, N] float32."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir import constant_dtype
 from .blocks import Blocked
 from .matmulnbits import dq_inputs, nbits_attrs, nbits_inputs
 from .mx import MXBlocked
@@ -15,7 +14,7 @@ QDQ_OPSET = 21   # int4/uint4, float8 and DequantizeLinear's block_size
 
 def output_arrays(target: Target, w: Blocked | MXBlocked, fmt: str) -> dict:
     """The initializers of the node ``fmt`` gives the weight (no graph edit: any thread may run it)."""
-    dtype = np.dtype(constant_dtype(target.weight))
+    dtype = target.dtype
     if fmt == "matmulnbits":
         return nbits_inputs(w, dtype)
     if isinstance(w, MXBlocked):
@@ -26,7 +25,7 @@ def output_arrays(target: Target, w: Blocked | MXBlocked, fmt: str) -> dict:
 def to_matmulnbits(target: Target, w: Blocked, namer, arrays: dict | None = None) -> gs.Node:
     """Replace the MatMul/Gemm by MatMulNBits (a Gemm's bias becomes the op's bias input)."""
     node, base = target.node, target.weight.name
-    dtype = np.dtype(constant_dtype(target.weight))
+    dtype = target.dtype
     arrays = arrays or output_arrays(target, w, "matmulnbits")
     inputs = [node.inputs[0], gs.Constant(namer(f"{base}_Q{w.bits}"), arrays["B"]),
               gs.Constant(namer(f"{base}_scales"), arrays["scales"])]
@@ -46,7 +45,7 @@ def to_matmulnbits(target: Target, w: Blocked, namer, arrays: dict | None = None
 def to_dequantize(target: Target, w: Blocked | MXBlocked, namer, arrays: dict | None = None) -> gs.Node:
     """A DequantizeLinear(axis, block_size) writing the weight's float value for the node to read."""
     node, base = target.node, target.weight.name
-    dtype = np.dtype(constant_dtype(target.weight))
+    dtype = target.dtype
     arrays = arrays or output_arrays(target, w, "qdq")
     inputs = [gs.Constant(namer(f"{base}_q"), arrays["x"]), gs.Constant(namer(f"{base}_scale"), arrays["scale"])]
     if arrays["zero_point"] is not None:

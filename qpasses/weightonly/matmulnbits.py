@@ -43,6 +43,8 @@ def unpack_codes(packed: np.ndarray, bits: int, m: int) -> np.ndarray:
 def pack_b(w: Blocked) -> np.ndarray:
     """MatMulNBits' B [N, n_blocks, block_size * bits / 8]. Codes in W's layout are packed into
     bytes, then 32-bit little-endian words along K, so only words (not single codes) are transposed."""
+    if w.packed is not None:
+        return w.packed
     if not w.columns:
         return pack_codes(w.codes, w.bits)
     nb, bs, n = w.codes.shape

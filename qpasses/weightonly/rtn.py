@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fastrtn
 from .blocks import Blocked, columns_of, minmax_params
 
-REFINE = 1   # least-squares refits per block; 0 is plain min/max RTN (bit for bit onnxruntime's)
+REFINE = 1   # least-squares refits per block; 0 is plain min/max RTN (onnxruntime's but at exact .5 ties)
 
 
 def centered_codes(blocks: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, bits: int,
@@ -55,10 +56,14 @@ CHUNK = 1 << 18   # elements of W quantized at once (blocks are independent): te
 
 
 def quantize_rtn(weight: np.ndarray, bits: int, block_size: int, symmetric: bool,
-                 refine: int = REFINE, channel_weights=None, clip_search: bool = False) -> Blocked:
+                 refine: int = REFINE, channel_weights=None, clip_search: bool = False,
+                 pack: bool = False) -> Blocked:
     """W [K, N] -> Blocked (codes in W's layout). ``channel_weights`` [K]: importance of each input
-    channel in the error; ``clip_search``: ranges from search_clip instead of min/max."""
+    channel in the error; ``clip_search``: ranges from search_clip instead of min/max. ``pack``:
+    4-bit codes come as MatMulNBits' B only (fastrtn.py; the same codes, never unpacked here)."""
     blocks = columns_of(weight, block_size)                 # [n_blocks, block_size, N]
+    if channel_weights is None and not clip_search and fastrtn.applies(blocks, bits):
+        return fastrtn.quantize(blocks, weight.shape[0], bits, symmetric, refine, CHUNK, pack)
     weights = None
     if channel_weights is not None:
         padded = np.zeros(blocks.shape[0] * block_size, np.float32)

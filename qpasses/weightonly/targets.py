@@ -18,6 +18,7 @@ class Target:
     node: gs.Node
     weight: gs.Constant
     transposed: bool          # the weight is W^T [N, K] (Gemm transB = 1)
+    dtype: np.dtype           # the weight's float type (float32 or float16)
 
     @property
     def matrix(self) -> np.ndarray:
@@ -36,12 +37,12 @@ def _eligible(node: gs.Node) -> Target | None:
     a, b = node.inputs[0], node.inputs[1]
     if isinstance(a, gs.Constant) or not isinstance(b, gs.Constant):
         return None
-    if constant_dtype(b) not in FLOAT_KINDS \
-            or len(b.shape) != 2 or 0 in b.shape:
+    kind = constant_dtype(b)
+    if kind not in FLOAT_KINDS or len(b.shape) != 2 or 0 in b.shape:
         return None
     if node.op == "MatMul":
         rank = None if a.shape is None else len(a.shape)
-        return Target(node, b, False) if rank is None or rank >= 2 else None
+        return Target(node, b, False, np.dtype(kind)) if rank is None or rank >= 2 else None
     attrs = node.attrs
     if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
         return None
@@ -51,7 +52,7 @@ def _eligible(node: gs.Node) -> Target | None:
         c = node.inputs[2]
         if not isinstance(c, gs.Constant) or int(np.prod(c.shape)) != n or c.shape[-1] != n:
             return None
-    return Target(node, b, transposed)
+    return Target(node, b, transposed, np.dtype(kind))
 
 
 def find_targets(graph: gs.Graph, exclude=()) -> tuple[list[Target], dict[str, str]]:
