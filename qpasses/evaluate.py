@@ -156,17 +156,21 @@ class Reference:
                 break
         return cls(names, inputs, kept, outs)
 
-    def score(self, test_model, *, optimize: bool = True, objective=None) -> dict:
+    def score(self, test_model, *, optimize: bool = True, objective=None, per_output: bool = True) -> dict:
         """Run ``test_model`` on the kept feeds: per output SNR and max abs error, and the worst SNR.
 
         With an ``objective`` (qpasses.objective.Objective, its components bound to the reference
         model), also ``components`` (the SNR of every output component) and ``objective`` (its
-        summary: metric, overall, per-component scores)."""
+        summary: metric, overall, per-component scores); ``per_output=False``: only these (no
+        ``outputs``, ``snr_db`` or ``components``: a search's check reads the objective alone)."""
         test_sess = session(test_model, optimize=optimize)
         _check_same_signature(self.inputs, self.names, test_sess)
         _check_comparable(self, test_sess)   # inputs it takes, finite reference outputs
         runs = [test_sess.run(self.names, feed) for feed in self.feeds]
         _check_output_shapes(self, runs)
+        if objective is not None and not per_output:
+            return {"samples": len(self.feeds),
+                    "objective": objective.summary(self.runs(native=not objective.builtin), runs, self.names)}
         out = {}
         for i, n in enumerate(self.names):
             if not runs:

@@ -64,7 +64,8 @@ def objective_score(reference: Reference, model, objective) -> dict:
     """The objective's overall score of ``model`` on the reference feeds; a model onnxruntime cannot
     run scores -inf, ``failed`` says why (search-precision's check, in process or as a task)."""
     try:
-        return {"score": float(reference.score(model, objective=objective)["objective"]["overall"]), "failed": None}
+        scored = reference.score(model, objective=objective, per_output=False)
+        return {"score": float(scored["objective"]["overall"]), "failed": None}
     except Exception as exc:
         return {"score": float("-inf"), "failed": first_line(exc)}
 

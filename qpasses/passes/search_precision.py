@@ -166,6 +166,7 @@ class _Search:
         self.known: dict = {}   # scored, not yet checked: key -> objective_score's result (or what building raised)
         self.computed: dict = {}   # root -> its entry in the fully quantized trial (its qparams)
         self.raised: QModel | None = None   # the model at the highest opset a trial needed (see _quantized)
+        self.copier = None   # (the model trials copy, its QModel.copier)
         self.executor, self.shared = executors.from_config(ctx.config), None
         self.seconds = {"build": 0.0, "built": 0, "tasks": 0.0, "scored": 0}   # quantizing here, scoring in tasks
 
@@ -216,7 +217,10 @@ class _Search:
 
     def _quantized(self, promoted: list[str]) -> QModel:
         """A copy with ``promoted`` kept at the fallback, through the ``then`` pipeline."""
-        trial = (self.raised or self.model).copy(share_weights=True)
+        base = self.raised or self.model   # unchanged during the search: exported once (QModel.copier)
+        if self.copier is None or self.copier[0] is not base:
+            self.copier = (base, base.copier())
+        trial = self.copier[1]()
         promote(trial, [self.groups[n] for n in promoted], self.fallback, {})
         first, rest = split_after(self.options.then, "compute-qparams")
         run_nested(first, trial, self.ctx)

@@ -228,13 +228,14 @@ class SelectBySnr(Pass):
         (qpasses.executors.scoring: the duels replay their per-feed errors, deciding as here)."""
         penalties = [sum(v.penalty_db for v in combo) for combo in combos]
         executor = executors.from_config(ctx.config)
+        fresh = model.copier()   # the model does not change until a variant is chosen
         if not executor.parallel or len(combos) < 2:
-            return lambda i: reference.contender(self._quantized(model, ctx, combos[i])[0], optimize=fused,
-                                                 penalty=penalties[i])
+            return lambda i: reference.contender(self._quantized(model, ctx, combos[i], fresh=fresh)[0],
+                                                 optimize=fused, penalty=penalties[i])
         models = []
         for combo in combos:
             try:
-                models.append(self._quantized(model, ctx, combo)[0].SerializeToString())
+                models.append(self._quantized(model, ctx, combo, fresh=fresh)[0].SerializeToString())
             except Exception as exc:   # raised when its turn comes, as above
                 models.append(portable(exc))
         return prescored(executor, reference, models, penalties, optimize=fused)
@@ -273,11 +274,11 @@ class SelectBySnr(Pass):
         ctx.findings.set(CORRECT_BIAS, {"applied_by": NAME, "biases": len(biases), "gain_db": round(gain, 2)})
         return True
 
-    def _quantized(self, model: QModel, ctx, combo, with_correct_bias: bool = False):
+    def _quantized(self, model: QModel, ctx, combo, with_correct_bias: bool = False, fresh=None):
         """(the QDQ model of a copy of ``model`` with ``combo`` applied and ``then`` run, None); with
         ``with_correct_bias``, correct-bias runs right after compute-qparams and the second item is
-        {bias: (corrected values, why line)}."""
-        trial = model.copy(share_weights=True)
+        {bias: (corrected values, why line)}. ``fresh``: ``model.copier()``, made once for many trials."""
+        trial = fresh() if fresh is not None else model.copy(share_weights=True)
         for variant in combo:
             variant.apply(trial)
         first, rest = split_after(self.then, "compute-qparams")
