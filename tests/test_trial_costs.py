@@ -9,6 +9,7 @@ import pytest
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
 from qpasses.evaluate import Reference
+from qpasses.scored_runs import ScoredRuns
 from qpasses.examples import example_data, example_model
 from qpasses.ir import QModel, from_proto
 from qpasses.testing import parse
@@ -67,15 +68,43 @@ def _plain_copier(self: QModel):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cheaper_trials_give_the_same_bytes(case, monkeypatch):
+    real_runs_for, reused = ScoredRuns.runs_for, []
+
+    def runs_for(self, *args):
+        runs = real_runs_for(self, *args)
+        reused.append(runs is not None)
+        return runs
+
+    monkeypatch.setattr(ScoredRuns, "runs_for", runs_for)
     fast, findings = _quantize(case)
     if case == "outlier_mlp":   # the paths this is about ran
         assert findings["search-precision"]["evaluations"] > 2 and findings["search-precision"]["promoted"]
     assert len(findings["select-by-snr"]["variants"]) == 2
+    assert reused == [True]   # search-precision's first check took select-by-snr's runs
     real_score = Reference.score
     monkeypatch.setattr(QModel, "copier", _plain_copier)
-    monkeypatch.setattr(Reference, "score", lambda self, m, **kw: real_score(self, m, **(kw | {"per_output": True})))
+    monkeypatch.setattr(Reference, "score", lambda self, m, **kw: real_score(self, m, **(kw | {"per_output": True,
+                                                                                              "reuse": None})))
     plain, _ = _quantize(case)
-    assert fast == plain
+    assert fast == plain and reused == [True]
+
+
+def test_reuse_needs_the_same_model_and_feeds():
+    float_model = from_proto(example_model())
+    feeds = _example_feeds()
+    quantized, _ = run_pipeline(from_proto(example_model()), None, config=U8S8, calibration_data=feeds)
+    data = quantized.to_proto(metadata=False).SerializeToString()
+    reference = Reference.run(float_model, feeds, 8)
+    contender = reference.contender(data, keep=8)
+    contender.advance(8)
+    kept = contender.kept
+    runs = kept.runs_for(data, True, reference)
+    again = [contender.session.run(reference.names, f) for f in reference.feeds]
+    assert len(runs) == 8 and all(np.array_equal(a, b) for r, g in zip(runs, again) for a, b in zip(r, g))
+    assert kept.runs_for(data, False, reference) is None                       # other session options
+    assert kept.runs_for(data[:-1] + bytes([data[-1] ^ 1]), True, reference) is None   # other bytes
+    assert kept.runs_for(data, True, Reference.run(float_model, feeds[1:], 8)) is None  # other feeds
+    assert kept.runs_for(data, True, Reference.run(float_model, feeds, 9)) is None     # more feeds
 
 
 def test_copier_copies_as_copy_does():

@@ -18,11 +18,13 @@ from ..registry import register
 from .. import executors
 from ..executors import portable
 from ..executors.scoring import prescored
+from ..scored_runs import ScoredRuns
 
 NAME = "select-by-snr"
 CORRECT_BIAS = "correct-bias"
 BIAS_DECISION = "bias_correction"   # model.decisions key correct-bias reads: it does nothing when set
 MIN_SAMPLES = 8
+KEEP_RUNS = 8   # the chosen variant's outputs on its first feeds, kept for search-precision's first check
 
 
 @dataclass
@@ -219,6 +221,8 @@ class SelectBySnr(Pass):
                                 | ({"dropped": True} if r.dropped else {}) for c, r in scored]}
         decided = self._bias_correction(model, ctx, best[1], reference, report, fused) if bias else False
         best[1].close()
+        if getattr(best[1], "kept", None) is not None:   # search-precision's first check may be this model
+            ctx.cache[ScoredRuns.CACHE_KEY] = best[1].kept
         ctx.findings.set(NAME, report)
         return PassResult(model, any(v.changes for v in best[0]) or decided, {"variants": len(scored)})
 
@@ -231,7 +235,7 @@ class SelectBySnr(Pass):
         fresh = model.copier()   # the model does not change until a variant is chosen
         if not executor.parallel or len(combos) < 2:
             return lambda i: reference.contender(self._quantized(model, ctx, combos[i], fresh=fresh)[0],
-                                                 optimize=fused, penalty=penalties[i])
+                                                 optimize=fused, penalty=penalties[i], keep=KEEP_RUNS)
         models = []
         for combo in combos:
             try:
