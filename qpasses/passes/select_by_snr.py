@@ -117,7 +117,9 @@ class SelectBySnr(Pass):
     the same way against itself with correct-bias run after compute-qparams; its corrected biases
     are kept only if it wins. Writes: the chosen variant into ``model.ranges`` / the table (with a
     ``why`` line), the corrected bias values (or not) and ``model.decisions["bias_correction"]``
-    (so the correct-bias pass does nothing more); every score goes to the findings. With
+    (so the correct-bias pass does nothing more); every score goes to the findings. Also
+    ``ctx.cache["scored_runs"]``: the chosen variant's outputs on its first 8 feeds, which
+    search-precision's first check takes when it is the same model on the same feeds. With
     ``config.executor`` ray, the variants are scored as parallel tasks and the duels replayed on
     their per-feed errors (qpasses.executors.scoring): the same scores and choice.
     Invariants: the graph is not changed (copies share its weight arrays, read-only); nothing is
