@@ -11,6 +11,7 @@ from .calibration.data import InputSpec, validate
 from .calibration import segments
 from .errors import ModelError
 from .ir import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
+from .scored_runs import ScoredRuns, model_bytes
 
 
 def session(model, *, optimize: bool = True):
@@ -61,8 +62,17 @@ def _segmented(model) -> bool:
 
 def _check_same_signature(ref_inputs: list[str], ref_outputs: list[str], test_sess) -> None:
     """Both models need the same required inputs and the test model every reference output."""
-    test_in = sorted(a.name for a in test_sess.get_inputs())
-    missing_out = sorted(set(ref_outputs) - {a.name for a in test_sess.get_outputs()})
+    _check_signature(ref_inputs, ref_outputs, *io_names(test_sess))
+
+
+def io_names(sess) -> tuple[list[str], list[str]]:
+    """A session's input and output names."""
+    return [a.name for a in sess.get_inputs()], [a.name for a in sess.get_outputs()]
+
+
+def _check_signature(ref_inputs: list[str], ref_outputs: list[str], inputs: list[str], outputs: list[str]) -> None:
+    test_in = sorted(inputs)
+    missing_out = sorted(set(ref_outputs) - set(outputs))
     if ref_inputs != test_in:
         raise ModelError(f"the models have different inputs (reference: {', '.join(ref_inputs)}; "
                          f"compared: {', '.join(test_in)})")
@@ -156,17 +166,20 @@ class Reference:
                 break
         return cls(names, inputs, kept, outs)
 
-    def score(self, test_model, *, optimize: bool = True, objective=None) -> dict:
+    def score(self, test_model, *, optimize: bool = True, objective=None, per_output: bool = True,
+              reuse: ScoredRuns | None = None) -> dict:
         """Run ``test_model`` on the kept feeds: per output SNR and max abs error, and the worst SNR.
 
         With an ``objective`` (qpasses.objective.Objective, its components bound to the reference
         model), also ``components`` (the SNR of every output component) and ``objective`` (its
-        summary: metric, overall, per-component scores)."""
-        test_sess = session(test_model, optimize=optimize)
-        _check_same_signature(self.inputs, self.names, test_sess)
-        _check_comparable(self, test_sess)   # inputs it takes, finite reference outputs
-        runs = [test_sess.run(self.names, feed) for feed in self.feeds]
+        summary: metric, overall, per-component scores); ``per_output=False``: only these (no
+        ``outputs``, ``snr_db`` or ``components``: a search's check reads the objective alone).
+        ``reuse``: see ``runs_of``."""
+        runs = self.runs_of(test_model, optimize=optimize, reuse=reuse)
         _check_output_shapes(self, runs)
+        if objective is not None and not per_output:
+            return {"samples": len(self.feeds),
+                    "objective": objective.summary(self.runs(native=not objective.builtin), runs, self.names)}
         out = {}
         for i, n in enumerate(self.names):
             if not runs:
@@ -181,6 +194,21 @@ class Reference:
             result["components"] = (dict(result["objective"]["components"]) if objective.metric == "snr" else
                                     objective.with_metric("snr").scores_from_runs(self.runs(), runs, self.names))
         return result
+
+    def runs_of(self, test_model, *, optimize: bool = True, reuse: ScoredRuns | None = None) -> list[list]:
+        """``test_model``'s outputs ``names`` on every kept feed; taken from ``reuse`` when it holds
+        this very model's (same bytes, session options, feeds and outputs), else run here."""
+        if reuse is not None:
+            data = test_model if isinstance(test_model, bytes) else None
+            runs = reuse.runs_for(data, optimize, self) if data is not None else None
+            if runs is not None:   # the checks below, on what the session it ran in said
+                _check_signature(self.inputs, self.names, *reuse.io)
+                _check_finite(self)
+                return runs
+        test_sess = session(test_model, optimize=optimize)
+        _check_same_signature(self.inputs, self.names, test_sess)
+        _check_comparable(self, test_sess)   # inputs it takes, finite reference outputs
+        return [test_sess.run(self.names, feed) for feed in self.feeds]
 
     def runs(self, *, native: bool = False) -> list[list[np.ndarray]]:
         """The reference outputs per feed, in the order of ``names``, shaped as the model returned
@@ -201,9 +229,9 @@ class Reference:
                                            for i in range(len(self.feeds))]).reshape(len(self.feeds), len(self.names))
         return self._signal_cache
 
-    def contender(self, test_model, *, penalty: float = 0.0, optimize: bool = True) -> "Contender":
+    def contender(self, test_model, *, penalty: float = 0.0, optimize: bool = True, keep: int = 0) -> "Contender":
         """``test_model`` ready to be scored on the kept feeds (see Contender, duel)."""
-        return Contender(self, test_model, penalty=penalty, optimize=optimize)
+        return Contender(self, test_model, penalty=penalty, optimize=optimize, keep=keep)
 
     def duel(self, best: "Contender", challenger: "Contender", *, min_samples: int = 8, z: float = 3.0) -> "Contender":
         """Run ``best`` and ``challenger`` on the same feeds, ``best`` a block of ``min_samples``
@@ -230,11 +258,19 @@ class Reference:
 class Contender:
     """A test model scored against a Reference feed by feed, resumable: ``advance(m)`` runs it on
     the kept feeds up to the m-th; its score is its worst output SNR over the feeds it ran minus
-    ``penalty``; ``errors``: per feed and output, the sum of squared errors."""
+    ``penalty``; ``errors``: per feed and output, the sum of squared errors. ``keep``: its outputs
+    on the first ``keep`` feeds are kept (``kept``, a ScoredRuns) for a later check of the same model."""
 
-    def __init__(self, reference: Reference, test_model, *, penalty: float = 0.0, optimize: bool = True):
+    def __init__(self, reference: Reference, test_model, *, penalty: float = 0.0, optimize: bool = True,
+                 keep: int = 0):
         self.reference, self.penalty, self.dropped = reference, penalty, False
+        self.kept = None
+        if keep > 0:   # its first outputs are kept (ScoredRuns): the model is identified by its bytes
+            test_model = model_bytes(test_model)
+            self.kept = ScoredRuns(test_model, optimize, keep)
         self.session = session(test_model, optimize=optimize)
+        if self.kept is not None:
+            self.kept.io = io_names(self.session)
         _check_same_signature(reference.inputs, reference.names, self.session)
         self.errors = np.zeros((len(reference.feeds), len(reference.names)))
         self.ran = 0
@@ -243,6 +279,8 @@ class Contender:
         ref = self.reference
         for i in range(self.ran, min(upto, len(ref.feeds))):
             values = self.session.run(ref.names, ref.feeds[i])
+            if self.kept is not None:
+                self.kept.add(ref, i, values)
             self.errors[i] = [np.sum(np.square(ref._feed_output(k, i) - np.ravel(v).astype(np.float64)))
                               for k, v in enumerate(values)]
             self.ran = i + 1
@@ -312,6 +350,10 @@ def _check_comparable(reference: Reference, test_sess) -> None:
             raise ModelError(f"the compared model does not take the reference model's inputs (input "
                              f"'{spec.name}': {np.asarray(value).dtype}{tuple(shape)} given, it expects "
                              f"{spec.dtype}{wanted})")
+    _check_finite(reference)
+
+
+def _check_finite(reference: Reference) -> None:
     for name, values in reference.outputs.items():
         if values.size and not np.isfinite(values).all():
             what = "NaN" if np.isnan(values).any() else "Inf"

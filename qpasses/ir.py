@@ -159,14 +159,22 @@ class QModel:
         """A deep copy (through a ModelProto: gs.Graph.copy shares arrays and is slow).
         ``share_weights``: constants of 1 KiB and more keep the same (read-only) arrays, for a
         scratch copy that passes rewrite without holding the weights twice."""
-        weights = {} if share_weights else None
-        new = from_proto(self.to_proto(weights=weights), base_dir=self.base_dir)
-        for graph in (self.graph, new.graph) if weights else ():   # both hold the exported arrays
-            for t in tensor_map(graph).values():
-                if isinstance(t, gs.Constant) and t.name in weights:
-                    t._values = weights[t.name]
-                    t.data_location = None   # the copy imported them as (in-memory) external data
-        return new
+        if share_weights:
+            return self.copier()()
+        return from_proto(self.to_proto(), base_dir=self.base_dir)
+
+    def copier(self):
+        """``copy(share_weights=True)`` for many scratch copies of a model that does not change
+        meanwhile (trials): exported once, each call of the returned function only imports."""
+        weights: dict = {}
+        proto = self.to_proto(weights=weights)
+        _share_constants(self.graph, weights)   # both hold the exported arrays
+
+        def fresh() -> "QModel":
+            new = from_proto(proto, base_dir=self.base_dir)
+            _share_constants(new.graph, weights)
+            return new
+        return fresh
 
     def reload(self) -> None:
         """Become what saving and loading this model gives (``--verify-each reload``)."""
@@ -520,6 +528,16 @@ _NUMPY_TYPES = frozenset({  # ONNX types numpy holds as they are (gs would cast 
 
 
 IN_MEMORY = "qpasses-in-memory"  # external data location of weights handed over as arrays
+
+
+def _share_constants(graph: gs.Graph, weights: dict) -> None:
+    """Constants named in ``weights`` hold those arrays (a copy imported them as in-memory external data)."""
+    if not weights:
+        return
+    for t in tensor_map(graph).values():
+        if isinstance(t, gs.Constant) and t.name in weights:
+            t._values = weights[t.name]
+            t.data_location = None
 
 
 def _stub_out(tensors, weights: dict) -> list:

@@ -60,11 +60,13 @@ def prescored(executor, reference: Reference, models: list, penalties: list[floa
     return lambda i: Replayed(reference, results[i], penalty=penalties[i])
 
 
-def objective_score(reference: Reference, model, objective) -> dict:
+def objective_score(reference: Reference, model, objective, reuse=None) -> dict:
     """The objective's overall score of ``model`` on the reference feeds; a model onnxruntime cannot
-    run scores -inf, ``failed`` says why (search-precision's check, in process or as a task)."""
+    run scores -inf, ``failed`` says why (search-precision's check, in process or as a task).
+    ``reuse``: outputs of a model already run (Reference.runs_of)."""
     try:
-        return {"score": float(reference.score(model, objective=objective)["objective"]["overall"]), "failed": None}
+        scored = reference.score(model, objective=objective, per_output=False, reuse=reuse)
+        return {"score": float(scored["objective"]["overall"]), "failed": None}
     except Exception as exc:
         return {"score": float("-inf"), "failed": first_line(exc)}
 

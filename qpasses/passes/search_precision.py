@@ -19,6 +19,7 @@ from ..evaluate import Reference, rerun_skip_reason
 from ..executors import speculate
 from ..executors.scoring import objective_score, objective_scores
 from ..ir import QModel
+from ..scored_runs import ScoredRuns
 from ..objective import Objective
 from ..pipeline import Pass, PassResult, run_nested, split_after
 from ..progress import progress
@@ -172,6 +173,9 @@ class _Search:
         self.known: dict = {}   # scored, not yet checked: key -> objective_score's result (or what building raised)
         self.computed: dict = {}   # root -> its entry in the fully quantized trial (its qparams)
         self.raised: QModel | None = None   # the model at the highest opset a trial needed (see _quantized)
+        self.copier = None   # (the model trials copy, its QModel.copier)
+        # the outputs select-by-snr's chosen variant gave, if any: the first check may be that model
+        self.reuse = ctx.cache.pop(ScoredRuns.CACHE_KEY, None)
         self.executor, self.shared = executors.from_config(ctx.config), None
         self.seconds = {"build": 0.0, "built": 0, "tasks": 0.0, "scored": 0}   # quantizing here, scoring in tasks
 
@@ -200,8 +204,7 @@ class _Search:
                     self.known[key] = exc
                     continue
                 try:
-                    proto = trial.to_proto(metadata=False)
-                    model = proto.SerializeToString() if self.executor.parallel else proto
+                    model = trial.to_proto(metadata=False).SerializeToString()
                 except Exception as exc:   # scored as a model onnxruntime cannot run
                     self.known[key] = {"score": -math.inf, "failed": first_line(exc)}
                     continue
@@ -211,7 +214,8 @@ class _Search:
                 yield model
 
         if not self.executor.parallel:
-            results = [objective_score(self.check_ref, m, self.objective) for m in built()]
+            results = [objective_score(self.check_ref, m, self.objective, self.reuse) for m in built()]
+            self.reuse = None
         else:
             if self.shared is None:   # the reference goes to the object store once
                 self.shared = self.executor.put((self.check_ref, self.objective))
@@ -222,7 +226,10 @@ class _Search:
 
     def _quantized(self, promoted: list[str]) -> QModel:
         """A copy with ``promoted`` kept at the fallback, through the ``then`` pipeline."""
-        trial = (self.raised or self.model).copy(share_weights=True)
+        base = self.raised or self.model   # unchanged during the search: exported once (QModel.copier)
+        if self.copier is None or self.copier[0] is not base:
+            self.copier = (base, base.copier())
+        trial = self.copier[1]()
         promote(trial, [self.groups[n] for n in promoted], self.fallback, {})
         first, rest = split_after(self.options.then, "compute-qparams")
         run_nested(first, trial, self.ctx)

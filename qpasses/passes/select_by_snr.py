@@ -18,11 +18,13 @@ from ..registry import register
 from .. import executors
 from ..executors import portable
 from ..executors.scoring import prescored
+from ..scored_runs import ScoredRuns
 
 NAME = "select-by-snr"
 CORRECT_BIAS = "correct-bias"
 BIAS_DECISION = "bias_correction"   # model.decisions key correct-bias reads: it does nothing when set
 MIN_SAMPLES = 8
+KEEP_RUNS = 8   # the chosen variant's outputs on its first feeds, kept for search-precision's first check
 
 
 @dataclass
@@ -115,7 +117,9 @@ class SelectBySnr(Pass):
     the same way against itself with correct-bias run after compute-qparams; its corrected biases
     are kept only if it wins. Writes: the chosen variant into ``model.ranges`` / the table (with a
     ``why`` line), the corrected bias values (or not) and ``model.decisions["bias_correction"]``
-    (so the correct-bias pass does nothing more); every score goes to the findings. With
+    (so the correct-bias pass does nothing more); every score goes to the findings. Also
+    ``ctx.cache["scored_runs"]``: the chosen variant's outputs on its first 8 feeds, which
+    search-precision's first check takes when it is the same model on the same feeds. With
     ``config.executor`` ray, the variants are scored as parallel tasks and the duels replayed on
     their per-feed errors (qpasses.executors.scoring): the same scores and choice.
     Invariants: the graph is not changed (copies share its weight arrays, read-only); nothing is
@@ -219,6 +223,8 @@ class SelectBySnr(Pass):
                                 | ({"dropped": True} if r.dropped else {}) for c, r in scored]}
         decided = self._bias_correction(model, ctx, best[1], reference, report, fused) if bias else False
         best[1].close()
+        if getattr(best[1], "kept", None) is not None:   # search-precision's first check may be this model
+            ctx.cache[ScoredRuns.CACHE_KEY] = best[1].kept
         ctx.findings.set(NAME, report)
         return PassResult(model, any(v.changes for v in best[0]) or decided, {"variants": len(scored)})
 
@@ -228,13 +234,14 @@ class SelectBySnr(Pass):
         (qpasses.executors.scoring: the duels replay their per-feed errors, deciding as here)."""
         penalties = [sum(v.penalty_db for v in combo) for combo in combos]
         executor = executors.from_config(ctx.config)
+        fresh = model.copier()   # the model does not change until a variant is chosen
         if not executor.parallel or len(combos) < 2:
-            return lambda i: reference.contender(self._quantized(model, ctx, combos[i])[0], optimize=fused,
-                                                 penalty=penalties[i])
+            return lambda i: reference.contender(self._quantized(model, ctx, combos[i], fresh=fresh)[0],
+                                                 optimize=fused, penalty=penalties[i], keep=KEEP_RUNS)
         models = []
         for combo in combos:
             try:
-                models.append(self._quantized(model, ctx, combo)[0].SerializeToString())
+                models.append(self._quantized(model, ctx, combo, fresh=fresh)[0].SerializeToString())
             except Exception as exc:   # raised when its turn comes, as above
                 models.append(portable(exc))
         return prescored(executor, reference, models, penalties, optimize=fused)
@@ -273,11 +280,11 @@ class SelectBySnr(Pass):
         ctx.findings.set(CORRECT_BIAS, {"applied_by": NAME, "biases": len(biases), "gain_db": round(gain, 2)})
         return True
 
-    def _quantized(self, model: QModel, ctx, combo, with_correct_bias: bool = False):
+    def _quantized(self, model: QModel, ctx, combo, with_correct_bias: bool = False, fresh=None):
         """(the QDQ model of a copy of ``model`` with ``combo`` applied and ``then`` run, None); with
         ``with_correct_bias``, correct-bias runs right after compute-qparams and the second item is
-        {bias: (corrected values, why line)}."""
-        trial = model.copy(share_weights=True)
+        {bias: (corrected values, why line)}. ``fresh``: ``model.copier()``, made once for many trials."""
+        trial = fresh() if fresh is not None else model.copy(share_weights=True)
         for variant in combo:
             variant.apply(trial)
         first, rest = split_after(self.then, "compute-qparams")
