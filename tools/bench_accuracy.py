@@ -261,41 +261,14 @@ def _one_line(exc) -> str:
     return f"{type(exc).__name__}: {text}"[:300]
 
 
-# onnxruntime's integer kernels for weighted ops, and where their weight input sits
-INTEGER_KERNELS = {"QLinearConv": 3, "QLinearMatMul": 3, "QGemm": 3, "MatMulIntegerToFloat": 1,
-                   "ConvInteger": 1, "MatMulInteger": 1, "DynamicQuantizeMatMul": 1}
-
-
-def integer_weighted_kernels(path) -> int:
-    """How many weighted ops onnxruntime (CPU, default optimization) runs as integer kernels: the
-    QLinearConv/QLinearMatMul/QGemm/MatMulIntegerToFloat/... nodes of its optimized graph (bodies
-    included) whose weight is a constant. A DQ -> MatMul -> Add without a Q after the Add, for one,
-    becomes a float Gemm although both MatMul inputs come from 8-bit DQs."""
-    import tempfile
-
+def integer_weighted_kernels(path) -> int | None:
+    """How many weighted ops onnxruntime (CPU, default optimization) runs as integer kernels, read off
+    its optimized graph (qpasses.kernels: the same count the run's summary line gives)."""
     import onnx
-    import onnxruntime as ort
 
-    with tempfile.TemporaryDirectory() as tmp:
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        opts.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
-        ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-        model = onnx.load(opts.optimized_model_filepath)
+    from qpasses.kernels import integer_kernels
 
-    def walk(graph, consts: set) -> int:
-        consts = consts | {t.name for t in graph.initializer} | {
-            o for n in graph.node if n.op_type == "Constant" for o in n.output}
-        count = 0
-        for n in graph.node:
-            at = INTEGER_KERNELS.get(n.op_type)
-            count += at is not None and len(n.input) > at and n.input[at] in consts
-            for a in n.attribute:
-                for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else []) + list(a.graphs):
-                    count += walk(g, consts)
-        return count
-
-    return walk(model.graph, set())
+    return integer_kernels(onnx.load(str(path)))
 
 
 def _session(path):
