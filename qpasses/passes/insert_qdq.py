@@ -321,8 +321,9 @@ class InsertQDQ(Pass):
     quantized outer tensor gets a DQ of its own (onnxruntime fuses DQs with readers of their graph);
     a Relu/Clip whose input shares its output's qparams is dropped when the Q clamps exactly as it
     does. A Conv/ConvTranspose/Gemm whose weight stays float reads its input's float value, not the
-    DQ (onnxruntime would give that weight a per-tensor int8 grid). With FP8 activations, a Relu with one reader becomes Max(x, 0) (onnxruntime drops a Relu
-    before an FP8 QuantizeLinear: qpasses/fp8.py). Scales are stored in the tensor's float type (Q/DQ need it), zero points in the qtype.
+    DQ (onnxruntime would give that weight a per-tensor int8 grid). With FP8 activations, a Relu
+    with one reader becomes Max(x, 0) (onnxruntime drops a Relu before an FP8 QuantizeLinear:
+    qpasses/fp8.py). Scales are stored in the tensor's float type (Q/DQ need it), zero points in the qtype.
     Raises the default opset when the types need it (per-axis 13, float16 scales 19,
     int16/uint16/int4/uint4 21, float8 19), rewriting ops with onnx.version_converter if a plain bump is unsafe.
     Invariants: graph inputs/outputs keep names and float types; tensors that already have Q/DQ are
