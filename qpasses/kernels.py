@@ -20,7 +20,13 @@ def integer_kernels(proto: onnx.ModelProto) -> int | None:
     """How many integer kernels with a constant weight onnxruntime's CPU provider runs for
     ``proto`` at its default optimization level (If/Loop/Scan bodies included); None when the
     model is too big to check here, holds external data, or onnxruntime refuses it."""
-    if len(proto.graph.node) > MAX_NODES or proto.ByteSize() > (1 << 30):
+    if len(proto.graph.node) > MAX_NODES:
+        return None
+    try:
+        data = proto.SerializeToString()
+    except Exception:   # past 2 GB protobuf refuses
+        return None
+    if len(data) > (1 << 30):
         return None
     import onnxruntime as ort
 
@@ -29,7 +35,7 @@ def integer_kernels(proto: onnx.ModelProto) -> int | None:
         opts.log_severity_level = 3
         opts.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
         try:
-            ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+            ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
             optimized = onnx.load(opts.optimized_model_filepath)
         except Exception:   # the summary stays DQ-based; loading the model is checked elsewhere
             return None

@@ -236,7 +236,7 @@ class _Search:
         if not promoted:   # its qparams measure the local errors
             self.computed = {n: trial.quant.get(n) for n in self.groups}
         run_nested(rest, trial, self.ctx)
-        if trial.opset > (self.raised or self.model).opset:
+        if trial.opset > base.opset:
             # insert-qdq raised the opset (onnx.version_converter for some ops: 0.26 s a trial on
             # ppocr_v4_rec); later trials start from a copy raised once, as that does not change
             # what any node computes
