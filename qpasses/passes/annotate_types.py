@@ -88,10 +88,14 @@ def selected_nodes(model: QModel, config: QuantConfig) -> list[tuple[gs.Node, Op
     for node in all_nodes(model):
         rule = rule_for(node.op, model.opset)
         if (rule is not None and (not ops or node.op in ops) and (not only or node.name in only)
-                and node.name not in excluded
-                and not (config.op_types_to_quantize is None and multiplies_activations(node))):
+                and node.name not in excluded and not _float_by_default(config, node)):
             out.append((node, rule))
     return out
+
+
+def _float_by_default(config: QuantConfig, node: gs.Node) -> bool:
+    """A node of a selected type the default selection still leaves float (oprules.multiplies_activations)."""
+    return config.op_types_to_quantize is None and multiplies_activations(node)
 
 
 def _is_float_constant(t) -> bool:
@@ -184,7 +188,7 @@ class TypePlanner:
             if n.name in cfg.nodes_to_exclude:
                 return f"{n.op} '{n.name}' is in the config's nodes_to_exclude"
         for n in ruled:
-            if n.name not in selected and cfg.op_types_to_quantize is None and multiplies_activations(n):
+            if n.name not in selected and _float_by_default(cfg, n):
                 return (f"MatMul '{n.name}' multiplies two computed tensors (attention) and stays float by "
                         "default (op_types_to_quantize: all, or a list naming MatMul, quantizes it)")
             if n.name not in selected and cfg.op_types_to_quantize is None and n.op in NOT_BY_DEFAULT:
