@@ -138,6 +138,17 @@ class Reference:
         self._signal_cache: np.ndarray | None = None
 
     @classmethod
+    def from_kept(cls, kept, count: int, model: QModel) -> "Reference | None":
+        """The first ``count`` feeds calibrate kept with the float outputs on them (KeptSamples): the
+        reference ``run`` gives on them, without a second float run. None when it kept fewer, or when
+        ``model``'s float values changed since (corrected biases, rounded weights): ``run`` reads those,
+        as a run resumed from the saved model would."""
+        changed = model.decisions.get("bias_correction", {}).get("applied") or "weight_rounding" in model.decisions
+        if kept is None or changed or len(kept.feeds) < max(count, 1):
+            return None
+        return cls(kept.names, list(kept.feeds[0]), kept.feeds[:count], kept.outputs[:count])
+
+    @classmethod
     def run(cls, reference_model, feeds, max_samples: int | None = None, enough_values: int = 0,
             min_samples: int = 1) -> "Reference":
         """Run the reference model on ``feeds`` (at most ``max_samples``; stop after ``min_samples``

@@ -40,7 +40,8 @@ class Calibrate(Pass):
     another tensor's qparams (MaxPool outputs are measured), are fixed or have a user range), which keeps onnxruntime's fusions
     (Conv+Relu, ...) in the calibration run and makes it faster.
     Also ``ctx.cache["kept_samples"]``: the first 32 feeds and the float outputs on them (at most 64 MB;
-    only when one session runs the whole model), so select-by-snr needs no second float run.
+    only when one session runs the whole model), so select-by-snr and search-precision need no second
+    float run.
     With ``config.executor`` ray, the samples run in shards as Ray tasks whose statistics merge
     exactly (qpasses.executors.calibration): the same ranges.
     Invariants: the graph is not changed; memory does not grow with the number of samples.

@@ -142,8 +142,12 @@ class SearchPrecision(Pass):
 
     def _reference(self, model: QModel, ctx):
         """The float outputs on the held-out feeds (or the first ones), and whether they were held out."""
-        data = open_data(ctx.calibration_data)
         start = model.decisions.get("calibration", {}).get("held_out_from")
+        kept = ctx.cache.pop("kept_samples", None)
+        reference = None if start else Reference.from_kept(kept, self.samples, model)
+        if reference is not None:   # calibrate ran the float model on these feeds: no second run
+            return reference, False
+        data = open_data(ctx.calibration_data)
         feeds = itertools.islice(data, start, None) if start else iter(data)
         try:
             reference = Reference.run(model, feeds, self.samples)   # a QModel: big ones run segmented

@@ -173,7 +173,7 @@ class SelectBySnr(Pass):
                             weight_variants(model, config, self.asymmetric_penalty_db)) if a]
         bias = (self.bias_correction and bool(split_after(self.then, "compute-qparams")[0])
                 and BIAS_DECISION not in model.decisions and _has_biases(model))
-        kept = ctx.cache.pop("kept_samples", None)   # scored from here on: freed before the rest
+        kept = ctx.cache.get("kept_samples")   # search-precision's reference too: it frees them
         if not axes and not bias:
             return PassResult(model, False, {"variants": 0})
         skip = rerun_skip_reason(model, ctx.calibration_data, self.max_nodes, self.max_weight_mb)
@@ -302,8 +302,9 @@ class SelectBySnr(Pass):
         if kept is not None and kept.feeds:
             per_feed = sum(np.size(v) for v in kept.outputs[0])
             n = min(self.samples, max(MIN_SAMPLES, -(-self.output_values // max(per_feed, 1))), len(kept.feeds))
-            if n >= MIN_SAMPLES or not kept.full:   # calibrate kept enough: no second float run
-                return Reference(kept.names, list(kept.feeds[0]), kept.feeds[:n], kept.outputs[:n])
+            reference = Reference.from_kept(kept, n, model) if n >= MIN_SAMPLES or not kept.full else None
+            if reference is not None:   # calibrate kept enough: no second float run
+                return reference
         try:
             feeds = open_data(ctx.calibration_data)
             reference = Reference.run(model, feeds, self.samples,

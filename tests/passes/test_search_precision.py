@@ -185,3 +185,23 @@ def test_trials_raise_the_opset_once_with_the_same_decision(monkeypatch):
     monkeypatch.setattr(search_precision, "require_opset", lambda model, opset: False)   # every trial raises
     calls.clear()
     assert run() == once and len(calls) > 2
+
+
+def test_the_float_outputs_calibrate_kept_are_its_reference(monkeypatch):
+    """Without held-out feeds the first feeds are calibrate's: their float outputs are reused (no
+    second float run), and the decision is the one a resumed run (empty cache) reaches."""
+    decisions = []
+    for resumed in (False, True):
+        model = from_proto(parse(OUTLIERS))
+        ctx = RunContext({"op_types_to_quantize": ["Tanh"], "calibration": {"method": "minmax"}}, _outlier_feeds(40))
+        PassManager("annotate-types,calibrate").run(model, ctx)
+        assert len(ctx.cache["kept_samples"].feeds) == 32
+        if resumed:
+            ctx.cache.clear()
+        else:
+            monkeypatch.setattr("qpasses.evaluate.Reference.run", None)   # a float run would fail
+        PassManager([SearchPrecision(target=25)]).run(model, ctx)
+        monkeypatch.undo()
+        assert "kept_samples" not in ctx.cache   # freed once scored
+        decisions.append(model.decisions["precision_search"])
+    assert decisions[0] == decisions[1] and decisions[0]["promoted"] == ["x"] and decisions[0]["held_out"] is False
