@@ -76,6 +76,9 @@ CONFIGS = {c.name: c for c in (
     # only with --configs: u8s8_minmax without search-precision (accuracy target 0): its cost apart
     Config("u8s8_minmax_nosearch", "U8S8 minmax per-tensor, qpasses without search-precision", _ort(),
            _qp(method="minmax") | {"accuracy": {"target": 0}}),
+    # only with --configs: onnxruntime's exact work (its weight grid, no accuracy search) on the qpasses side
+    Config("u8s8_minmax_symw_nosearch", "U8S8 minmax per-tensor, symmetric weights, qpasses without search-precision",
+           _ort(), _qp(method="minmax") | {"weight_symmetric": True, "accuracy": {"target": 0}}),
 )}
 DEFAULT_CONFIGS = ("u8s8_minmax", "u8s8_minmax_pc", "u8s8_percentile", "u8s8_entropy", "default")
 MIXED_FRACTION = 0.05   # share of activation tensors promoted to 16 bits in the mixed-precision column
