@@ -158,8 +158,9 @@ def multiplies_activations(node) -> bool:
 
 
 def float_output_bias(node) -> tuple[bool, object]:
-    """For a MatMul with a constant 2-D weight and 8-bit DequantizeLinear inputs whose output gets no
-    QuantizeLinear: ``(runs as an integer kernel, the constant to quantize as its int32 bias)``.
+    """For a MatMul (or Gemm) with a constant 2-D weight and 8-bit DequantizeLinear inputs whose output
+    gets no QuantizeLinear: ``(runs as an integer kernel, the constant to quantize as its int32 bias)``.
+    A Gemm with an int32 bias or none is QGemm with a float output.
 
     onnxruntime's CPU provider runs such a MatMul as MatMulIntegerToFloat, unless an Add is its only
     reader: MatMulAddFusion (level 1, before the QDQ selectors) fuses the two into a Gemm, and the QDQ
@@ -168,7 +169,7 @@ def float_output_bias(node) -> tuple[bool, object]:
     int32 entry; an Add of two computed tensors (a residual) would run as a float Gemm.
     """
     readers = {id(n): n for n in node.outputs[0].outputs}
-    if len(readers) != 1:
+    if node.op == "Gemm" or len(readers) != 1:   # QGemm takes a float output as it is
         return True, None
     (reader,) = readers.values()
     if reader.op != "Add":

@@ -125,3 +125,20 @@ def test_an_output_a_quantized_op_reads_keeps_its_q():
     model = model_from_text(text)
     run_pass(AnnotateTypes(), model, {})
     assert "m" in model.quant and model.quant["y"].shares == "m"
+
+
+@pytest.mark.parametrize("act", ["Sigmoid", "Tanh", "Softmax"])
+def test_a_gemm_read_by_a_float_activation_writes_float_as_qgemm(act):
+    text = """
+    g (float[4,16] x) => (float[4,8] y) <float[8,16] w = {%s}, float[8] b = {%s}> {
+      [gemm] m = Gemm <transB = 1> (x, w, b)
+      [act] y = %s (m)
+    }""" % (_values((8, 16)), _values(8), act)
+    rng = np.random.default_rng(5)
+    feeds = [{"x": rng.normal(0, 1, (4, 16)).astype(np.float32)} for _ in range(8)]
+    model = qpasses.quantize(model_from_text(text), feeds)
+    assert "m" not in model.quant and model.quant["b"].qtype == "int32"
+    assert "QGemm" in model.decisions["float"]["m"]["reason"]
+    proto = model.to_proto()
+    onnx.checker.check_model(proto, full_check=True)
+    assert integer_kernels(proto) == 1

@@ -411,12 +411,13 @@ class TypePlanner:
             tq.qtype, tq.symmetric, tq.restricted = src.qtype, src.symmetric, src.restricted
 
     def float_matmul_outputs(self) -> None:
-        """A weight MatMul whose output only float readers read leaves it float (no Q -> DQ) when
-        onnxruntime still runs it as an integer kernel (oprules.float_output_bias); its bias Add's
-        constant becomes an int32 bias. The output's 8-bit rounding bought nothing: bert_encoder
-        (18 such MatMuls) +1.1 dB and 7 % faster (tools/README.md, "Weight MatMuls with float outputs")."""
+        """A weight MatMul or Gemm whose output only float readers read leaves it float (no Q -> DQ)
+        when onnxruntime still runs it as an integer kernel with a float output (oprules.float_output_bias);
+        a MatMul's bias Add constant becomes an int32 bias. That 8-bit rounding bought nothing
+        (4 draws: bert_encoder +1.0 dB and 9 % faster, byte_classifier +18 dB; tools/README.md,
+        "Weight MatMuls with float outputs")."""
         for node, _ in self.nodes:
-            if node.op != "MatMul" or node.name not in self.quantized or len(node.inputs) != 2:
+            if node.op not in ("MatMul", "Gemm") or node.name not in self.quantized or len(node.inputs) < 2:
                 continue
             x, w, y = node.inputs[0], node.inputs[1], node.outputs[0]
             tx, tw, ty = (self.entries.get(t.name) for t in (x, w, y))
@@ -425,16 +426,27 @@ class TypePlanner:
                     or ty.fixed or ty.convert is not None or ty.rmin is not None or ty.rmax is not None
                     or not _integer_pair(tx.qtype, tw.qtype) or not y.outputs or self.scopes.in_body(y.name)
                     or any(t is y for t in self.model.graph.outputs)
-                    or any(r.name in self.quantized or self.scopes.scope_of(r) != 0 for r in y.outputs)):
+                    or any(r.name in self.quantized or self.scopes.scope_of(r) != 0 for r in y.outputs)
+                    or (node.op == "Gemm" and not self.gemm_bias_int32(node))):
                 continue
             integer, bias = float_output_bias(node)
             if not integer or (bias is not None and not self.add_float_output_bias(node, bias)):
                 continue
             del self.entries[y.name], self.kind[y.name]
-            kernel = "QGemm with its bias Add" if bias is not None else "MatMulIntegerToFloat"
+            kernel = "MatMulIntegerToFloat" if node.op == "MatMul" and bias is None else "QGemm"
+            added = " with its bias Add" if bias is not None else ""
             self.float_outputs[y.name] = (
-                f"output of MatMul '{node.name}', read only as a float value: onnxruntime runs the MatMul as "
-                f"{kernel} (integer, float output), so an 8-bit Q -> DQ here would only add rounding")
+                f"output of {node.op} '{node.name}', read only as a float value: onnxruntime runs the {node.op}"
+                f"{added} as {kernel} (integer, float output), so an 8-bit Q -> DQ here would only add rounding")
+
+    def gemm_bias_int32(self, node: gs.Node) -> bool:
+        """A Gemm with a float output is QGemm only if it has no bias or an int32 one (beta 1)."""
+        if len(node.inputs) < 3 or not node.inputs[2].name:
+            return True
+        bias = node.inputs[2]
+        return (self.config.quantize_bias and _is_float_constant(bias) and bias.name not in self.overrides
+                and float(node.attrs.get("beta", 1.0)) == 1.0
+                and self.bias_problem(node, bias, node.inputs[0].name, node.inputs[1].name)[0] is None)
 
     def add_float_output_bias(self, node: gs.Node, bias) -> bool:
         """An int32 entry for the constant ``bias`` added to ``node``'s output (False: not possible)."""
