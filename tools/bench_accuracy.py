@@ -58,6 +58,7 @@ DEFAULT_CORPUS = Path(os.path.expanduser("~/.cache/qp-corpus"))
 DEFAULT_OUT = Path(os.path.expanduser("~/.cache/qp-bench/acc-out"))
 CORPUS_MODELS = ("ppocr_v4_det", "ppocr_v4_rec", "ppocr_v2_cls", "ddddocr_det")
 ALL_MODELS = CORPUS_MODELS + acc.MODELS
+EXTRA_MODELS = ("encoder_block",)   # tools/models.py, no task metric (output SNR); only when named
 TRANSFORMERS = ("bert_encoder", "ppocr_v4_rec")
 QUICK_CALIB, QUICK_EVAL = 8, 8
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -155,6 +156,8 @@ class BenchModel:
             from task_metrics import task_metric  # /work/shared/corpus/task_metrics.py
 
             return task_metric(self.name, outs_f, outs_q, model_path=str(self.path))
+        if self.name in EXTRA_MODELS:
+            return "output SNR dB", output_snr(outs_f, outs_q)
         return acc.task_metric(self.name, outs_f, outs_q)
 
 
@@ -164,8 +167,23 @@ def bench_model(name: str, corpus: Path, cache: Path) -> BenchModel:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: corpus absent (bash ../shared/corpus/make_corpus.sh {corpus})")
         return BenchModel(name, path, corpus / "calib" / f"{name}.npz", corpus / "eval" / f"{name}.npz")
-    folder = acc.prepare(name, cache)
+    folder = _prepare_extra(name, cache) if name in EXTRA_MODELS else acc.prepare(name, cache)
     return BenchModel(name, folder / "model.onnx", folder / "calib.npz", folder / "eval.npz")
+
+
+def _prepare_extra(name: str, cache: Path) -> Path:
+    """encoder_block of tools/models.py (one post-LN encoder layer) with 64 calibration and 16 eval
+    samples, written once into ``cache/encoder_block/`` in the corpus npz layout."""
+    import onnx
+    from models import encoder_block, encoder_data
+
+    folder = cache / name
+    if not (folder / "eval.npz").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        onnx.save(encoder_block(), str(folder / "model.onnx"))
+        np.savez(folder / "calib.npz", **encoder_data(64, 1))
+        np.savez(folder / "eval.npz", **encoder_data(16, 2))
+    return folder
 
 
 # ================================================================================ tools / children
@@ -510,7 +528,8 @@ def parse_tools(args) -> list[Tool]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=",".join(ALL_MODELS), help=f"comma list of {', '.join(ALL_MODELS)}")
+    ap.add_argument("--models", default=",".join(ALL_MODELS),
+                    help=f"comma list of {', '.join(ALL_MODELS + EXTRA_MODELS)} (default: all but the last)")
     ap.add_argument("--tools", help="comma list: only these tool columns (ort, nncf, nncf_tf, qpasses, a "
                                     "--qp-config/--qp-passes name, or extras: all of those)")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_CALIB} calibration / {QUICK_EVAL} eval samples")
