@@ -142,3 +142,10 @@ def test_a_gemm_read_by_a_float_activation_writes_float_as_qgemm(act):
     proto = model.to_proto()
     onnx.checker.check_model(proto, full_check=True)
     assert integer_kernels(proto) == 1
+
+
+def test_a_target_preset_keeps_the_output_q():
+    """A target's provider (QNN) wants every quantized op between Q/DQ: the rule is for onnxruntime's CPU kernels."""
+    model = model_from_text(BLOCK)
+    run_pass(AnnotateTypes(), model, {"target": "qnn", "op_types_to_quantize": ["MatMul"]})
+    assert {"m1", "m2"} <= set(model.quant) and "b1" not in model.quant

@@ -414,8 +414,10 @@ class TypePlanner:
         """A weight MatMul or Gemm whose output only float readers read leaves it float (no Q -> DQ)
         when onnxruntime still runs it as an integer kernel with a float output (oprules.float_output_bias);
         a MatMul's bias Add constant becomes an int32 bias. That 8-bit rounding bought nothing
-        (4 draws: bert_encoder +1.0 dB and 9 % faster, byte_classifier +18 dB; tools/README.md,
-        "Weight MatMuls with float outputs")."""
+        (4 draws: bert_encoder +1.0 dB and 9 % faster, byte_classifier +20 dB; tools/README.md,
+        "Weight MatMuls with float outputs"). Not for a target preset: its provider wants Q -> DQ there."""
+        if self.config.target:
+            return
         for node, _ in self.nodes:
             if node.op not in ("MatMul", "Gemm") or node.name not in self.quantized or len(node.inputs) < 2:
                 continue
