@@ -61,6 +61,7 @@ def test_outputs_float_biases_int32_with_why():
         assert (tq.role, tq.qtype, tq.axis) == ("bias", "int32", 0) and tq.derived_from[1] in ("w1", "w2")
         assert f"MatMul '{node}'" in tq.why[0] and "QGemm" in tq.why[0]
     assert "QGemm" in model.decisions["float"]["m1"]["reason"]
+    assert run_pass(AnnotateTypes(), model, {}).modified is False   # the same table again
 
 
 def test_runs_as_integer_kernels_and_the_output_is_exact(quantized):
