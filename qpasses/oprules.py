@@ -157,6 +157,29 @@ def multiplies_activations(node) -> bool:
     return node.op == "MatMul" and len(node.inputs) >= 2 and all(computed(t) for t in node.inputs[:2])
 
 
+def float_output_bias(node) -> tuple[bool, object]:
+    """For a MatMul (or Gemm) with a constant 2-D weight and 8-bit DequantizeLinear inputs whose output
+    gets no QuantizeLinear: ``(runs as an integer kernel, the constant to quantize as its int32 bias)``.
+    A Gemm with an int32 bias or none is QGemm with a float output.
+
+    onnxruntime's CPU provider runs such a MatMul as MatMulIntegerToFloat, unless an Add is its only
+    reader: MatMulAddFusion (level 1, before the QDQ selectors) fuses the two into a Gemm, and the QDQ
+    Gemm selector takes that Gemm (QGemm, float output) only when its bias too comes from a
+    DequantizeLinear, of an int32 tensor. So the Add's other input must be a constant, given an
+    int32 entry; an Add of two computed tensors (a residual) would run as a float Gemm.
+    """
+    readers = {id(n): n for n in node.outputs[0].outputs}
+    if node.op == "Gemm" or len(readers) != 1:   # QGemm takes a float output as it is
+        return True, None
+    (reader,) = readers.values()
+    if reader.op != "Add":
+        return True, None
+    others = [t for t in reader.inputs if t is not node.outputs[0]]
+    if len(others) == 1 and getattr(others[0], "values", None) is not None:
+        return True, others[0]
+    return False, None
+
+
 def selected_op_types(selection) -> frozenset:
     """The op types a config's ``op_types_to_quantize`` selects (None: the default set; "all")."""
     if selection is None:

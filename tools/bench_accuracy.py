@@ -58,6 +58,7 @@ DEFAULT_CORPUS = Path(os.path.expanduser("~/.cache/qp-corpus"))
 DEFAULT_OUT = Path(os.path.expanduser("~/.cache/qp-bench/acc-out"))
 CORPUS_MODELS = ("ppocr_v4_det", "ppocr_v4_rec", "ppocr_v2_cls", "ddddocr_det")
 ALL_MODELS = CORPUS_MODELS + acc.MODELS
+EXTRA_MODELS = ("encoder_block",)   # tools/models.py, no task metric (output SNR); only when named
 TRANSFORMERS = ("bert_encoder", "ppocr_v4_rec")
 QUICK_CALIB, QUICK_EVAL = 8, 8
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -155,6 +156,8 @@ class BenchModel:
             from task_metrics import task_metric  # /work/shared/corpus/task_metrics.py
 
             return task_metric(self.name, outs_f, outs_q, model_path=str(self.path))
+        if self.name in EXTRA_MODELS:
+            return "output SNR dB", output_snr(outs_f, outs_q)
         return acc.task_metric(self.name, outs_f, outs_q)
 
 
@@ -164,8 +167,23 @@ def bench_model(name: str, corpus: Path, cache: Path) -> BenchModel:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: corpus absent (bash ../shared/corpus/make_corpus.sh {corpus})")
         return BenchModel(name, path, corpus / "calib" / f"{name}.npz", corpus / "eval" / f"{name}.npz")
-    folder = acc.prepare(name, cache)
+    folder = _prepare_extra(name, cache) if name in EXTRA_MODELS else acc.prepare(name, cache)
     return BenchModel(name, folder / "model.onnx", folder / "calib.npz", folder / "eval.npz")
+
+
+def _prepare_extra(name: str, cache: Path) -> Path:
+    """encoder_block of tools/models.py (one post-LN encoder layer) with 64 calibration and 16 eval
+    samples, written once into ``cache/encoder_block/`` in the corpus npz layout."""
+    import onnx
+    from models import encoder_block, encoder_data
+
+    folder = cache / name
+    if not (folder / "eval.npz").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        onnx.save(encoder_block(), str(folder / "model.onnx"))
+        np.savez(folder / "calib.npz", **encoder_data(64, 1))
+        np.savez(folder / "eval.npz", **encoder_data(16, 2))
+    return folder
 
 
 # ================================================================================ tools / children
@@ -300,8 +318,27 @@ def output_snr(outs_f, outs_q) -> float:
     return min(vals) if vals else float("nan")
 
 
-def measure(result: dict, bm: BenchModel, feeds: list[dict], outs_f) -> None:
-    """Checks, weighted-op share, task metric and SNR of a produced model (in place)."""
+def latency_ms(path, feed: dict, runs: int) -> float:
+    """Median wall time of ``runs`` inferences of ``feed`` (onnxruntime CPU, one thread, default
+    optimization; 5 warm-up runs first)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.intra_op_num_threads = opts.inter_op_num_threads = 1
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    for _ in range(5):
+        sess.run(None, feed)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        sess.run(None, feed)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e3
+
+
+def measure(result: dict, bm: BenchModel, feeds: list[dict], outs_f, latency_runs: int = 0) -> None:
+    """Checks, weighted-op share, task metric, SNR (and latency) of a produced model (in place)."""
     import onnx
 
     if not result.get("ok"):
@@ -329,6 +366,8 @@ def measure(result: dict, bm: BenchModel, feeds: list[dict], outs_f) -> None:
         outs_q = [sess.run(None, f) for f in feeds]
         result["metric_name"], result["task"] = bm.metric(outs_f, outs_q)
         result["snr"] = output_snr(outs_f, outs_q)
+        if latency_runs:
+            result["latency_ms"] = latency_ms(path, feeds[0], latency_runs)
     except Exception as exc:
         result["run_error"] = _one_line(exc)
 
@@ -394,7 +433,7 @@ def cell(r: dict | None, key: str, digits=3) -> str:
         return "—"
     if key == "task" and status(r) and "task" not in r:
         return "fail"
-    if key in ("task", "snr") and len(r.get("draws", ())) > 1:   # the mean and the range over the draws
+    if key in ("task", "snr", "latency_ms") and len(r.get("draws", ())) > 1:   # the mean and the range over the draws
         values = [d[key] for d in r["draws"] if isinstance(d.get(key), float)]
         if values:
             return f"{_fmt(sum(values) / len(values), digits)} ({_fmt(min(values), digits)}-{_fmt(max(values), digits)})"
@@ -414,8 +453,9 @@ def tables(rows: list[dict], tools: list[Tool]) -> str:
         res = row["results"]
         out.append(f"| {row['model']} | {row['metric']} | {_fmt(row.get('chance'))} | "
                    + " | ".join(cell(res.get(n), "task") for n in names) + " |")
-    out += ["", "| model | tool | task | SNR dB | 8-bit weighted ops | run as integer kernels | quantize s | status |",
-            "|---|---|---|---|---|---|---|---|"]
+    timed = any("latency_ms" in r for row in rows for r in row["results"].values())
+    out += ["", "| model | tool | task | SNR dB | 8-bit weighted ops | run as integer kernels | quantize s | "
+            + ("latency ms | " if timed else "") + "status |", "|---|---|---|---|---|---|---|" + "---|" * (1 + timed)]
     for row in rows:
         for n in names:
             r = row["results"].get(n)
@@ -423,7 +463,8 @@ def tables(rows: list[dict], tools: list[Tool]) -> str:
                 continue
             st = status(r)
             out.append(f"| {row['model']} | {n} | {cell(r, 'task')} | {cell(r, 'snr', 2)} | {cell(r, 'share')} | "
-                       f"{cell(r, 'integer_kernels')} | {cell(r, 'seconds', 1)} | {'ok' if st is None else st[:90]} |")
+                       f"{cell(r, 'integer_kernels')} | {cell(r, 'seconds', 1)} | "
+                       + (f"{cell(r, 'latency_ms', 3)} | " if timed else "") + f"{'ok' if st is None else st[:90]} |")
     out += ["", "| model | nodes | weighted ops | opset | outputs |", "|---|---|---|---|---|"]
     for row in rows:
         d = row.get("model_info", {})
@@ -487,7 +528,8 @@ def parse_tools(args) -> list[Tool]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=",".join(ALL_MODELS), help=f"comma list of {', '.join(ALL_MODELS)}")
+    ap.add_argument("--models", default=",".join(ALL_MODELS),
+                    help=f"comma list of {', '.join(ALL_MODELS + EXTRA_MODELS)} (default: all but the last)")
     ap.add_argument("--tools", help="comma list: only these tool columns (ort, nncf, nncf_tf, qpasses, a "
                                     "--qp-config/--qp-passes name, or extras: all of those)")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_CALIB} calibration / {QUICK_EVAL} eval samples")
@@ -507,6 +549,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draws", type=int, default=1, metavar="K",
                     help="quantize K times, each leaving out one of K blocks of the calibration data: the task "
                          "metric and SNR are shown as mean (min-max) over the draws, the 8-bit share as its range")
+    ap.add_argument("--latency", type=int, default=0, metavar="N",
+                    help="also time each produced model: median of N runs of the first eval sample (onnxruntime "
+                         "CPU, one thread), shown as mean (min-max) over the draws")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -561,11 +606,12 @@ def main(argv=None) -> int:
                 suffix = f".draw{k}" if args.draws > 1 else ""
                 d = run_child(tool, bm, n_calib, out_dir / f"{tool.name}{suffix}.onnx", args.timeout, qp_src,
                               (k, args.draws))
-                measure(d, bm, feeds, outs_f)
+                measure(d, bm, feeds, outs_f, args.latency)
                 draws.append(d)
             r = dict(draws[0])
             if args.draws > 1:
-                r["draws"] = [{k: d.get(k) for k in ("task", "snr", "weighted_8bit", "seconds", "calib_samples")}
+                r["draws"] = [{k: d.get(k) for k in ("task", "snr", "weighted_8bit", "seconds", "calib_samples",
+                                                     "latency_ms")}
                               for d in draws]
             row["results"][tool.name] = r
             print(f"{name:16s} {tool.name:10s} task {cell(r, 'task'):>6s}  snr {cell(r, 'snr', 2):>6s}  "

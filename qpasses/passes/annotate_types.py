@@ -14,8 +14,8 @@ from .. import decisions
 from ..dataflow import dataflow
 from ..graphutil import unique_name
 from ..ir import QModel
-from ..oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, WEIGHT, OpRule, holds, multiplies_activations,
-                       rule_for, selected_op_types, weight_axis)
+from ..oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, WEIGHT, OpRule, float_output_bias, holds,
+                       multiplies_activations, rule_for, selected_op_types, weight_axis)
 from ..overrides import TensorOverride, validate
 from ..pipeline import Pass, PassResult
 from ..qtypes import qtype
@@ -98,6 +98,11 @@ def _float_by_default(config: QuantConfig, node: gs.Node) -> bool:
     return config.op_types_to_quantize is None and multiplies_activations(node)
 
 
+def _integer_pair(x: str, w: str) -> bool:
+    """onnxruntime's integer MatMul kernels: 8-bit inputs, a signed input with a signed weight."""
+    return x in ("uint8", "int8") and w in ("uint8", "int8") and (x == "uint8" or w == "int8")
+
+
 def _is_float_constant(t) -> bool:
     return isinstance(t, gs.Constant) and np.dtype(t.values.dtype) in FLOAT_DTYPES
 
@@ -142,6 +147,8 @@ class TypePlanner:
         self.stats = {"shared": 0, "merged": 0, "overrides": 0}
         self.report: dict = {}
         self.float_biases: dict[str, str] = {}
+        self.float_outputs: dict[str, str] = {}  # weight MatMul outputs left float: why
+        self.quantized: set[str] = set()        # names of the nodes quantize_node ran on
         given = config.given
         defaults = load_target(config.target).defaults if config.target else {}
         self.source = {key: f"target {config.target} default" if key in defaults and key not in given
@@ -160,6 +167,7 @@ class TypePlanner:
                 self.quantize_node(node, rule)
         self.apply_overrides()
         self.resolve_shares()
+        self.float_matmul_outputs()
         self.derive_biases()
         self.merge_removable()
         self.stats["shared"] = sum(tq.shares is not None for tq in self.entries.values())
@@ -174,6 +182,7 @@ class TypePlanner:
             nodes = list(t.inputs) + list(t.outputs) if t is not None else []
             if nodes:
                 out[name] = self.float_biases.get(name) or self._float_reason(name, nodes, selected)
+        out.update({name: why for name, why in self.float_outputs.items() if name in self.floats})
         return out
 
     def _float_reason(self, name: str, nodes: list, selected: set[str]) -> str:
@@ -251,6 +260,7 @@ class TypePlanner:
     # -- entries ----------------------------------------------------------------------------
     def quantize_node(self, node: gs.Node, rule: OpRule) -> None:
         where = f"{node.op} '{node.name}'"
+        self.quantized.add(node.name)
         for i, t in enumerate(node.inputs):
             slot = rule.slot(i)
             if slot.kind == FLOAT or not self.quantizable(t):
@@ -399,6 +409,62 @@ class TypePlanner:
                 self.kind[name] = "activation"
                 continue
             tq.qtype, tq.symmetric, tq.restricted = src.qtype, src.symmetric, src.restricted
+
+    def float_matmul_outputs(self) -> None:
+        """A weight MatMul or Gemm whose output only float readers read leaves it float (no Q -> DQ)
+        when onnxruntime still runs it as an integer kernel with a float output (oprules.float_output_bias);
+        a MatMul's bias Add constant becomes an int32 bias. That 8-bit rounding bought nothing
+        (4 draws: bert_encoder +1.0 dB and 9 % faster, byte_classifier +20 dB; tools/README.md,
+        "Weight MatMuls with float outputs"). Not for a target preset: its provider wants Q -> DQ there."""
+        if self.config.target:
+            return
+        for node, _ in self.nodes:
+            if node.op not in ("MatMul", "Gemm") or node.name not in self.quantized or len(node.inputs) < 2:
+                continue
+            x, w, y = node.inputs[0], node.inputs[1], node.outputs[0]
+            tx, tw, ty = (self.entries.get(t.name) for t in (x, w, y))
+            if (tx is None or tw is None or ty is None or self.kind.get(w.name) != "weight"
+                    or self.kind.get(y.name) != "activation" or len(w.shape) != 2 or y.name in self.overrides
+                    or ty.fixed or ty.convert is not None or ty.rmin is not None or ty.rmax is not None
+                    or not _integer_pair(tx.qtype, tw.qtype) or not y.outputs or self.scopes.in_body(y.name)
+                    or any(t is y for t in self.model.graph.outputs)
+                    or any(r.name in self.quantized or self.scopes.scope_of(r) != 0 for r in y.outputs)
+                    or (node.op == "Gemm" and not self.gemm_bias_int32(node))):
+                continue
+            integer, bias = float_output_bias(node)
+            if not integer or (bias is not None and not self.add_float_output_bias(node, bias)):
+                continue
+            del self.entries[y.name], self.kind[y.name]
+            kernel = "MatMulIntegerToFloat" if node.op == "MatMul" and bias is None else "QGemm"
+            added = " with its bias Add" if bias is not None else ""
+            self.float_outputs[y.name] = (
+                f"output of {node.op} '{node.name}', read only as a float value: onnxruntime runs the {node.op}"
+                f"{added} as {kernel} (integer, float output), so an 8-bit Q -> DQ here would only add rounding")
+
+    def gemm_bias_int32(self, node: gs.Node) -> bool:
+        """A Gemm with a float output is QGemm only if it has no bias or an int32 one (beta 1)."""
+        if len(node.inputs) < 3 or not node.inputs[2].name:
+            return True
+        bias = node.inputs[2]
+        return (self.config.quantize_bias and _is_float_constant(bias) and bias.name not in self.overrides
+                and float(node.attrs.get("beta", 1.0)) == 1.0
+                and self.bias_problem(node, bias, node.inputs[0].name, node.inputs[1].name)[0] is None)
+
+    def add_float_output_bias(self, node: gs.Node, bias) -> bool:
+        """An int32 entry for the constant ``bias`` added to ``node``'s output (False: not possible)."""
+        cfg, x, w = self.config, node.inputs[0].name, node.inputs[1].name
+        if (not cfg.quantize_bias or not _is_float_constant(bias) or bias.name in self.entries
+                or bias.name in self.overrides or bias.name in self.model.input_initializers
+                or len({id(n) for n in bias.outputs}) != 1):
+            return False
+        problem, axis = self.bias_problem(node, bias, x, w)
+        if problem:
+            return False
+        self._new(bias.name, "bias", TensorQuant(
+            "int32", "bias", symmetric=True, axis=axis, derived_from=[x, w],
+            why=[f"int32 bias of MatMul '{node.name}' (its output stays float and onnxruntime fuses the Add "
+                 f"into a QGemm): scale = scale('{x}') * scale('{w}')"]))
+        return True
 
     def derive_biases(self) -> None:
         left_float = []

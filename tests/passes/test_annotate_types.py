@@ -520,9 +520,10 @@ def test_by_default_a_matmul_of_two_computed_tensors_stays_float_with_a_reason()
       y = MatMul (p, q)
     }""" % (",".join(["0.1"] * 64), ",".join(["0.2"] * 64))
     model, _ = annotate(text, op_types_to_quantize=None)
-    assert {"x", "wq", "wk", "q", "k"} <= set(model.quant)   # weight MatMuls: inputs, weights, outputs
+    assert {"x", "wq", "wk", "k"} <= set(model.quant)   # weight MatMuls: inputs, weights, k read quantized
     assert not {"s", "p", "y"} & set(model.quant) and model.quant["kt"].shares == "k"   # a move of k
     reasons = model.decisions["float"]
+    assert "MatMulIntegerToFloat" in reasons["q"]["reason"]   # q: only float MatMuls read it
     assert "multiplies two computed tensors" in reasons["s"]["reason"]
     assert "multiplies two computed tensors" in reasons["y"]["reason"]
     for selection in ("all", ["MatMul"]):
