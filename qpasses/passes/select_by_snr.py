@@ -51,7 +51,8 @@ def range_variants(model: QModel, config) -> list[Variant]:
 
     def use_minmax(m: QModel) -> None:
         m.ranges = {k: observed.get(k, v) for k, v in m.ranges.items()}
-        m.decisions["calibration"] = {"method": "minmax", "given": False, "chosen_by": NAME, "over": method}
+        m.decisions["calibration"] = {**m.decisions.get("calibration", {}), "method": "minmax", "given": False,
+                                      "chosen_by": NAME, "over": method}   # held-out feeds stay held out
 
     return [Variant("ranges", method, lambda m: None, changes=False), Variant("ranges", "minmax", use_minmax)]
 

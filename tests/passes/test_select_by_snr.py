@@ -91,6 +91,16 @@ def test_default_method_min_max_wins_when_the_default_clips_the_signal():
     assert f"calibration (minmax, chosen by select-by-snr over {DEFAULT})" in model.quant["x"].why[-1]
 
 
+def test_min_max_chosen_keeps_the_held_out_feeds_held_out():
+    """search-precision scores on the feeds calibrate held out: choosing min/max must not forget them."""
+    model, data = model_from_text(SCALE), outlier_feeds()
+    ctx = RunContext(ALL, data)
+    run_pipeline(model, BEFORE.replace("calibrate", "calibrate{hold_out=4}") + "," + NAME, ctx=ctx)
+    assert ctx.findings.as_dict()[NAME]["chosen"] == "ranges minmax"
+    assert model.decisions["calibration"] == {"method": "minmax", "given": False, "held_out_from": 12,
+                                              "chosen_by": NAME, "over": DEFAULT}
+
+
 def test_the_default_method_kept_when_it_scores_best():
     model, data = model_from_text(SIGMOID), outlier_feeds()
     record, findings = select(model, data)
