@@ -86,6 +86,27 @@ def test_outputs_that_are_not_split():
     assert _spans(output_components(helper.make_model(graph))["y"]) == [("y", None, 0, None)]
 
 
+def test_sizes_an_exporter_computes_from_shapes_are_followed():
+    """boxes = Reshape(x, [Shape(x)[0], -1, 4]) then Transpose: onnx's shape inference leaves its sizes
+    unknown, onnxruntime's symbolic inference (tried next) finds them: two components, not one."""
+    i64 = lambda name, values: numpy_helper.from_array(np.array(values, np.int64), name)  # noqa: E731
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+             helper.make_node("Concat", ["n", "rest"], ["target"], axis=0),
+             helper.make_node("Reshape", ["x", "target"], ["r"]),
+             helper.make_node("Transpose", ["r"], ["boxes"], perm=[0, 2, 1]),
+             helper.make_node("Sigmoid", ["c"], ["scores"]),
+             helper.make_node("Concat", ["boxes", "scores"], ["y"], axis=1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 4]),
+                                           helper.make_tensor_value_info("c", TensorProto.FLOAT, [1, 3, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [i64("zero", [0]), i64("rest", [-1, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    inferred = onnx.shape_inference.infer_shapes(model)
+    assert not any(vi.name == "boxes" and all(d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)
+                   for vi in inferred.graph.value_info)
+    assert _spans(output_components(model)["y"]) == [("y[boxes]", 1, 0, 4), ("y[scores]", 1, 4, 7)]
+
 def test_components_from_a_path_and_a_qmodel(tmp_path):
     path = tmp_path / "det.onnx"
     onnx.save(detector(), path)

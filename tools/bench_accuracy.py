@@ -337,6 +337,21 @@ def latency_ms(path, feed: dict, runs: int) -> float:
     return float(np.median(times)) * 1e3
 
 
+def worst_component_snr(model_path, outs_f, outs_q) -> float | None:
+    """The worst output component's SNR, as qpasses' objective scores it (an output built by Concat
+    along a non-batch axis piece by piece: boxes beside scores); None if it cannot score them."""
+    import onnx
+    from qpasses.objective import Objective
+
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+        names = [o.name for o in model.graph.output]
+        objective = Objective("snr", model=model)
+        return objective.overall(objective.scores_from_runs(outs_f, outs_q, names))
+    except Exception:
+        return None
+
+
 def measure(result: dict, bm: BenchModel, feeds: list[dict], outs_f, latency_runs: int = 0) -> None:
     """Checks, weighted-op share, task metric, SNR (and latency) of a produced model (in place)."""
     import onnx
@@ -366,6 +381,7 @@ def measure(result: dict, bm: BenchModel, feeds: list[dict], outs_f, latency_run
         outs_q = [sess.run(None, f) for f in feeds]
         result["metric_name"], result["task"] = bm.metric(outs_f, outs_q)
         result["snr"] = output_snr(outs_f, outs_q)
+        result["snr_worst"] = worst_component_snr(bm.path, outs_f, outs_q)
         if latency_runs:
             result["latency_ms"] = latency_ms(path, feeds[0], latency_runs)
     except Exception as exc:
@@ -433,7 +449,7 @@ def cell(r: dict | None, key: str, digits=3) -> str:
         return "—"
     if key == "task" and status(r) and "task" not in r:
         return "fail"
-    if key in ("task", "snr", "latency_ms") and len(r.get("draws", ())) > 1:   # the mean and the range over the draws
+    if key in ("task", "snr", "snr_worst", "latency_ms") and len(r.get("draws", ())) > 1:   # the mean and the range over the draws
         values = [d[key] for d in r["draws"] if isinstance(d.get(key), float)]
         if values:
             return f"{_fmt(sum(values) / len(values), digits)} ({_fmt(min(values), digits)}-{_fmt(max(values), digits)})"
@@ -454,15 +470,15 @@ def tables(rows: list[dict], tools: list[Tool]) -> str:
         out.append(f"| {row['model']} | {row['metric']} | {_fmt(row.get('chance'))} | "
                    + " | ".join(cell(res.get(n), "task") for n in names) + " |")
     timed = any("latency_ms" in r for row in rows for r in row["results"].values())
-    out += ["", "| model | tool | task | SNR dB | 8-bit weighted ops | run as integer kernels | quantize s | "
-            + ("latency ms | " if timed else "") + "status |", "|---|---|---|---|---|---|---|" + "---|" * (1 + timed)]
+    out += ["", "| model | tool | task | SNR dB | worst component SNR dB | 8-bit weighted ops | run as integer kernels | "
+            "quantize s | " + ("latency ms | " if timed else "") + "status |", "|---|---|---|---|---|---|---|---|" + "---|" * (1 + timed)]
     for row in rows:
         for n in names:
             r = row["results"].get(n)
             if r is None:
                 continue
             st = status(r)
-            out.append(f"| {row['model']} | {n} | {cell(r, 'task')} | {cell(r, 'snr', 2)} | {cell(r, 'share')} | "
+            out.append(f"| {row['model']} | {n} | {cell(r, 'task')} | {cell(r, 'snr', 2)} | {cell(r, 'snr_worst', 2)} | {cell(r, 'share')} | "
                        f"{cell(r, 'integer_kernels')} | {cell(r, 'seconds', 1)} | "
                        + (f"{cell(r, 'latency_ms', 3)} | " if timed else "") + f"{'ok' if st is None else st[:90]} |")
     out += ["", "| model | nodes | weighted ops | opset | outputs |", "|---|---|---|---|---|"]
@@ -610,7 +626,7 @@ def main(argv=None) -> int:
                 draws.append(d)
             r = dict(draws[0])
             if args.draws > 1:
-                r["draws"] = [{k: d.get(k) for k in ("task", "snr", "weighted_8bit", "seconds", "calib_samples",
+                r["draws"] = [{k: d.get(k) for k in ("task", "snr", "snr_worst", "weighted_8bit", "seconds", "calib_samples",
                                                      "latency_ms")}
                               for d in draws]
             row["results"][tool.name] = r

@@ -3,10 +3,10 @@ the float model). The accuracy objective (qpasses.objective) scores each piece o
 
 An output whose producer -- looking through Identity and Transpose nodes (a Transpose moves the
 axis) -- is a Concat along a non-batch axis (axis 0 is taken as the batch axis), with a static
-size along that axis for every input (value_info, else one run of onnx shape inference on a copy
-whose big initializers are data-less stubs), has one component per non-empty input, named
-``output[input_tensor]`` (``output[start:stop]`` when an input tensor repeats). Every other
-output is one component named like the output.
+size along that axis for every input (value_info, else onnx shape inference on a copy whose big
+initializers are data-less stubs, else onnxruntime's symbolic shape inference on it), has one
+component per non-empty input, named ``output[input_tensor]`` (``output[start:stop]`` when an input
+tensor repeats). Every other output is one component named like the output.
 """
 from __future__ import annotations
 
@@ -50,13 +50,14 @@ def output_components(model) -> dict[str, list[Component]]:
     graph = graph_model.graph
     producers = {out: node for node in graph.node for out in node.output}
     shapes = _static_shapes(graph)
-    inferred = False
+    inferences = [_inferred_shapes, _symbolic_shapes]   # tried in turn, each once, when shapes are missing
+    stripped = None
     result = {}
     for vi in graph.output:
         found = _concat_pieces(vi.name, producers, shapes)
-        if found == "need shapes" and not inferred:
-            shapes.update(_inferred_shapes(graph_model))
-            inferred = True
+        while found == "need shapes" and inferences:
+            stripped = stripped or _stripped(graph_model)
+            shapes.update({k: v for k, v in inferences.pop(0)(stripped).items() if k not in shapes or None in shapes[k]})
             found = _concat_pieces(vi.name, producers, shapes)
         result[vi.name] = found if isinstance(found, list) else [Component(vi.name, vi.name)]
     return result
@@ -100,9 +101,9 @@ def _static_shapes(graph: onnx.GraphProto) -> dict[str, tuple]:
     return shapes
 
 
-def _inferred_shapes(model: onnx.ModelProto) -> dict[str, tuple]:
-    """Shapes from onnx shape inference on a copy whose big initializers are data-less stubs
-    (shape inference reads small ones, e.g. Reshape's shape); {} when inference fails."""
+def _stripped(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy for shape inference whose big initializers are data-less stubs (small ones stay:
+    shape inference reads them, e.g. Reshape's shape)."""
     stripped = onnx.ModelProto()
     for field in ("ir_version", "producer_name", "domain", "model_version"):
         setattr(stripped, field, getattr(model, field))
@@ -122,11 +123,28 @@ def _inferred_shapes(model: onnx.ModelProto) -> dict[str, tuple]:
             stub.data_location = onnx.TensorProto.EXTERNAL
             entry = stub.external_data.add()
             entry.key, entry.value = "location", "qpasses-shape-stub"
+    return stripped
+
+
+def _inferred_shapes(stripped: onnx.ModelProto) -> dict[str, tuple]:
+    """Shapes from onnx shape inference; {} when inference fails."""
     try:
         inferred = onnx.shape_inference.infer_shapes(stripped, strict_mode=False)
     except Exception:
         return {}
-    return {k: v for k, v in _static_shapes(inferred.graph).items()}
+    return _static_shapes(inferred.graph)
+
+
+def _symbolic_shapes(stripped: onnx.ModelProto) -> dict[str, tuple]:
+    """Shapes from onnxruntime's symbolic shape inference, which follows Shape -> Gather -> Concat ->
+    Reshape chains (an exporter's dynamic-size arithmetic) that onnx's leaves unknown; {} when it fails."""
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        inferred = SymbolicShapeInference.infer_shapes(stripped, auto_merge=True, guess_output_rank=False)
+    except Exception:
+        return {}
+    return _static_shapes(inferred.graph) if inferred is not None else {}
 
 
 def _concat_pieces(output: str, producers: dict, shapes: dict):
