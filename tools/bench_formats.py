@@ -194,6 +194,7 @@ def _secs(x: float) -> str:
 def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeats: int = 1) -> list[str]:
     proto, calib, evald = load(name, layers)
     ref = outputs(proto, evald)
+    started = os.getloadavg()[0]
     rows, models = [], {}
     for alg in algorithms:
         times = repeats if alg == "rtn" else slow_repeats   # the others run for seconds to minutes
@@ -203,19 +204,21 @@ def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeat
         row, theirs_out = {"alg": alg}, None
         if alg != "awq":
             try:   # the sides alternate, so a change of machine load falls on both
-                (q, secs), (theirs_out, tsecs) = timed_pair(mine, lambda: theirs(proto, alg, calib), times)
+                cpu = []
+                (q, secs), (theirs_out, tsecs) = timed_pair(mine, lambda: theirs(proto, alg, calib), times, cpu)
             except Exception as exc:   # an onnxruntime algorithm that cannot run here: say so
                 row["ort_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
         if theirs_out is None:
             q, secs = timed(mine, times)
         else:
-            row.update(ort_snr=snr(ref, outputs(theirs_out, evald)), ort_secs=tsecs)
+            row.update(ort_snr=snr(ref, outputs(theirs_out, evald)), ort_secs=tsecs, cpu=cpu)
             models[f"ort_{alg}"] = theirs_out
         models[alg] = q
         row.update(snr=snr(ref, outputs(q, evald)), secs=secs)
         rows.append(row)
     qdq, _ = ours(proto, "rtn", "qdq", calib)
     lines = [f"### {name}" + (f" ({layers} layers)" if name == "decoder" else ""), "",
+             f"Load average {started:.1f} when this model's timed runs began.", "",
              "| algorithm | SNR ours (dB) | SNR onnxruntime (dB) | ours - ort (dB) | time ours (s) | time ort (s) | time ratio |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -227,6 +230,9 @@ def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeat
             note = f"vs our rtn {r['snr'] - rtn:+.2f}" if r["alg"] == "awq" else r.get("ort_error", "")
             lines.append(f"| {r['alg']} | {r['snr']:.2f} | - | {note} | {_secs(r['secs'])} | - | - |")
     lines.append(f"| rtn as QDQ (DequantizeLinear block 32) | {snr(ref, outputs(qdq, evald)):.2f} | | | | | |")
+    lines += ["", "Process CPU time (every thread; medians of the same runs): " + "; ".join(
+        f"{r['alg']} ours {r['cpu'][0] * 1e3:.1f} ms, onnxruntime {r['cpu'][1] * 1e3:.1f} ms, ratio "
+        f"{r['cpu'][0] / r['cpu'][1]:.2f}" for r in rows if r.get("cpu"))]
     if "rtn" in algorithms:
         lines += [""] + kernel_lines(proto, repeats) + [""] + phase_lines(proto, repeats)
     if "rtn" in models and "ort_rtn" in models:

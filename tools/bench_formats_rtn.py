@@ -12,11 +12,22 @@ from onnx import numpy_helper
 from qpasses.context import RunContext
 
 
-def timed_pair(a, b, repeats: int):
-    """timed() of two functions, their calls alternating (a load change falls on both sides alike)."""
+def timed_pair(a, b, repeats: int, cpu: list | None = None):
+    """timed() of two functions, their calls alternating (a load change falls on both sides alike).
+    With a ``cpu`` list, the two sides' median process CPU times (every thread's) are appended to it."""
     if repeats > 1:
         a(), b()
-    runs = [(a(), b()) if i % 2 == 0 else tuple(reversed((b(), a()))) for i in range(repeats)]
+    runs, cpus = [], [[], []]
+
+    def call(i, fn):
+        t = time.process_time()
+        out = fn()
+        cpus[i].append(time.process_time() - t)
+        return out
+    for r in range(repeats):
+        runs.append((call(0, a), call(1, b)) if r % 2 == 0 else tuple(reversed((call(1, b), call(0, a)))))
+    if cpu is not None:
+        cpu.extend(float(np.median(c)) for c in cpus)
     return [(runs[-1][j][0], float(np.median([r[j][1] for r in runs]))) for j in (0, 1)]
 
 
