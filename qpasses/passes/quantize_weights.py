@@ -48,9 +48,10 @@ class QuantizeWeights(Pass):
     by its channel scales (folded into a LayerNormalization that only those weights read, else a
     Mul). ``model.decisions["weight_only"]`` holds what each weight became; weights left float are
     in ``model.decisions["float"]`` with the reason. Weights are quantized on a thread pool (one per
-    CPU from 4 M weight values), at most threads + 1 in flight, and edited into the graph in order
-    (the same bytes as on one thread; each float weight is dropped once quantized). Invariants: codes within 2^bits levels; outputs run in
-    onnxruntime; a second run finds nothing left to quantize.
+    CPU not busy with other work, from 4 M weight values), at most threads + 1 in flight, and
+    edited into the graph in order (the same bytes as on one thread; each float weight is dropped
+    once quantized). Invariants: codes within 2^bits levels; outputs run in onnxruntime; a second
+    run finds nothing left to quantize.
     """
 
     name: ClassVar[str] = NAME
