@@ -14,7 +14,7 @@ the median of ``--repeats`` runs after a warm-up (first-call imports excluded on
 slower algorithms run ``--slow-repeats`` times (default once); the two sides' runs alternate. With
 rtn, two more blocks: the RTN arithmetic alone on each side (onnxruntime's compiled kernel against
 ours, and whether its bytes could stand in for ours) and where each side's RTN time goes. ``--cores 1`` runs both sides on one
-CPU (onnxruntime's RTN uses a thread pool over every core, ours a thread per core from 4 M weight
+CPU (onnxruntime's RTN uses a thread pool over every core, ours a thread per free core from 4 M weight
 values). numpy's BLAS runs on one thread on both sides (OPENBLAS_NUM_THREADS=1 unless set): on 2
 shared cores its threads thrash (a 1024 x 1024 Cholesky took 2.5 s threaded, 0.1 s on one thread).
 onnxruntime's RTN is its DEFAULT algorithm (C++), HQQ and GPTQ its own implementations; AWQ has no
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--slow-repeats", type=int, default=1, help="timed hqq/gptq/awq runs per side (median, "
                     "after one warm-up when > 1)")
     ap.add_argument("--cores", type=int, default=0, help="run both sides on this many CPUs (default: all; "
-                    "onnxruntime's RTN is C++ on a thread pool, ours numpy on a thread per core)")
+                    "onnxruntime's RTN is C++ on a thread pool, ours numpy on a thread per free core)")
     args = ap.parse_args(argv)
     if args.cores:
         cpus = sorted(os.sched_getaffinity(0))
