@@ -11,7 +11,8 @@ time to quantize (ModelProto in, ModelProto out, both sides; onnxruntime's quant
 input, so it is given a copy made before its timer starts) and its ratio to onnxruntime's, and the
 median latency of the MatMulNBits models (ours / onnxruntime's RTN, runs interleaved). RTN times are
 the median of ``--repeats`` runs after a warm-up (first-call imports excluded on both sides); the
-slower algorithms run ``--slow-repeats`` times (default once); the two sides' runs alternate. With
+slower algorithms run ``--slow-repeats`` times (default once); the two sides' runs alternate, and
+their process CPU time (every thread) is printed beside, with the load average at each model's start. With
 rtn, two more blocks: the RTN arithmetic alone on each side (onnxruntime's compiled kernel against
 ours, and whether its bytes could stand in for ours) and where each side's RTN time goes. ``--cores 1`` runs both sides on one
 CPU (onnxruntime's RTN uses a thread pool over every core, ours a thread per free core from 4 M weight
