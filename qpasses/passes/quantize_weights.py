@@ -5,7 +5,6 @@ import math
 from typing import ClassVar
 
 import numpy as np
-import onnx_graphsurgeon as gs
 
 from ..decisions import leave_float
 from ..errors import CalibrationDataError
