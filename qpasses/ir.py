@@ -398,9 +398,9 @@ def _raw_encoding(proto: onnx.ModelProto) -> None:
     made) are written as raw_data, as every constant qpasses owns is: a model exported before or
     after a save/load round trip then has the same bytes."""
     for tensor in external_data_helper._get_all_tensors(proto):
-        if (tensor.data_type in _NUMPY_TYPES and not tensor.raw_data
+        if (tensor.data_type in _NUMPY_TYPES and any(len(getattr(tensor, f)) for f in _TYPED_FIELDS)
                 and tensor.data_location != onnx.TensorProto.EXTERNAL
-                and any(len(getattr(tensor, f)) for f in _TYPED_FIELDS)):
+                and not tensor.raw_data):   # last: reading raw_data copies its bytes
             array = onnx.numpy_helper.to_array(tensor)
             for f in _TYPED_FIELDS:
                 tensor.ClearField(f)

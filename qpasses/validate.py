@@ -92,21 +92,29 @@ def _check_types(proto: onnx.ModelProto) -> None:
     for node in graph.node:
         if node.domain not in ("", "ai.onnx") or not any(n in types for n in node.input):
             continue
-        try:
-            schema = onnx.defs.get_schema(node.op_type, opset, "")
-        except Exception:   # a model-local function: no schema
+        formals = _formal_types(node.op_type, opset)
+        if formals is None:   # a model-local function: no schema
             continue
-        constraints = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
         for index, name in enumerate(node.input):
-            if name not in types or not schema.inputs:
+            if name not in types or not formals:
                 continue
-            formal = schema.inputs[min(index, len(schema.inputs) - 1)]
-            allowed = constraints.get(formal.type_str, {formal.type_str})
+            allowed = formals[min(index, len(formals) - 1)]
             actual = f"tensor({_type_name(types[name])})"
             if actual not in allowed:
                 raise ModelError(f"node '{node.name or node.op_type}' ({node.op_type}): input {index} "
                                  f"'{name}' is a {_type_name(types[name])} initializer, which "
                                  f"{node.op_type} does not accept")
+
+
+@functools.lru_cache(maxsize=1024)
+def _formal_types(op_type: str, opset: int) -> tuple[frozenset, ...] | None:
+    """The types each formal input of the op's schema accepts (None: no schema)."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except Exception:
+        return None
+    constraints = {c.type_param_str: frozenset(c.allowed_type_strs) for c in schema.type_constraints}
+    return tuple(constraints.get(f.type_str, frozenset({f.type_str})) for f in schema.inputs)
 
 
 def _check_unique(what: str, names: list[str]) -> None:

@@ -93,3 +93,17 @@ def test_gptq_on_weights_sharing_an_input_is_gptq_on_each(symmetric, act_order, 
         if element is None:
             np.testing.assert_array_equal(got.scales, alone.scales)
             np.testing.assert_array_equal(got.zero_points, alone.zero_points)
+
+
+@pytest.mark.parametrize("cpus, busy, want", [(2, 0, 2), (2, 1, 1), (2, 5, 1), (8, 3, 4), (1, 0, 1)])
+def test_threads_leave_the_busy_cpus_alone(monkeypatch, cpus, busy, want):
+    monkeypatch.setattr(parallel, "THREADS", 0)
+    monkeypatch.setattr(parallel.os, "sched_getaffinity", lambda _: set(range(cpus)), raising=False)
+    monkeypatch.setattr(parallel.os, "cpu_count", lambda: 8 if cpus == 8 else 2)
+    monkeypatch.setattr(parallel, "others_running", lambda: busy)
+    assert parallel.thread_count() == want
+    assert parallel.thread_count(parallel.MIN_VALUES - 1) == 1
+
+
+def test_others_running_reads_a_count():
+    assert parallel.others_running() >= 0

@@ -11,10 +11,11 @@ time to quantize (ModelProto in, ModelProto out, both sides; onnxruntime's quant
 input, so it is given a copy made before its timer starts) and its ratio to onnxruntime's, and the
 median latency of the MatMulNBits models (ours / onnxruntime's RTN, runs interleaved). RTN times are
 the median of ``--repeats`` runs after a warm-up (first-call imports excluded on both sides); the
-slower algorithms run ``--slow-repeats`` times (default once); the two sides' runs alternate. With
+slower algorithms run ``--slow-repeats`` times (default once); the two sides' runs alternate, and
+their process CPU time (every thread) is printed beside, with the load average at each model's start. With
 rtn, two more blocks: the RTN arithmetic alone on each side (onnxruntime's compiled kernel against
 ours, and whether its bytes could stand in for ours) and where each side's RTN time goes. ``--cores 1`` runs both sides on one
-CPU (onnxruntime's RTN uses a thread pool over every core, ours a thread per core from 4 M weight
+CPU (onnxruntime's RTN uses a thread pool over every core, ours a thread per free core from 4 M weight
 values). numpy's BLAS runs on one thread on both sides (OPENBLAS_NUM_THREADS=1 unless set): on 2
 shared cores its threads thrash (a 1024 x 1024 Cholesky took 2.5 s threaded, 0.1 s on one thread).
 onnxruntime's RTN is its DEFAULT algorithm (C++), HQQ and GPTQ its own implementations; AWQ has no
@@ -194,6 +195,7 @@ def _secs(x: float) -> str:
 def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeats: int = 1) -> list[str]:
     proto, calib, evald = load(name, layers)
     ref = outputs(proto, evald)
+    started = os.getloadavg()[0]
     rows, models = [], {}
     for alg in algorithms:
         times = repeats if alg == "rtn" else slow_repeats   # the others run for seconds to minutes
@@ -203,19 +205,21 @@ def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeat
         row, theirs_out = {"alg": alg}, None
         if alg != "awq":
             try:   # the sides alternate, so a change of machine load falls on both
-                (q, secs), (theirs_out, tsecs) = timed_pair(mine, lambda: theirs(proto, alg, calib), times)
+                cpu = []
+                (q, secs), (theirs_out, tsecs) = timed_pair(mine, lambda: theirs(proto, alg, calib), times, cpu)
             except Exception as exc:   # an onnxruntime algorithm that cannot run here: say so
                 row["ort_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
         if theirs_out is None:
             q, secs = timed(mine, times)
         else:
-            row.update(ort_snr=snr(ref, outputs(theirs_out, evald)), ort_secs=tsecs)
+            row.update(ort_snr=snr(ref, outputs(theirs_out, evald)), ort_secs=tsecs, cpu=cpu)
             models[f"ort_{alg}"] = theirs_out
         models[alg] = q
         row.update(snr=snr(ref, outputs(q, evald)), secs=secs)
         rows.append(row)
     qdq, _ = ours(proto, "rtn", "qdq", calib)
     lines = [f"### {name}" + (f" ({layers} layers)" if name == "decoder" else ""), "",
+             f"Load average {started:.1f} when this model's timed runs began.", "",
              "| algorithm | SNR ours (dB) | SNR onnxruntime (dB) | ours - ort (dB) | time ours (s) | time ort (s) | time ratio |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -227,6 +231,9 @@ def run(name: str, layers: int, algorithms: list[str], repeats: int, slow_repeat
             note = f"vs our rtn {r['snr'] - rtn:+.2f}" if r["alg"] == "awq" else r.get("ort_error", "")
             lines.append(f"| {r['alg']} | {r['snr']:.2f} | - | {note} | {_secs(r['secs'])} | - | - |")
     lines.append(f"| rtn as QDQ (DequantizeLinear block 32) | {snr(ref, outputs(qdq, evald)):.2f} | | | | | |")
+    lines += ["", "Process CPU time (every thread; medians of the same runs): " + "; ".join(
+        f"{r['alg']} ours {r['cpu'][0] * 1e3:.1f} ms, onnxruntime {r['cpu'][1] * 1e3:.1f} ms, ratio "
+        f"{r['cpu'][0] / r['cpu'][1]:.2f}" for r in rows if r.get("cpu"))]
     if "rtn" in algorithms:
         lines += [""] + kernel_lines(proto, repeats) + [""] + phase_lines(proto, repeats)
     if "rtn" in models and "ort_rtn" in models:
@@ -247,7 +254,7 @@ def main(argv=None) -> int:
     ap.add_argument("--slow-repeats", type=int, default=1, help="timed hqq/gptq/awq runs per side (median, "
                     "after one warm-up when > 1)")
     ap.add_argument("--cores", type=int, default=0, help="run both sides on this many CPUs (default: all; "
-                    "onnxruntime's RTN is C++ on a thread pool, ours numpy on a thread per core)")
+                    "onnxruntime's RTN is C++ on a thread pool, ours numpy on a thread per free core)")
     args = ap.parse_args(argv)
     if args.cores:
         cpus = sorted(os.sched_getaffinity(0))

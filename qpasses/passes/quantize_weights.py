@@ -1,10 +1,10 @@
 """quantize-weights: weight-only block-wise quantization of MatMul/Gemm weights (mode: weight_only)."""
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import numpy as np
-import onnx_graphsurgeon as gs
 
 from ..decisions import leave_float
 from ..errors import CalibrationDataError
@@ -13,7 +13,7 @@ from ..pipeline import Pass, PassResult
 from ..qdq import new_namer, require_opset
 from ..registry import register
 from ..weightonly import awq
-from ..weightonly.emit import QDQ_OPSET, output_arrays, to_dequantize, to_matmulnbits
+from ..weightonly.emit import QDQ_OPSET, drop_dead_nodes, output_arrays, to_dequantize, to_matmulnbits
 from ..weightonly.gptq import quantize_gptq, quantize_gptq_shared
 from ..weightonly.hessian import input_stats
 from ..weightonly.hqq import quantize_hqq
@@ -47,9 +47,10 @@ class QuantizeWeights(Pass):
     by its channel scales (folded into a LayerNormalization that only those weights read, else a
     Mul). ``model.decisions["weight_only"]`` holds what each weight became; weights left float are
     in ``model.decisions["float"]`` with the reason. Weights are quantized on a thread pool (one per
-    CPU from 4 M weight values), at most threads + 1 in flight, and edited into the graph in order
-    (the same bytes as on one thread; each float weight is dropped once quantized). Invariants: codes within 2^bits levels; outputs run in
-    onnxruntime; a second run finds nothing left to quantize.
+    CPU not busy with other work, from 4 M weight values), at most threads + 1 in flight, and
+    edited into the graph in order (the same bytes as on one thread; each float weight is dropped
+    once quantized). Invariants: codes within 2^bits levels; outputs run in onnxruntime; a second
+    run finds nothing left to quantize.
     """
 
     name: ClassVar[str] = NAME
@@ -76,7 +77,7 @@ class QuantizeWeights(Pass):
             return [(t, b, output_arrays(t, b, cfg.format)) for t, b in zip(group, self._quantize_group(
                 group, stats, cfg, prepared))]
 
-        values = sum(int(np.prod(t.weight.shape)) for t in targets)
+        values = sum(math.prod(t.weight.shape) for t in targets)
         results, ready = in_order(self._jobs(targets, stats, cfg), quantize, values), {}
         for target in targets:
             while id(target) not in ready:   # graph edits in target order, whatever the jobs
@@ -97,7 +98,7 @@ class QuantizeWeights(Pass):
             nodes.extend(added.get(id(node), []))
             nodes.append(replaced.get(id(node), node))
         model.graph.nodes = nodes
-        model.graph.cleanup(remove_unused_graph_inputs=False)
+        drop_dead_nodes(model.graph)
         model.decisions[DECISIONS] = dict(sorted(done.items()))
         return PassResult(model, True, {"quantized": len(targets), "left_float": len(skipped)})
 

@@ -55,3 +55,18 @@ def to_dequantize(target: Target, w: Blocked | MXBlocked, namer, arrays: dict | 
                  attrs={"axis": 1 if target.transposed else 0, "block_size": int(w.block_size)})
     node.inputs[1] = out
     return dq
+
+
+def drop_dead_nodes(graph: gs.Graph) -> None:
+    """gs's cleanup (nodes that no graph output needs go), skipped when a scan by name shows every
+    node has an output some node or the graph reads: then, the graph being acyclic, every node leads
+    to an output. Bodies, functions or a produced graph input: always gs's cleanup."""
+    read = {t.name for node in graph.nodes for t in node.inputs} | {t.name for t in graph.outputs}
+    if (graph.functions or any(t.inputs for t in graph.inputs) or any(_has_body(n) for n in graph.nodes)
+            or not all(any(t.name and t.name in read for t in n.outputs) for n in graph.nodes)):
+        graph.cleanup(remove_unused_graph_inputs=False)
+
+
+def _has_body(node: gs.Node) -> bool:
+    return any(isinstance(v, gs.Graph) or (isinstance(v, list) and v and isinstance(v[0], gs.Graph))
+               for v in node.attrs.values())

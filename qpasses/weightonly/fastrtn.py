@@ -36,30 +36,34 @@ def einsum_sums_in_order() -> bool:
     return True
 
 
-def _centered_into(q, part, scales, zero_points, bits: int):
-    """q = clip(rint(part / s), -z, 2^bits - 1 - z), as rtn.centered_codes computes it."""
-    inverse = (1 / np.where(scales == 0, 1, scales)).astype(np.float32)[:, None, :]
-    np.multiply(part, inverse, out=q)
-    np.rint(q, out=q)
+def _bounds(zero_points, bits: int):
+    """Clip bounds of centred codes, -z and 2^bits - 1 - z: floats when the chunk has one zero
+    point (always when symmetric), else [c, 1, N] arrays; and z in the same form."""
     top = 2 ** bits - 1
     if zero_points.size and np.all(zero_points == zero_points.flat[0]):
         z = float(zero_points.flat[0])
-        np.clip(q, -z, top - z, out=q)
-        return z
-    zp = zero_points.astype(np.float32)[:, None, :]
-    np.clip(q, -zp, top - zp, out=q)
-    return zp
+        return -z, top - z, z
+    z = zero_points.astype(np.float32)[:, None, :]
+    return -z, top - z, z
 
 
-def _refit(q, part, scales, zero_points, bits: int):
-    _centered_into(q, part, scales, zero_points, bits)
+def _centered_into(q, part, scales, low, high):
+    """q = clip(rint(part / s), low, high), as rtn.centered_codes computes it (a product with the
+    reciprocal, not a quotient)."""
+    np.multiply(part, np.divide(1, np.where(scales == 0, 1, scales))[:, None, :], out=q)
+    np.rint(q, out=q)
+    np.clip(q, low, high, out=q)
+
+
+def _refit(q, part, scales, low, high):
+    _centered_into(q, part, scales, low, high)
     den = np.einsum("abc,abc->ac", q, q)
     if q.shape[2] > 1 and einsum_sums_in_order():
         num = np.einsum("abc,abc->ac", part, q)
     else:
         num = np.multiply(part, q, out=q).sum(axis=1)
-    ok = den > 0
-    return np.where(ok, num / np.where(ok, den, 1), scales).astype(np.float32)
+    refitted = scales.copy()   # a block whose codes are all 0 keeps its scale
+    return np.divide(num, den, out=refitted, where=den > 0)
 
 
 _WORD = np.array([1, 16, 256, 4096], np.float32)   # code i of four at bits 4i
@@ -81,7 +85,8 @@ def quantize(blocks: np.ndarray, k: int, bits: int, symmetric: bool, refine: int
     step = min(nb, max(1, chunk // (bs * n)))
     pack = pack and bits == 4 and bs % 4 == 0
     buf = np.empty((step, bs, n), np.float32)
-    scales, zps = np.empty((nb, n), np.float32), np.empty((nb, n), np.float32)
+    scales = np.empty((nb, n), np.float32)
+    zps = np.full((nb, n), 2 ** (bits - 1), np.float32) if symmetric else np.empty((nb, n), np.float32)
     if pack:
         words, tmp = np.empty((n, nb, bs // 4), "<u2"), np.empty((step, bs // 4, n), np.float32)
     else:
@@ -89,16 +94,25 @@ def quantize(blocks: np.ndarray, k: int, bits: int, symmetric: bool, refine: int
     for a in range(0, nb, step):
         part = blocks[a:a + step]
         q = buf[:len(part)]
-        s, z = minmax_params(part, bits, symmetric, axis=1)
+        if symmetric:   # blocks.minmax_params' symmetric scales, in fewer small steps
+            lo, hi = part.min(axis=1), part.max(axis=1)
+            s = np.where(-lo >= hi, lo, hi)
+            s /= -(2 ** (bits - 1))
+            zq = float(2 ** (bits - 1))
+            low, high = -zq, 2 ** bits - 1 - zq
+        else:
+            s, z = minmax_params(part, bits, symmetric, axis=1)
+            low, high, zq = _bounds(z, bits)
+            zps[a:a + step] = z
         for _ in range(refine):
-            s = _refit(q, part, s, z, bits)
-        zq = _centered_into(q, part, s, z, bits)
+            s = _refit(q, part, s, low, high)
+        _centered_into(q, part, s, low, high)
         if pack:
             _words_into(words[:, a:a + step], q, zq, tmp[:len(part)])
         else:
             q += zq
             codes[a:a + step] = q
-        scales[a:a + step], zps[a:a + step] = s, z
+        scales[a:a + step] = s
     zero_points = np.ascontiguousarray(zps.T.astype(np.uint8))
     if pack:
         return Blocked(None, np.ascontiguousarray(scales.T), zero_points, k, bits, symmetric,

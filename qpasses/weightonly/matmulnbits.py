@@ -68,7 +68,7 @@ def nbits_inputs(w: Blocked, dtype=np.float32) -> dict[str, np.ndarray | None]:
             zps = pack_codes(w.zero_points.astype(np.uint8), w.bits, 2 ** (w.bits - 1)).reshape(-1)
         else:
             zps = w.zero_points.astype(dtype).reshape(-1)
-    return {"B": pack_b(w), "scales": w.scales.astype(dtype).reshape(-1), "zero_points": zps}
+    return {"B": pack_b(w), "scales": w.scales.astype(dtype, copy=False).reshape(-1), "zero_points": zps}
 
 
 def nbits_attrs(w: Blocked, n: int) -> dict:

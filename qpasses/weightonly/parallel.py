@@ -13,7 +13,10 @@ MIN_VALUES = 1 << 22   # fewer weight values than this run inline (a pool cost m
 
 
 def thread_count(values: int | None = None) -> int:
-    """Threads for weights of ``values`` values in all (None: as if many)."""
+    """Threads for weights of ``values`` values in all (None: as if many): one per CPU this process
+    may run on, less the CPUs other threads of the machine keep busy right now (a worker waiting for
+    the GIL held by a thread the scheduler has put aside stalls: on 2 CPUs with one busy, the decoder
+    of tools/bench_formats.py took 77 ms on two threads against 59 ms on one)."""
     if THREADS:
         return THREADS
     if values is not None and values < MIN_VALUES:
@@ -22,7 +25,17 @@ def thread_count(values: int | None = None) -> int:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:   # no affinity on this platform
         cpus = os.cpu_count() or 1
-    return max(1, min(MAX_THREADS, cpus))
+    free = (os.cpu_count() or cpus) - others_running()
+    return max(1, min(MAX_THREADS, cpus, free))
+
+
+def others_running() -> int:
+    """Threads of the machine runnable now besides this one (Linux /proc/loadavg; 0 if unknown)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return max(0, int(f.read().split()[3].split("/")[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def in_order(jobs: list, fn, values: int | None = None):
