@@ -14,6 +14,7 @@ from .. import decisions
 from ..dataflow import dataflow
 from ..graphutil import unique_name
 from ..ir import QModel
+from ..islands import unanchored
 from ..oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, WEIGHT, OpRule, float_output_bias, holds,
                        multiplies_activations, rule_for, selected_op_types, weight_axis)
 from ..overrides import TensorOverride, validate
@@ -147,7 +148,7 @@ class TypePlanner:
         self.stats = {"shared": 0, "merged": 0, "overrides": 0}
         self.report: dict = {}
         self.float_biases: dict[str, str] = {}
-        self.float_outputs: dict[str, str] = {}  # weight MatMul outputs left float: why
+        self.float_outputs: dict[str, str] = {}  # weight MatMul outputs left float (and islands): why
         self.quantized: set[str] = set()        # names of the nodes quantize_node ran on
         given = config.given
         defaults = load_target(config.target).defaults if config.target else {}
@@ -166,6 +167,7 @@ class TypePlanner:
                     and (force or self.table_read_quantized(node, rule, selected)):
                 self.quantize_node(node, rule)
         self.apply_overrides()
+        self.drop_islands()
         self.resolve_shares()
         self.float_matmul_outputs()
         self.derive_biases()
@@ -409,6 +411,23 @@ class TypePlanner:
                 self.kind[name] = "activation"
                 continue
             tq.qtype, tq.symmetric, tq.restricted = src.qtype, src.symmetric, src.restricted
+
+    def drop_islands(self) -> None:
+        """Quantized activations no computing op reads or writes, even through quantized data movement,
+        stay float (qpasses.islands): their Q -> DQ would only round. Only under the default op
+        selection: an explicit op_types_to_quantize, a target preset (its provider wants every op
+        quantized) or force_quantize_no_input_check keeps them."""
+        cfg = self.config
+        if cfg.op_types_to_quantize is not None or cfg.target or cfg.force_quantize_no_input_check:
+            return
+        nodes = [(rule.shares, [t.name for t in node.inputs], [t.name for t in node.outputs])
+                 for node, rule in self.nodes if node.name in self.quantized]
+        acts = {n for n, kind in self.kind.items() if kind in ("activation", "act_const", "shared")}
+        keep = set(self.overrides) | (set(self.entries) - acts)   # weights and biases feed integer kernels
+        for name in sorted(unanchored(nodes, set(self.entries), keep) & acts):
+            del self.entries[name], self.kind[name]
+            self.float_outputs[name] = ("only data movement reads or writes it between float ops: no integer "
+                                        "kernel would use an 8-bit grid here, it would only round")
 
     def float_matmul_outputs(self) -> None:
         """A weight MatMul or Gemm whose output only float readers read leaves it float (no Q -> DQ)

@@ -529,3 +529,28 @@ def test_by_default_a_matmul_of_two_computed_tensors_stays_float_with_a_reason()
     for selection in ("all", ["MatMul"]):
         everything, _ = annotate(text, op_types_to_quantize=selection)
         assert {"s", "p", "y"} <= set(everything.quant)
+
+
+
+ISLAND = """g (float[1,2,4,4] x) => (float[1,1,4,4] a, float[1,1,4,4] b, float[1,2,4,4] r)
+  <float[2,2,1,1] w = {1, -1, 2, 1}, int64[4] shape = {1, 2, 4, 4}>
+{
+  c = Conv(x, w)
+  s = Sigmoid(c)
+  a, b = Split <axis = 1> (s)
+  r = Reshape(c, shape)
+}"""
+
+
+def test_data_movement_among_float_ops_stays_float_by_default():
+    """A Split (which starts a quantized region by itself) between a float Sigmoid and the outputs
+    would only round: by default it stays float with its reason; the Conv and what moves its output
+    keep their grid; an explicit selection keeps the island."""
+    model, _ = annotate(ISLAND, op_types_to_quantize=None)
+    names = {name for name, _ in model.quant.items()}
+    assert {"x", "c", "r"} <= names and not {"s", "a", "b"} & names
+    assert model.quant["r"].shares == "c"
+    for name in ("s", "a", "b"):
+        assert "only data movement reads or writes it between float ops" in float_reasons(model)[name]["reason"]
+    kept, _ = annotate(ISLAND, op_types_to_quantize=["Conv", "Split", "Reshape"])
+    assert {"s", "a", "b"} <= {name for name, _ in kept.quant.items()}
