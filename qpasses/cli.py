@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--reproducer", metavar="DIR", help="on failure, save the failing pass's input and the rest of the pipeline")
     run.add_argument("--target", metavar="METRIC=VALUE",
                      help="accuracy target for search-precision: snr=25 (dB), cosine=0.995, top1=0.99 "
-                          "(the worst output component must reach it on calibration feeds)")
+                          "(the worst output component, less one standard error, must reach it on calibration feeds)")
     run.add_argument("--require-target", action="store_true",
                      help="exit 3 (writing nothing) when the target cannot be met")
     run.add_argument("--executor", metavar="local|ray[:ADDRESS]",
@@ -159,6 +159,7 @@ def cmd_run(args) -> int:
     from .ir import load
     from .objective import parse_metric
     from .outputs import Staging, check_loads, ort_source, save_staged, strict_json, write_text
+    from .passes.search_precision import shortfall
     from .paths import escape, guard_run
     from .pipeline import default_pipeline, parse_pipeline
 
@@ -203,8 +204,7 @@ def cmd_run(args) -> int:
     findings = ctx.findings.as_dict()
     search = model.decisions.get("precision_search", {})
     if search and not search.get("met", True):
-        line = (f"search-precision reached {search['reached']} {search['metric']}, short of the target "
-                f"{search['target']:g}, with {len(search['promoted'])} tensors promoted")
+        line = f"search-precision {shortfall(search)}"
         if args.require_target:
             raise TargetNotMet(f"{line} (--require-target: nothing written)")
         say(f"qpasses: warning: {line}")

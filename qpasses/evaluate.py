@@ -183,14 +183,20 @@ class Reference:
 
         With an ``objective`` (qpasses.objective.Objective, its components bound to the reference
         model), also ``components`` (the SNR of every output component) and ``objective`` (its
-        summary: metric, overall, per-component scores); ``per_output=False``: only these (no
-        ``outputs``, ``snr_db`` or ``components``: a search's check reads the objective alone).
+        summary: metric, overall, per-component scores) and ``standard_error`` (the overall score's,
+        jackknife over the feeds; a user metric's only with ``per_output=False``); ``per_output=False``: only these (no ``outputs``, ``snr_db`` or
+        ``components``: what a search's check reads).
         ``reuse``: see ``runs_of``."""
         runs = self.runs_of(test_model, optimize=optimize, reuse=reuse)
         _check_output_shapes(self, runs)
-        if objective is not None and not per_output:
-            return {"samples": len(self.feeds),
-                    "objective": objective.summary(self.runs(native=not objective.builtin), runs, self.names)}
+        scored = {}
+        if objective is not None:
+            refs = self.runs(native=not objective.builtin)
+            scored = {"objective": objective.summary(refs, runs, self.names),   # a user metric: n more calls
+                      "standard_error": (objective.standard_error(refs, runs, self.names)
+                                         if objective.builtin or not per_output else None)}
+            if not per_output:
+                return {"samples": len(self.feeds)} | scored
         out = {}
         for i, n in enumerate(self.names):
             if not runs:
@@ -201,7 +207,7 @@ class Reference:
         result = {"samples": len(self.feeds), "outputs": out,
                   "snr_db": min((v["snr_db"] for v in out.values()), default=math.inf)}
         if objective is not None:
-            result["objective"] = objective.summary(self.runs(native=not objective.builtin), runs, self.names)
+            result |= scored
             result["components"] = (dict(result["objective"]["components"]) if objective.metric == "snr" else
                                     objective.with_metric("snr").scores_from_runs(self.runs(), runs, self.names))
         return result

@@ -191,7 +191,13 @@ class Objective:
         return comps
 
     def _builtin_scores(self, reference_runs: list, test_runs: list, names: list[str]) -> dict[str, float]:
-        out = {}
+        labels, stats = self._feed_stats(reference_runs, test_runs, names)
+        return dict(zip(labels, _aggregate(self.metric, stats.sum(axis=0))))
+
+    def _feed_stats(self, reference_runs: list, test_runs: list, names: list[str]) -> tuple[list[str], np.ndarray]:
+        """Component names, and per feed and component the two sums the metric adds up over feeds
+        (snr: signal and error energy; cosine: the cosine and 1; top1: agreeing and all positions)."""
+        labels, columns = [], []
         for k, name in enumerate(names):
             refs = [np.asarray(run[k]) for run in reference_runs]
             tests = [np.asarray(run[k]) for run in test_runs]
@@ -199,10 +205,27 @@ class Objective:
                 if r.shape != t.shape:
                     raise ModelError(f"output {name}: shape {t.shape} on feed {i}, the reference has {r.shape}")
             comps = self._components(name, refs)
-            values = (_top1(refs, tests, comps) if self.metric == "top1"
-                      else _sums_metric(self.metric, refs, tests, comps))
-            out.update(zip((c.name for c in comps), values))
-        return out
+            labels += [c.name for c in comps]
+            columns.append(np.array([_feed_sums(self.metric, r, t, comps) for r, t in zip(refs, tests)])
+                           .reshape(len(refs), len(comps), 2))
+        return labels, np.concatenate(columns, axis=1) if columns else np.zeros((len(reference_runs), 0, 2))
+
+    def standard_error(self, reference_runs: list, test_runs: list, names: list[str]) -> float:
+        """The jackknife standard error over the feeds of ``overall`` (0 with fewer than two feeds;
+        scores capped at +-400, so that an identical output counts as 400 dB)."""
+        n = len(reference_runs)
+        if n < 2:
+            return 0.0
+        if self.builtin:
+            _, stats = self._feed_stats(reference_runs, test_runs, names)
+            total = stats.sum(axis=0)
+            left_out = [min(_aggregate(self.metric, total - stats[i]), default=math.inf) for i in range(n)]
+        else:
+            left_out = [self.overall(self.scores_from_runs(reference_runs[:i] + reference_runs[i + 1:],
+                                                           test_runs[:i] + test_runs[i + 1:], names))
+                        for i in range(n)]
+        values = np.clip(np.nan_to_num(np.array(left_out, np.float64), nan=-400.0), -400.0, 400.0)
+        return float(math.sqrt((n - 1) / n * np.sum((values - values.mean()) ** 2)))
 
 
 def objective_scores(objective: Objective, reference_runs: list, test_runs: list, names: list[str]) -> dict[str, float]:
@@ -225,44 +248,39 @@ def _segment_dots(a: np.ndarray, b: np.ndarray, comps: list[Component]) -> np.nd
     return np.add.reduceat(per_index, [c.start for c in comps]) if per_index.size else np.zeros(len(comps))
 
 
-def _sums_metric(metric: str, refs: list, tests: list, comps: list[Component]) -> list[float]:
-    """snr (pooled over feeds) or cosine (mean over feeds) per component."""
-    m = len(comps)
+def _feed_sums(metric: str, r: np.ndarray, t: np.ndarray, comps: list[Component]) -> np.ndarray:
+    """One feed's (components, 2) sums for ``metric`` (see Objective._feed_stats)."""
+    r, t = r.astype(np.float64, copy=False), t.astype(np.float64, copy=False)
     if metric == "snr":
-        signal, error = np.zeros(m), np.zeros(m)
-        for r, t in zip(refs, tests):
-            r = r.astype(np.float64, copy=False)
-            d = r - t.astype(np.float64, copy=False)
-            signal += _segment_dots(r, r, comps)
-            error += _segment_dots(d, d, comps)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            snr = 10 * np.log10(signal / error)
-        snr = np.where(error == 0, np.inf, np.where(signal == 0, -np.inf, snr))
-        return [float(v) for v in snr]
-    cos = np.zeros((len(refs), m))
-    for i, (r, t) in enumerate(zip(refs, tests)):
-        r, t = r.astype(np.float64, copy=False), t.astype(np.float64, copy=False)
+        d = r - t
+        return np.stack([_segment_dots(r, r, comps), _segment_dots(d, d, comps)], axis=-1)
+    if metric == "cosine":
         dot, rr, tt = _segment_dots(r, t, comps), _segment_dots(r, r, comps), _segment_dots(t, t, comps)
         with np.errstate(divide="ignore", invalid="ignore"):
             c = dot / np.sqrt(rr * tt)
-        cos[i] = np.where((rr == 0) & (tt == 0), 1.0, np.where((rr == 0) | (tt == 0), 0.0, c))
-    return [float(v) for v in cos.mean(axis=0)] if len(refs) else [1.0] * m
+        c = np.where((rr == 0) & (tt == 0), 1.0, np.where((rr == 0) | (tt == 0), 0.0, c))
+        return np.stack([c, np.ones(len(comps))], axis=-1)
+    sums = np.zeros((len(comps), 2))
+    for j, c in enumerate(comps):   # top1: argmax agreement over the last axis of each slice
+        rc, tc = c.take(r), c.take(t)
+        if rc.ndim == 0 or rc.size == 0:
+            sums[j] = rc.size, rc.size
+            continue
+        same = np.argmax(rc, axis=-1) == np.argmax(tc, axis=-1)
+        sums[j] = np.count_nonzero(same), same.size
+    return sums
 
 
-def _top1(refs: list, tests: list, comps: list[Component]) -> list[float]:
-    """Per component, the fraction of positions whose argmax over the last axis agrees."""
-    agree, total = np.zeros(len(comps)), np.zeros(len(comps))
-    for r, t in zip(refs, tests):
-        for j, c in enumerate(comps):
-            rc, tc = c.take(r), c.take(t)
-            if rc.ndim == 0 or rc.size == 0:
-                agree[j] += rc.size
-                total[j] += rc.size
-                continue
-            same = np.argmax(rc, axis=-1) == np.argmax(tc, axis=-1)
-            agree[j] += np.count_nonzero(same)
-            total[j] += same.size
-    return [float(a / n) if n else 1.0 for a, n in zip(agree, total)]
+def _aggregate(metric: str, sums: np.ndarray) -> list[float]:
+    """Per component, the metric from its sums over feeds ((components, 2), see _feed_sums)."""
+    first, second = sums[:, 0], sums[:, 1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if metric == "snr":
+            snr = 10 * np.log10(first / second)
+            values = np.where(second == 0, np.inf, np.where(first == 0, -np.inf, snr))
+        else:   # cosine: the mean over feeds; top1: the agreeing fraction (no feed or position: 1)
+            values = np.where(second == 0, 1.0, first / second)
+    return [float(v) for v in values]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ the search's decisions on the scores known (qpasses.executors.speculate); the ch
 and the model are the one-process run's. Ray: tests/test_executors_ray.py."""
 import math
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -62,6 +63,7 @@ class _Table(_Search):
 
     def __init__(self, table: dict, broken: set, workers: int, target: float, names: list[str]):
         self.scores, self.known, self.evaluations, self.budget = {}, {}, 0, int(2 * math.log2(len(names))) + 16
+        self.errors, self.options = {}, SimpleNamespace(confidence=1.0)   # checks compare score - 0.5
         self.table, self.broken, self.target, self.names, self.asked = table, broken, target, names, []
         self.executor, self.seconds = executors.LocalExecutor(workers), {"build": 0.0, "built": 0, "tasks": 0.0, "scored": 0}
         self.ctx = RunContext({}, None)
@@ -76,7 +78,7 @@ class _Table(_Search):
                     raise KeyError(sorted(key))
                 self.known[key] = KeyError(sorted(key))
             else:
-                self.known[key] = {"score": self.table[key], "failed": None}
+                self.known[key] = {"score": self.table[key], "standard_error": 0.5, "failed": None}
 
     def _take(self, key):
         super()._take(key)

@@ -249,6 +249,26 @@ def test_snr_per_component_and_the_function_form():
     assert list(objective.scores({"y": refs[0][:, :5]}, {"y": tests[0][:, :5]})) == ["y"]
 
 
+@pytest.mark.parametrize("metric", ["snr", "cosine", "top1", "user"])
+def test_standard_error_is_the_jackknife_of_the_overall_score(metric):
+    """Leave each feed out in turn: sqrt((n-1)/n * sum of squared deviations) of the overall score."""
+    refs, tests = _pair(3, feeds_=6)
+    tests[4] = refs[4] + (tests[4] - refs[4]) * 3   # one noisier feed: the spread is not uniform
+    if metric == "user":
+        objective = Objective(lambda f, q: -float(np.mean([np.abs(a["y"] - b["y"]).mean() for a, b in zip(f, q)])))
+    else:
+        objective = Objective(metric, components=COMPONENTS)
+    runs_r, runs_t = [[r] for r in refs], [[t] for t in tests]
+    left_out = np.array([objective.overall(objective.scores_from_runs(runs_r[:i] + runs_r[i + 1:],
+                                                                      runs_t[:i] + runs_t[i + 1:], ["y"]))
+                         for i in range(6)])
+    expected = np.sqrt(5 / 6 * np.sum((left_out - left_out.mean()) ** 2))
+    assert expected > 0
+    assert objective.standard_error(runs_r, runs_t, ["y"]) == pytest.approx(expected, rel=1e-9)
+    assert objective.standard_error(runs_r[:1], runs_t[:1], ["y"]) == 0.0
+    assert objective.standard_error(runs_r, runs_r, ["y"]) == 0.0   # identical: 400 dB, 1, 1 on every feed
+
+
 # -- user metrics ------------------------------------------------------------------------------
 
 def test_user_metric_through_the_api(quantized_detector):

@@ -61,14 +61,16 @@ def prescored(executor, reference: Reference, models: list, penalties: list[floa
 
 
 def objective_score(reference: Reference, model, objective, reuse=None) -> dict:
-    """The objective's overall score of ``model`` on the reference feeds; a model onnxruntime cannot
-    run scores -inf, ``failed`` says why (search-precision's check, in process or as a task).
-    ``reuse``: outputs of a model already run (Reference.runs_of)."""
+    """The objective's overall score of ``model`` on the reference feeds and its standard error
+    (jackknife over the feeds); a model onnxruntime cannot run scores -inf, ``failed`` says why
+    (search-precision's check, in process or as a task). ``reuse``: outputs of a model already
+    run (Reference.runs_of)."""
     try:
         scored = reference.score(model, objective=objective, per_output=False, reuse=reuse)
-        return {"score": float(scored["objective"]["overall"]), "failed": None}
+        return {"score": float(scored["objective"]["overall"]), "standard_error": scored["standard_error"],
+                "failed": None}
     except Exception as exc:
-        return {"score": float("-inf"), "failed": first_line(exc)}
+        return {"score": float("-inf"), "standard_error": 0.0, "failed": first_line(exc)}
 
 
 def objective_task(model: bytes, shared) -> dict:

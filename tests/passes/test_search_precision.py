@@ -104,6 +104,26 @@ def test_nothing_is_promoted_when_the_target_holds():
     assert model.quant.to_json() == before
 
 
+def test_a_score_must_clear_the_target_by_one_standard_error():
+    """8 feeds are few: the check's score less one standard error (jackknife over its feeds) must
+    reach the target; ``confidence=0`` compares the score itself."""
+    def decision(**options):
+        model = from_proto(parse(MASKED))
+        ctx = RunContext({"op_types_to_quantize": OPS}, _feeds(40))
+        PassManager(PRELUDE).run(model, ctx)
+        PassManager([SearchPrecision(**options)]).run(model, ctx)
+        return model.decisions["precision_search"]
+
+    probe = decision(target=1000.0, confidence=0.0)
+    score, error = probe["quantized"], probe["quantized_error"]
+    assert error > 0 and probe["confidence"] == 0.0
+    between = score - error / 2
+    assert decision(target=between, confidence=0.0)["promoted"] == []
+    strict = decision(target=between)
+    assert strict["confidence"] == 1.0 and strict["quantized"] == score and strict["promoted"]
+    assert strict["met"] and strict["reached"] - strict["reached_error"] >= between
+
+
 def test_a_second_run_changes_nothing():
     model, ctx, _ = _search(target=25)
     table = model.quant.to_json()
