@@ -225,3 +225,46 @@ def test_the_float_outputs_calibrate_kept_are_its_reference(monkeypatch):
         assert "kept_samples" not in ctx.cache   # freed once scored
         decisions.append(model.decisions["precision_search"])
     assert decisions[0] == decisions[1] and decisions[0]["promoted"] == ["x"] and decisions[0]["held_out"] is False
+
+
+# x feeds two MatMuls, u a third that shares w with one of them
+SHARED = """
+g (float[1, 8] x, float[1, 8] u) => (float[1, 4] y, float[1, 4] z, float[1, 4] t) <float[8, 4] w = {%s}, float[8, 4] v = {%s}>
+{
+  y = MatMul(x, w)
+  z = MatMul(u, w)
+  t = MatMul(x, v)
+}
+"""
+
+
+def test_a_weight_whose_readers_all_take_a_promoted_input_stays_exact():
+    """Kept float, x makes its MatMuls float: v (read by one of them only) stays exact too, with
+    its reason; w, which an integer MatMul on u still reads, stays 8-bit."""
+    from qpasses.analysis.sensitivity import promote, promotion_groups
+    from qpasses.evaluate import session
+
+    rng = np.random.default_rng(4)
+    text = SHARED % tuple(", ".join(f"{v:.3f}" for v in rng.normal(0, 0.5, 32)) for _ in range(2))
+    feeds = [{"x": rng.normal(0, 1, (1, 8)).astype(np.float32), "u": rng.normal(0, 1, (1, 8)).astype(np.float32)}
+             for _ in range(16)]
+    model = from_proto(parse(text))
+    ctx = RunContext({}, feeds)
+    PassManager("annotate-types,calibrate").run(model, ctx)
+    assert model.quant["v"].role == "weight" and model.quant["w"].role == "weight"
+    promote(model, [promotion_groups(model)["x"]], "float", {"x": "search-precision: test"})
+    assert "v" not in model.quant and "w" in model.quant and "u" in model.quant
+    reason = float_reasons(model)["v"]["reason"]
+    assert "'x' is kept float" in reason and "stays exact" in reason
+    run_pipeline(model, "compute-qparams,fix-bias-scales,insert-qdq,insert-converts", ctx=ctx)
+    step, step_y = model.quant["t"].scale[0], model.quant["y"].scale[0]   # the outputs keep their 8-bit grids
+    proto = model.to_proto()
+    matmul_t = next(n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] == "v")
+    assert matmul_t.input[0] == "x"
+    quantized, reference = session(proto), session(parse(text))
+    worst_t = worst_y = 0.0
+    for feed in feeds:
+        (fy, _, ft), (qy, _, qt) = reference.run(None, feed), quantized.run(None, feed)
+        worst_t, worst_y = max(worst_t, np.abs(qt - ft).max()), max(worst_y, np.abs(qy - fy).max())
+    assert worst_t <= step / 2 * 1.001   # only t's own output rounding: float x, exact v
+    assert worst_y > step_y / 2 * 1.001    # w's rounding shows on y
