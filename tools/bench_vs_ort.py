@@ -42,6 +42,9 @@ from procstats import peak_rss_mb  # noqa: E402  (tools/procstats.py)
 # percentile ranges here (CalibTensorRangeSymmetric=False / symmetric=False).
 
 
+WITHOUT = "_without_passes"   # a qpasses config key of this benchmark: passes left out of the default pipeline
+
+
 @dataclass(frozen=True)
 class Config:
     name: str
@@ -79,6 +82,10 @@ CONFIGS = {c.name: c for c in (
     # only with --configs: onnxruntime's exact work (its weight grid, no accuracy search) on the qpasses side
     Config("u8s8_minmax_symw_nosearch", "U8S8 minmax per-tensor, symmetric weights, qpasses without search-precision",
            _ort(), _qp(method="minmax") | {"weight_symmetric": True, "accuracy": {"target": 0}}),
+    # only with --configs: the same, and without smooth-quant (onnxruntime's SmoothQuant option is off by default)
+    Config("u8s8_minmax_exact", "U8S8 minmax per-tensor, symmetric weights, qpasses without search-precision and "
+           "smooth-quant", _ort(), _qp(method="minmax") | {"weight_symmetric": True, "accuracy": {"target": 0},
+                                                          WITHOUT: ["smooth-quant"]}),
 )}
 DEFAULT_CONFIGS = ("u8s8_minmax", "u8s8_minmax_pc", "u8s8_percentile", "u8s8_entropy", "default")
 MIXED_FRACTION = 0.05   # share of activation tensors promoted to 16 bits in the mixed-precision column
@@ -115,12 +122,16 @@ def _child(side: str, model_path: str, calib_dir: str, samples: int, cfg, out_pa
             result["seconds"] = time.perf_counter() - start
         else:
             import qpasses
+            from qpasses.pipeline import QUANTIZE_PIPELINE
             from qpasses.registry import all_passes
 
             all_passes()   # the pass modules load on first use: an import, excluded like onnxruntime's
+            without = set((cfg or {}).get(WITHOUT, ()))
+            cfg = {k: v for k, v in cfg.items() if k != WITHOUT} if cfg else cfg
+            passes = ",".join(p for p in QUANTIZE_PIPELINE.split(",") if p not in without) if without else None
             result["rss_base_mb"] = peak_rss_mb()
             start = time.perf_counter()
-            model, records = qpasses.run_pipeline(model_path, None, config=cfg, calibration_data=data)
+            model, records = qpasses.run_pipeline(model_path, passes, config=cfg, calibration_data=data)
             qpasses.save(model, out_path)
             result["seconds"] = time.perf_counter() - start
             result["passes"] = [[r.text, round(r.seconds, 3), r.modified] for r in records]
