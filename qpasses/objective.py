@@ -211,21 +211,45 @@ class Objective:
         return labels, np.concatenate(columns, axis=1) if columns else np.zeros((len(reference_runs), 0, 2))
 
     def standard_error(self, reference_runs: list, test_runs: list, names: list[str]) -> float:
-        """The jackknife standard error over the feeds of ``overall`` (0 with fewer than two feeds;
-        scores capped at +-400, so that an identical output counts as 400 dB)."""
+        """The jackknife standard error over the feeds of ``overall`` (0 with fewer than two feeds).
+        For snr, of the worst component's error-to-signal ratio instead of its dB: leaving out the
+        one feed that holds most of the error moves the dB far, and upwards only (a classifier's
+        8 check feeds: 35 dB +- 39), while the ratio's spread says how much worse it may get."""
         n = len(reference_runs)
         if n < 2:
             return 0.0
         if self.builtin:
             _, stats = self._feed_stats(reference_runs, test_runs, names)
             total = stats.sum(axis=0)
-            left_out = [min(_aggregate(self.metric, total - stats[i]), default=math.inf) for i in range(n)]
+            if self.metric == "snr":
+                left_out = [_worst_ratio(total - stats[i]) for i in range(n)]
+            else:
+                left_out = [min(_aggregate(self.metric, total - stats[i]), default=1.0) for i in range(n)]
         else:
             left_out = [self.overall(self.scores_from_runs(reference_runs[:i] + reference_runs[i + 1:],
                                                            test_runs[:i] + test_runs[i + 1:], names))
                         for i in range(n)]
-        values = np.clip(np.nan_to_num(np.array(left_out, np.float64), nan=-400.0), -400.0, 400.0)
+        values = np.array(left_out, np.float64)
+        if not np.isfinite(values).all():
+            return math.inf
         return float(math.sqrt((n - 1) / n * np.sum((values - values.mean()) ** 2)))
+
+    def lower_bound(self, score: float, error: float, z: float) -> float:
+        """``score`` less ``z`` standard errors ``error`` (``standard_error``; for snr taken on the
+        error-to-signal ratio, then back in dB)."""
+        if not (self.builtin and self.metric == "snr"):
+            return score - z * error
+        ratio = 10 ** (-score / 10) if math.isfinite(score) else (0.0 if score > 0 else math.inf)
+        worse = ratio + z * error
+        return -10 * math.log10(worse) if worse > 0 else math.inf
+
+
+def _worst_ratio(sums: np.ndarray) -> float:
+    """The largest error-to-signal ratio over components (sums: (components, 2), see _feed_sums)."""
+    signal, error = sums[:, 0], sums[:, 1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(error == 0, 0.0, np.where(signal == 0, np.inf, error / signal))
+    return float(ratio.max(initial=0.0))
 
 
 def objective_scores(objective: Objective, reference_runs: list, test_runs: list, names: list[str]) -> dict[str, float]:

@@ -12,6 +12,7 @@ from qpasses import executors
 from qpasses.context import Findings, RunContext
 from qpasses.executors import speculate
 from qpasses.ir import from_proto, save
+from qpasses.objective import Objective
 from qpasses.passes.search_precision import SearchPrecision, _Search
 from qpasses.pipeline import PassManager
 from qpasses.testing import parse
@@ -63,7 +64,8 @@ class _Table(_Search):
 
     def __init__(self, table: dict, broken: set, workers: int, target: float, names: list[str]):
         self.scores, self.known, self.evaluations, self.budget = {}, {}, 0, int(2 * math.log2(len(names))) + 16
-        self.errors, self.options = {}, SimpleNamespace(confidence=1.0)   # checks compare score - 0.5
+        self.checked, self.options = {}, SimpleNamespace(confidence=1.0)   # checks compare score - 0.5
+        self.objective = Objective("cosine")   # a linear metric: the bound is the score less 0.5
         self.table, self.broken, self.target, self.names, self.asked = table, broken, target, names, []
         self.executor, self.seconds = executors.LocalExecutor(workers), {"build": 0.0, "built": 0, "tasks": 0.0, "scored": 0}
         self.ctx = RunContext({}, None)

@@ -262,11 +262,20 @@ def test_standard_error_is_the_jackknife_of_the_overall_score(metric):
     left_out = np.array([objective.overall(objective.scores_from_runs(runs_r[:i] + runs_r[i + 1:],
                                                                       runs_t[:i] + runs_t[i + 1:], ["y"]))
                          for i in range(6)])
+    if metric == "snr":   # on the worst component's error-to-signal ratio
+        left_out = 10 ** (-left_out / 10)
     expected = np.sqrt(5 / 6 * np.sum((left_out - left_out.mean()) ** 2))
-    assert expected > 0
-    assert objective.standard_error(runs_r, runs_t, ["y"]) == pytest.approx(expected, rel=1e-9)
+    error = objective.standard_error(runs_r, runs_t, ["y"])
+    assert expected > 0 and error == pytest.approx(expected, rel=1e-9)
     assert objective.standard_error(runs_r[:1], runs_t[:1], ["y"]) == 0.0
-    assert objective.standard_error(runs_r, runs_r, ["y"]) == 0.0   # identical: 400 dB, 1, 1 on every feed
+    assert objective.standard_error(runs_r, runs_r, ["y"]) == 0.0   # identical: inf dB, 1, 1 on every feed
+    score = objective.overall(objective.scores_from_runs(runs_r, runs_t, ["y"]))
+    bound = objective.lower_bound(score, error, 1.0)
+    if metric == "snr":
+        assert bound == pytest.approx(-10 * np.log10(10 ** (-score / 10) + error), rel=1e-12)
+    else:
+        assert bound == pytest.approx(score - error, rel=1e-12)
+    assert objective.lower_bound(score, error, 0.0) == pytest.approx(score, rel=1e-12) and bound < score
 
 
 # -- user metrics ------------------------------------------------------------------------------

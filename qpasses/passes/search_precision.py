@@ -44,7 +44,8 @@ class SearchPrecision(Pass):
     else the first ``samples`` feeds, said in the decision). Quantizes a copy with ``then`` and
     scores the objective against the float model: ``metric`` of the worst output component (an
     output built by Concat is judged piece by piece: boxes beside probabilities), less ``confidence``
-    standard errors (jackknife over the feeds checked: a few feeds can flatter a model). Below ``target``, it ranks the
+    standard errors (jackknife over the feeds checked, for snr on the error-to-signal ratio: a few
+    feeds can flatter a model). Below ``target``, it ranks the
     quantized tensors (activations and weights, with the tensors sharing their qparams) by their
     local error — the RMS error quantizing a tensor adds, relative to the median magnitude of its
     non-zero values, from one float run on ``probe_samples`` feeds: a tensor whose few large values
@@ -57,7 +58,7 @@ class SearchPrecision(Pass):
     found by replaying its decisions (qpasses.executors.speculate); the same checks and result.
     Writes: the promoted tensors' table entries (float: removed, with their sharers and the biases
     derived from them, the reason in ``model.decisions["float"]``; 16-bit: the new type, with a
-    why-line), ``model.decisions["precision_search"]`` (target, scores and their standard errors,
+    why-line), ``model.decisions["precision_search"]`` (target, scores and what they counted as,
     promotions, evaluations).
     Invariants: the graph is not changed; nothing is promoted when the quantized model already
     meets the target; nothing is done (and it says why) without calibration data or above
@@ -91,8 +92,9 @@ class SearchPrecision(Pass):
                 "config accuracy.fallback, float)", "choices": ("",) + ACCURACY_FALLBACKS})
     samples: int = field(default=8, metadata={"help": "calibration feeds each check runs (held out when calibrate held some out)"})
     confidence: float = field(default=1.0, metadata={
-        "help": "standard errors (jackknife over the check's feeds) a score must clear the target by: on "
-                "bert_encoder 8 feeds read 25.2 dB and the eval set 24.1 (0: the score itself)"})
+        "help": "standard errors (jackknife over the check's feeds; for snr, of the error-to-signal ratio) a "
+                "score must clear the target by: on bert_encoder 8 feeds read 25.2 dB and the eval set 24.1 "
+                "(0: the score itself)"})
     probe_samples: int = field(default=4, metadata={"help": "feeds the local errors are measured on"})
     max_nodes: int = field(default=2000, metadata={
         "help": "do nothing for graphs with more nodes than this (each evaluation quantizes a copy)"})
@@ -137,9 +139,9 @@ class SearchPrecision(Pass):
             promote(model, [groups[name] for name in chosen], fallback, {
                 name: (f"{NAME}: kept {fallback}: local quantization error {search.local_db[name]:+.1f} dB "
                        f"of its typical value; with {len(chosen)} of {total} tensors kept {fallback} the "
-                       f"worst output component's {metric} goes from {search.errors[frozenset()][0]:.4g} to "
-                       f"{search.errors[frozenset(chosen)][0]:.4g} (target {target:g}"
-                       f"{_margin(self.confidence, search.errors[frozenset(chosen)][1])})")
+                       f"worst output component's {metric} goes from {search.checked[frozenset()][0]:.4g} to "
+                       f"{search.checked[frozenset(chosen)][0]:.4g} (target {target:g}"
+                       f"{_margin(self.confidence, search.checked[frozenset(chosen)][1])})")
                 for name in chosen})
         decision |= {"promoted": chosen, "evaluations": search.evaluations, "met": reached >= target}
         model.decisions[DECISION] = decision
@@ -180,7 +182,7 @@ class _Search:
         self.evaluations = 0
         self.bar = progress(ctx, NAME, self.budget, unit="evaluations")
         self.scores: dict[frozenset, float] = {}   # key -> its score minus ``confidence`` standard errors
-        self.errors: dict[frozenset, tuple] = {}   # key -> (its score, standard error)
+        self.checked: dict[frozenset, tuple] = {}   # key -> (its score, what it counted as)
         self.known: dict = {}   # scored, not yet checked: key -> objective_score's result (or what building raised)
         self.computed: dict = {}   # root -> its entry in the fully quantized trial (its qparams)
         self.raised: QModel | None = None   # the model at the highest opset a trial needed (see _quantized)
@@ -265,16 +267,16 @@ class _Search:
         if result["failed"]:   # a candidate onnxruntime cannot run is never chosen
             self.ctx.findings.update(NAME, {f"failed_{self.evaluations}": result["failed"]})
         self.scores[key] = self._bound(result)
-        self.errors[key] = (result["score"], result["standard_error"])
+        self.checked[key] = (result["score"], self.scores[key])
 
     def _bound(self, result: dict) -> float:
         """What a check compares with the target: the score, ``confidence`` standard errors down."""
-        return result["score"] - self.options.confidence * result["standard_error"]
+        return self.objective.lower_bound(result["score"], result["standard_error"], self.options.confidence)
 
     def spread(self, promoted: list[str], label: str) -> dict:
-        """The checked score of ``promoted`` and its standard error, for the decision."""
-        score, error = self.errors[frozenset(promoted)]
-        return {label: _round(score), f"{label}_error": _round(error)}
+        """The checked score of ``promoted`` and what it counted as, for the decision."""
+        score, bound = self.checked[frozenset(promoted)]
+        return {label: _round(score), f"{label}_counted": _round(bound)}
 
     def ranked(self) -> list[str]:
         """Group roots from the largest local error (analysis.sensitivity.local_errors) down."""
@@ -369,15 +371,15 @@ def _decide(check, ranked: list[str], target: float, budget: int, spent: int, ba
 
 def shortfall(decision: dict) -> str:
     """How a search that missed its target fell short, in a line (the CLI's warning)."""
-    reached, error, confidence = decision["reached"], decision.get("reached_error", 0.0), decision.get("confidence", 0)
-    counted = (f" (counted as {reached - confidence * error:.4g}: less {confidence:g} standard error of {error:.2g})"
-               if confidence and error and isinstance(reached, float) else "")
+    reached, counted, confidence = decision["reached"], decision.get("reached_counted"), decision.get("confidence", 0)
+    counted = (f" (counted as {counted}: less {confidence:g} standard error)"
+               if confidence and counted is not None and counted != reached else "")
     return (f"reached {reached} {decision['metric']}{counted}, short of the target {decision['target']:g}, "
             f"with {len(decision['promoted'])} tensors promoted")
 
 
-def _margin(confidence: float, error: float) -> str:
-    return f"; the score less {confidence:g} standard error ({error:.2g}) must reach it" if confidence else ""
+def _margin(confidence: float, bound: float) -> str:
+    return f"; counted as {bound:.4g}, the score less {confidence:g} standard error" if confidence else ""
 
 
 def _round(value: float):

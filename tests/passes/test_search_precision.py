@@ -114,14 +114,15 @@ def test_a_score_must_clear_the_target_by_one_standard_error():
         PassManager([SearchPrecision(**options)]).run(model, ctx)
         return model.decisions["precision_search"]
 
-    probe = decision(target=1000.0, confidence=0.0)
-    score, error = probe["quantized"], probe["quantized_error"]
-    assert error > 0 and probe["confidence"] == 0.0
-    between = score - error / 2
-    assert decision(target=between, confidence=0.0)["promoted"] == []
+    probe = decision(target=1000.0)
+    score, counted = probe["quantized"], probe["quantized_counted"]
+    assert counted < score - 0.2
+    between = (score + counted) / 2
+    loose = decision(target=between, confidence=0.0)
+    assert loose["promoted"] == [] and loose["quantized_counted"] == score
     strict = decision(target=between)
     assert strict["confidence"] == 1.0 and strict["quantized"] == score and strict["promoted"]
-    assert strict["met"] and strict["reached"] - strict["reached_error"] >= between
+    assert strict["met"] and strict["reached_counted"] >= between
 
 
 def test_a_second_run_changes_nothing():
