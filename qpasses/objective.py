@@ -236,7 +236,10 @@ class Objective:
 
     def lower_bound(self, score: float, error: float, z: float) -> float:
         """``score`` less ``z`` standard errors ``error`` (``standard_error``; for snr taken on the
-        error-to-signal ratio, then back in dB)."""
+        error-to-signal ratio, then back in dB). No finite error (all of a component's signal in one
+        feed): the score itself."""
+        if not z or not math.isfinite(error):
+            return score
         if not (self.builtin and self.metric == "snr"):
             return score - z * error
         ratio = 10 ** (-score / 10) if math.isfinite(score) else (0.0 if score > 0 else math.inf)
