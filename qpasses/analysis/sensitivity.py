@@ -87,8 +87,7 @@ def _weights_of_float_readers(model: QModel, promoted: set[str]) -> dict[str, st
             if node.op not in WEIGHTED_OPS or len(node.inputs) < 2 or node.inputs[0] is not tensor:
                 continue
             weight = node.inputs[1].name
-            entry = table.get(weight)
-            if weight in out or entry is None or entry.role != "weight" or entry.fixed:   # fixed: the user's
+            if weight in out or table.get(weight) is None or table[weight].role != "weight":
                 continue
             readers = node.inputs[1].outputs
             if all(r.op in WEIGHTED_OPS and r.inputs and r.inputs[0].name in promoted for r in readers):
