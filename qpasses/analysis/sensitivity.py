@@ -16,7 +16,6 @@ from .scopes import scopes
 from ..evaluate import session
 from ..ir import QModel
 from ..qparams import dequantize, quantize
-from ..summary import WEIGHTED_OPS
 
 
 def promotion_groups(model: QModel) -> dict[str, list[str]]:
@@ -58,8 +57,6 @@ def promote(model: QModel, groups: list[list[str]], fallback: str, reasons: dict
                     tq.because(why if name == group[0] else f"{why.split(':')[0]}: shares '{group[0]}'")
         return
     gone = set(members)
-    exact = _weights_of_float_readers(model, gone)
-    gone |= set(exact)
     gone |= {name for name, tq in model.quant.items()
              if tq.derived_from and gone.intersection(tq.derived_from)}
     gone |= {name for name, tq in model.quant.items() if tq.shares in gone}
@@ -69,31 +66,11 @@ def promote(model: QModel, groups: list[list[str]], fallback: str, reasons: dict
         for name in group:
             float_reasons[name] = why if name == group[0] else f"shares the qparams of '{group[0]}', kept float"
     for name in sorted(gone - set(members)):
-        float_reasons[name] = exact.get(name, "derived from a tensor kept float")
+        float_reasons[name] = "derived from a tensor kept float"
     for name in gone:
         del model.quant[name]
     if reasons:
         leave_float(model, {k: v.split(": ", 1)[-1] for k, v in float_reasons.items() if v}, "search-precision")
-
-
-def _weights_of_float_readers(model: QModel, promoted: set[str]) -> dict[str, str]:
-    """Weight -> why it goes float with ``promoted``: every op reading it (Conv, Gemm, MatMul...)
-    takes one of them as its data input, so it runs in float and its weight may as well be exact
-    (on bert_encoder, layer 0's q/k/v input kept float: 25.08 dB with int8 weights, 25.64 exact)."""
-    tensors, table, out = model.tensors(), model.quant, {}
-    for name in promoted:
-        tensor = tensors.get(name)
-        for node in tensor.outputs if tensor is not None else ():
-            if node.op not in WEIGHTED_OPS or len(node.inputs) < 2 or node.inputs[0] is not tensor:
-                continue
-            weight = node.inputs[1].name
-            if weight in out or table.get(weight) is None or table[weight].role != "weight":
-                continue
-            readers = node.inputs[1].outputs
-            if all(r.op in WEIGHTED_OPS and r.inputs and r.inputs[0].name in promoted for r in readers):
-                out[weight] = (f"read only by {', '.join(repr(r.name) for r in readers)}, whose input '{name}' "
-                               f"is kept float, so no integer kernel runs it and it stays exact")
-    return out
 
 
 def local_errors(model: QModel, entries: dict, feeds: list[dict]) -> dict[str, float]:
