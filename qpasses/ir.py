@@ -332,6 +332,9 @@ def from_proto(proto: onnx.ModelProto, *, base_dir: Path | None = None) -> QMode
         graph = gs.import_onnx(proto)
     except Exception as exc:
         raise ModelError(f"cannot import graph: {first_line(exc)}") from None
+    for g in (graph, *(graph.functions or ())):   # gs's export appends the domains nodes use to
+        if g.import_domains is not None:           # these lists: not to the user's proto's own
+            g.import_domains = list(g.import_domains)
     _name_nodes(graph)
     _share_body_constants(graph)
     toposort(graph)  # an unsorted (acyclic) model is sorted; a cycle is a ModelError naming a node

@@ -223,3 +223,15 @@ def test_gptq_inverse_cholesky_is_the_upper_factor_of_the_damped_inverse():
     np.testing.assert_allclose(u.T @ u, np.linalg.inv(damped), rtol=1e-8, atol=1e-10)
     assert np.allclose(u, np.triu(u)) and np.all(np.diag(u) > 0)
     np.testing.assert_allclose(u, np.linalg.cholesky(np.linalg.inv(damped)).T, rtol=1e-6, atol=1e-10)
+
+
+def test_the_source_proto_is_left_as_it_was():
+    """gs's export appended com.microsoft to the imported ModelProto's own opset list: a second run on
+    the same proto object wrote other bytes (a QDQ model importing com.microsoft)."""
+    proto, _ = mlp()
+    before = proto.SerializeToString()
+    for fmt in ("matmulnbits", "qdq"):
+        ctx = RunContext(load_config({"mode": "weight_only", "weight_only": {"format": fmt}}))
+        out = run_pipeline(proto, WEIGHT_ONLY_PIPELINE, ctx=ctx)[0].to_proto()
+        assert proto.SerializeToString() == before
+    assert [o.domain for o in out.opset_import] == [""]
