@@ -226,3 +226,14 @@ def test_the_float_outputs_calibrate_kept_are_its_reference(monkeypatch):
         assert "kept_samples" not in ctx.cache   # freed once scored
         decisions.append(model.decisions["precision_search"])
     assert decisions[0] == decisions[1] and decisions[0]["promoted"] == ["x"] and decisions[0]["held_out"] is False
+
+
+def test_the_shortfall_line_says_what_the_score_counted_as():
+    from qpasses.passes.search_precision import shortfall
+
+    decision = {"reached": 24.5, "reached_counted": 23.9, "confidence": 1.0, "metric": "snr", "target": 25.0,
+                "promoted": ["a", "b"]}
+    assert shortfall(decision) == ("reached 24.5 snr (counted as 23.9: less 1 standard error), short of the "
+                                   "target 25, with 2 tensors promoted")
+    plain = decision | {"confidence": 0.0, "reached_counted": 24.5}
+    assert shortfall(plain) == "reached 24.5 snr, short of the target 25, with 2 tensors promoted"
