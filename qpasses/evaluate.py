@@ -184,17 +184,16 @@ class Reference:
         With an ``objective`` (qpasses.objective.Objective, its components bound to the reference
         model), also ``components`` (the SNR of every output component) and ``objective`` (its
         summary: metric, overall, per-component scores) and ``standard_error`` (the overall score's,
-        jackknife over the feeds; a user metric's only with ``per_output=False``); ``per_output=False``: only these (no ``outputs``, ``snr_db`` or
-        ``components``: what a search's check reads).
+        jackknife over the feeds; a user metric's only with ``per_output=False``); ``per_output=False``:
+        only these (no ``outputs``, ``snr_db`` or ``components``: what a search's check reads).
         ``reuse``: see ``runs_of``."""
         runs = self.runs_of(test_model, optimize=optimize, reuse=reuse)
         _check_output_shapes(self, runs)
         scored = {}
         if objective is not None:
-            refs = self.runs(native=not objective.builtin)
-            scored = {"objective": objective.summary(refs, runs, self.names),   # a user metric: n more calls
-                      "standard_error": (objective.standard_error(refs, runs, self.names)
-                                         if objective.builtin or not per_output else None)}
+            summary, error = objective.summary_and_error(self.runs(native=not objective.builtin), runs, self.names,
+                                                         error=objective.builtin or not per_output)
+            scored = {"objective": summary, "standard_error": error}
             if not per_output:
                 return {"samples": len(self.feeds)} | scored
         out = {}

@@ -152,11 +152,25 @@ class Objective:
     def summary(self, reference_runs: list, test_runs: list, names: list[str]) -> dict:
         """The report's ``objective`` section: metric, overall, per-component scores, which
         components each output has and where they lie."""
-        scores = self.scores_from_runs(reference_runs, test_runs, names)
+        return self.summary_and_error(reference_runs, test_runs, names, error=False)[0]
+
+    def summary_and_error(self, reference_runs: list, test_runs: list, names: list[str], *,
+                          error: bool = True) -> tuple[dict, float | None]:
+        """``summary`` and (``error``) ``standard_error``, a built-in metric's from one pass over the
+        outputs (a user metric's: one more call per feed)."""
+        if self.builtin:
+            scores, stats = self._scores_and_stats(reference_runs, test_runs, names)
+        else:
+            scores, stats = self.scores_from_runs(reference_runs, test_runs, names), None
         comps = self.components_for(names, reference_runs)
-        return {"metric": self.metric, "overall": self.overall(scores), "components": scores,
-                "outputs": {n: [c.name for c in cs] for n, cs in comps.items()},
-                "slices": {c.name: c.where for cs in comps.values() for c in cs if c.axis is not None}}
+        summary = {"metric": self.metric, "overall": self.overall(scores), "components": scores,
+                   "outputs": {n: [c.name for c in cs] for n, cs in comps.items()},
+                   "slices": {c.name: c.where for cs in comps.values() for c in cs if c.axis is not None}}
+        if not error:
+            return summary, None
+        if stats is not None:
+            return summary, self._stats_error(stats)
+        return summary, self.standard_error(reference_runs, test_runs, names)
 
     def format(self, value: float) -> str:
         """A score as printed: "SNR 31.20 dB", "cosine 0.999812", "top1 0.984375", "<name> 0.93"."""
@@ -191,8 +205,11 @@ class Objective:
         return comps
 
     def _builtin_scores(self, reference_runs: list, test_runs: list, names: list[str]) -> dict[str, float]:
+        return self._scores_and_stats(reference_runs, test_runs, names)[0]
+
+    def _scores_and_stats(self, reference_runs: list, test_runs: list, names: list[str]) -> tuple[dict, np.ndarray]:
         labels, stats = self._feed_stats(reference_runs, test_runs, names)
-        return dict(zip(labels, _aggregate(self.metric, stats.sum(axis=0))))
+        return dict(zip(labels, _aggregate(self.metric, stats.sum(axis=0)))), stats
 
     def _feed_stats(self, reference_runs: list, test_runs: list, names: list[str]) -> tuple[list[str], np.ndarray]:
         """Component names, and per feed and component the two sums the metric adds up over feeds
@@ -215,24 +232,21 @@ class Objective:
         For snr, of the worst component's error-to-signal ratio instead of its dB: leaving out the
         one feed that holds most of the error moves the dB far, and upwards only (a classifier's
         8 check feeds: 35 dB +- 39), while the ratio's spread says how much worse it may get."""
+        if self.builtin:
+            return self._stats_error(self._feed_stats(reference_runs, test_runs, names)[1])
         n = len(reference_runs)
+        return _jackknife([self.overall(self.scores_from_runs(reference_runs[:i] + reference_runs[i + 1:],
+                                                              test_runs[:i] + test_runs[i + 1:], names))
+                           for i in range(n)] if n >= 2 else [])
+
+    def _stats_error(self, stats: np.ndarray) -> float:
+        """``standard_error`` from a built-in metric's per-feed sums (``_feed_stats``)."""
+        total, n = stats.sum(axis=0), len(stats)
         if n < 2:
             return 0.0
-        if self.builtin:
-            _, stats = self._feed_stats(reference_runs, test_runs, names)
-            total = stats.sum(axis=0)
-            if self.metric == "snr":
-                left_out = [_worst_ratio(total - stats[i]) for i in range(n)]
-            else:
-                left_out = [min(_aggregate(self.metric, total - stats[i]), default=1.0) for i in range(n)]
-        else:
-            left_out = [self.overall(self.scores_from_runs(reference_runs[:i] + reference_runs[i + 1:],
-                                                           test_runs[:i] + test_runs[i + 1:], names))
-                        for i in range(n)]
-        values = np.array(left_out, np.float64)
-        if not np.isfinite(values).all():
-            return math.inf
-        return float(math.sqrt((n - 1) / n * np.sum((values - values.mean()) ** 2)))
+        if self.metric == "snr":
+            return _jackknife([_worst_ratio(total - stats[i]) for i in range(n)])
+        return _jackknife([min(_aggregate(self.metric, total - stats[i]), default=1.0) for i in range(n)])
 
     def lower_bound(self, score: float, error: float, z: float) -> float:
         """``score`` less ``z`` standard errors ``error`` (``standard_error``; for snr taken on the
@@ -245,6 +259,18 @@ class Objective:
         ratio = 10 ** (-score / 10) if math.isfinite(score) else (0.0 if score > 0 else math.inf)
         worse = ratio + z * error
         return -10 * math.log10(worse) if worse > 0 else math.inf
+
+
+def _jackknife(left_out: list[float]) -> float:
+    """The jackknife standard error from the leave-one-out values (0 with fewer than two; inf when
+    one is not finite)."""
+    n = len(left_out)
+    values = np.array(left_out, np.float64)
+    if n < 2:
+        return 0.0
+    if not np.isfinite(values).all():
+        return math.inf
+    return float(math.sqrt((n - 1) / n * np.sum((values - values.mean()) ** 2)))
 
 
 def _worst_ratio(sums: np.ndarray) -> float:

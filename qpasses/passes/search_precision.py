@@ -139,9 +139,9 @@ class SearchPrecision(Pass):
             promote(model, [groups[name] for name in chosen], fallback, {
                 name: (f"{NAME}: kept {fallback}: local quantization error {search.local_db[name]:+.1f} dB "
                        f"of its typical value; with {len(chosen)} of {total} tensors kept {fallback} the "
-                       f"worst output component's {metric} goes from {search.checked[frozenset()][0]:.4g} to "
-                       f"{search.checked[frozenset(chosen)][0]:.4g} (target {target:g}"
-                       f"{_margin(self.confidence, search.checked[frozenset(chosen)][1])})")
+                       f"worst output component's {metric} goes from {search.raw[frozenset()]:.4g} to "
+                       f"{search.raw[frozenset(chosen)]:.4g} (target {target:g}"
+                       f"{_margin(self.confidence, search.scores[frozenset(chosen)])})")
                 for name in chosen})
         decision |= {"promoted": chosen, "evaluations": search.evaluations, "met": reached >= target}
         model.decisions[DECISION] = decision
@@ -182,7 +182,7 @@ class _Search:
         self.evaluations = 0
         self.bar = progress(ctx, NAME, self.budget, unit="evaluations")
         self.scores: dict[frozenset, float] = {}   # key -> its score minus ``confidence`` standard errors
-        self.checked: dict[frozenset, tuple] = {}   # key -> (its score, what it counted as)
+        self.raw: dict[frozenset, float] = {}   # key -> its score itself
         self.known: dict = {}   # scored, not yet checked: key -> objective_score's result (or what building raised)
         self.computed: dict = {}   # root -> its entry in the fully quantized trial (its qparams)
         self.raised: QModel | None = None   # the model at the highest opset a trial needed (see _quantized)
@@ -266,8 +266,7 @@ class _Search:
         self.bar.update(self.evaluations)
         if result["failed"]:   # a candidate onnxruntime cannot run is never chosen
             self.ctx.findings.update(NAME, {f"failed_{self.evaluations}": result["failed"]})
-        self.scores[key] = self._bound(result)
-        self.checked[key] = (result["score"], self.scores[key])
+        self.scores[key], self.raw[key] = self._bound(result), result["score"]
 
     def _bound(self, result: dict) -> float:
         """What a check compares with the target: the score, ``confidence`` standard errors down."""
@@ -275,8 +274,8 @@ class _Search:
 
     def spread(self, promoted: list[str], label: str) -> dict:
         """The checked score of ``promoted`` and what it counted as, for the decision."""
-        score, bound = self.checked[frozenset(promoted)]
-        return {label: _round(score), f"{label}_counted": _round(bound)}
+        key = frozenset(promoted)
+        return {label: _round(self.raw[key]), f"{label}_counted": _round(self.scores[key])}
 
     def ranked(self) -> list[str]:
         """Group roots from the largest local error (analysis.sensitivity.local_errors) down."""
