@@ -159,7 +159,7 @@ def cmd_run(args) -> int:
     from .ir import load
     from .objective import parse_metric
     from .outputs import Staging, check_loads, ort_source, save_staged, strict_json, write_text
-    from .passes.search_precision import shortfall
+    from .summary import shortfall
     from .paths import escape, guard_run
     from .pipeline import default_pipeline, parse_pipeline
 

@@ -71,6 +71,8 @@ class AccuracyConfig:
     metric: str = "snr"
     target: float | None = None    # None: search-precision's own default (12 dB)
     fallback: str = "float"         # what promoted tensors become
+    aim: float | None = None       # beyond the target, within keep_8bit (None: 25 dB when no target is given)
+    keep_8bit: float = 0.8         # share of weighted ops that stays 8-bit while aiming
 
     def __post_init__(self):
         problems = _Problems()
@@ -80,6 +82,10 @@ class AccuracyConfig:
             problems.append(f"accuracy.fallback: {self.fallback!r} is not one of {', '.join(ACCURACY_FALLBACKS)}")
         if self.target is not None:
             self.target = _number(problems, "accuracy.target", self.target, lambda v: True, "a number")
+        if self.aim is not None:
+            self.aim = _number(problems, "accuracy.aim", self.aim, lambda v: True, "a number")
+        self.keep_8bit = _number(problems, "accuracy.keep_8bit", self.keep_8bit, lambda v: 0 <= v <= 1,
+                                 "a share between 0 and 1")
         problems.raise_if_any()
 
 

@@ -96,3 +96,12 @@ def run_summary(model, floats: dict) -> tuple[str, int | None]:
     proto = model.to_proto(metadata=False)
     kernels = integer_kernels(proto) if "qdq-inserted" in model.facts else None
     return summary_line(proto, floats, kernels), kernels
+
+
+def shortfall(decision: dict) -> str:
+    """How a search that missed its target fell short, in a line (the CLI's warning)."""
+    reached, counted, confidence = decision["reached"], decision.get("reached_counted"), decision.get("confidence", 0)
+    counted = (f" (counted as {counted}: less {confidence:g} standard error)"
+               if confidence and counted is not None and counted != reached else "")
+    return (f"reached {reached} {decision['metric']}{counted}, short of the target {decision['target']:g}, "
+            f"with {len(decision['promoted'])} tensors promoted")

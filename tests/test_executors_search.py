@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from qpasses import executors
+from qpasses.analysis.walks import EightBitShare
 from qpasses.context import Findings, RunContext
 from qpasses.executors import speculate
 from qpasses.ir import from_proto, save
@@ -65,6 +66,7 @@ class _Table(_Search):
     def __init__(self, table: dict, broken: set, workers: int, target: float, names: list[str]):
         self.scores, self.known, self.evaluations, self.budget = {}, {}, 0, int(2 * math.log2(len(names))) + 16
         self.raw, self.options = {}, SimpleNamespace(confidence=1.0)   # checks compare score - 0.5
+        self.speculated, self.local_db, self.aimed = {}, None, ""
         self.objective = Objective("cosine")   # a linear metric: the bound is the score less 0.5
         self.table, self.broken, self.target, self.names, self.asked = table, broken, target, names, []
         self.executor, self.seconds = executors.LocalExecutor(workers), {"build": 0.0, "built": 0, "tasks": 0.0, "scored": 0}
@@ -89,28 +91,40 @@ class _Table(_Search):
     def ranked(self):
         return list(self.names)
 
+    def _orders(self):
+        return [list(self.names), self.names[::-1]]
 
-def _outcome(search):
+    def _share(self, keep):   # name i is read by ops i and i + 1 of len(names) + 1
+        return EightBitShare({n: {i, i + 1} for i, n in enumerate(self.names)}, len(self.names) + 1,
+                             len(self.names) + 1, keep)
+
+
+def _outcome(search, aim=None):
     try:
         search.check([])
-        return search.search(), search.asked, search.evaluations
+        chosen, reached = search.search()
+        if aim is not None and reached < aim:
+            chosen, reached = search.aim(chosen, aim, 0.3)
+        return (chosen, reached, search.aimed), search.asked, search.evaluations
     except KeyError as exc:
         return "raised", exc.args, search.asked
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(60))
 def test_replay_checks_what_the_one_process_walk_checks(seed):
     """Random, non-monotone score tables (some candidates fail to build): every executor width
     checks the same candidates in the same order, chooses the same and raises where the
-    one-process run raises; a candidate only speculated never raises."""
+    one-process run raises; a candidate only speculated never raises. Half the walks then go on
+    towards a higher aim within an 8-bit share, over two orders."""
     rng = random.Random(seed)
     names = [f"t{i}" for i in range(rng.randint(2, 14))]
     table = _Scores(seed, len(names))
     broken = {frozenset(names[:rng.randint(1, len(names) - 1)])} if seed % 3 == 0 else set()
     target = rng.uniform(5, 35)
-    local = _outcome(_Table(table, broken, 1, target, names))
+    aim = target + rng.uniform(1, 6) if seed % 2 else None
+    local = _outcome(_Table(table, broken, 1, target, names), aim)
     for workers in (2, 3, 5, 8):
-        assert _outcome(_Table(table, broken, workers, target, names)) == local
+        assert _outcome(_Table(table, broken, workers, target, names), aim) == local
 
 
 class _Scores(dict):

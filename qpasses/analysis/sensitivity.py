@@ -6,16 +6,24 @@ type together.
 """
 from __future__ import annotations
 
+import itertools
+import math
+
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
 from ..calibration.subgraphs import thread_out
 from ..decisions import leave_float
-from .scopes import scopes
 from ..evaluate import session
+from ..graphutil import subgraphs
 from ..ir import QModel
 from ..qparams import dequantize, quantize
+from ..summary import WEIGHTED_OPS
+from .scopes import scopes
+from .walks import EightBitShare
+
+EIGHT_BIT = frozenset({"int8", "uint8"})
 
 
 def promotion_groups(model: QModel) -> dict[str, list[str]]:
@@ -112,3 +120,43 @@ def _relative_error_db(x: np.ndarray, tq) -> float:
     nonzero = np.abs(x[x != 0])
     typical = float(np.median(nonzero)) if nonzero.size else 0.0
     return float(20 * np.log10(max(err, 1e-30) / typical)) if typical else -400.0
+
+
+
+def eight_bit_share(model: QModel, groups: dict[str, list[str]], keep: float) -> EightBitShare:
+    """Which weighted ops (Conv/ConvTranspose/Gemm/MatMul with a constant weight, in bodies too)
+    with an 8-bit input and weight each group's promotion takes out of 8 bits: those reading a member."""
+    owner = {member: root for root, members in groups.items() for member in members}
+    reads: dict[str, set[int]] = {root: set() for root in groups}
+    eight = total = 0
+    for scope in scopes(model).scopes:
+        for node in scope.graph.nodes:
+            if node.op not in WEIGHTED_OPS or len(node.inputs) < 2 or not isinstance(node.inputs[1], gs.Constant):
+                continue
+            total += 1
+            names = (node.inputs[0].name, node.inputs[1].name)
+            if all(n in model.quant and model.quant[n].qtype in EIGHT_BIT for n in names):
+                eight += 1
+                for name in names:
+                    if name in owner:
+                        reads[owner[name]].add(id(node))
+    return EightBitShare(reads, eight, total, keep)
+
+
+def graph_order(model: QModel, groups: dict[str, list[str]], ranked: list[str]) -> list[str]:
+    """Group roots in the order the graph first touches a member (a body's tensors at the node
+    holding the body), ties in the order of ``ranked``: the inputs' end of the model first."""
+    first: dict[str, int] = {}
+
+    def visit(graph, at: int | None) -> None:
+        for i, node in enumerate(graph.nodes):
+            where = i if at is None else at
+            for tensor in itertools.chain(node.inputs, node.outputs):
+                first.setdefault(tensor.name, where)
+            for body in subgraphs(node):
+                visit(body, where)
+
+    visit(model.graph, None)
+    place = {name: i for i, name in enumerate(ranked)}
+    at = {root: min(first.get(m, math.inf) for m in members) for root, members in groups.items()}
+    return sorted(groups, key=lambda root: (at[root], place.get(root, math.inf), root))

@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+from onnx import helper, numpy_helper
 
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
@@ -14,6 +15,7 @@ from qpasses.ir import from_proto
 from qpasses.objective import Objective
 from qpasses.passes.search_precision import SearchPrecision
 from qpasses.pipeline import PassManager
+from qpasses.summary import weighted_ops
 from qpasses.testing import parse
 
 # A detector head: box coordinates (0..320) and class probabilities (0..1) in one output: one 8-bit
@@ -229,7 +231,7 @@ def test_the_float_outputs_calibrate_kept_are_its_reference(monkeypatch):
 
 
 def test_the_shortfall_line_says_what_the_score_counted_as():
-    from qpasses.passes.search_precision import shortfall
+    from qpasses.summary import shortfall
 
     decision = {"reached": 24.5, "reached_counted": 23.9, "confidence": 1.0, "metric": "snr", "target": 25.0,
                 "promoted": ["a", "b"]}
@@ -237,3 +239,48 @@ def test_the_shortfall_line_says_what_the_score_counted_as():
                                    "target 25, with 2 tensors promoted")
     plain = decision | {"confidence": 0.0, "reached_counted": 24.5}
     assert shortfall(plain) == "reached 24.5 snr, short of the target 25, with 2 tensors promoted"
+
+
+def _chain(layers: int = 5, d: int = 32):
+    """x -> (MatMul -> Tanh) x layers, seeded weights."""
+    rng = np.random.default_rng(0)
+    nodes, weights, prev = [], [], "x"
+    for i in range(layers):
+        weights.append(numpy_helper.from_array((rng.normal(0, 1, (d, d)) / np.sqrt(d)).astype(np.float32), f"w{i}"))
+        out = "y" if i == layers - 1 else f"h{i}"
+        nodes += [helper.make_node("MatMul", [prev, f"w{i}"], [f"m{i}"]), helper.make_node("Tanh", [f"m{i}"], [out])]
+        prev = out
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, [1, d])],
+                              [helper.make_tensor_value_info("y", 1, [1, d])], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _spiky_feeds(n: int, d: int = 32) -> list[dict]:
+    rng = np.random.default_rng(0)
+    feeds = []
+    for _ in range(n):
+        x = rng.normal(0, 1, (1, d)).astype(np.float32)
+        x[0, rng.integers(0, d)] = 50.0 * rng.choice([-1, 1])
+        feeds.append({"x": x})
+    return feeds
+
+
+@pytest.mark.parametrize("options", [{}, {"target": 12.0}])
+def test_without_a_target_it_aims_higher_within_the_8_bit_share(options):
+    """The chain meets the 12 dB target as it is. Without a target given, search-precision goes on
+    towards 25 dB while 80 % of the 5 MatMuls stay 8-bit; a target given (even 12) stops there."""
+    model = from_proto(_chain())
+    ctx = RunContext({}, _spiky_feeds(40))
+    PassManager(PRELUDE).run(model, ctx)
+    PassManager([SearchPrecision(**options)]).run(model, ctx)
+    decision = model.decisions["precision_search"]
+    assert 12 < decision["quantized_counted"] < 25 and decision["met"]
+    if options:
+        assert decision["promoted"] == [] and "aim" not in decision
+        return
+    assert decision["aim"] == 25 and decision["keep_8bit"] == 0.8 and decision["aimed"] in ("local error", "graph order")
+    assert decision["promoted"] and decision["reached"] > decision["quantized"]
+    run_pipeline(model, "compute-qparams,fix-bias-scales,insert-qdq,insert-converts", ctx=ctx)
+    eight, total = weighted_ops(model.to_proto())
+    assert total == 5 and eight >= 4
+    assert "aim 25 with 80% of the weighted ops 8-bit" in float_reasons(model)[decision["promoted"][0]]["reason"]

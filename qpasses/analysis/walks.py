@@ -1,0 +1,107 @@
+"""How search-precision walks over promotion candidates.
+
+A walk asks ``check(promoted)`` for scores one candidate at a time and decides from the answers
+alone, so a parallel executor can replay it on speculated scores (qpasses.executors.speculate) and
+reach the same result. ``fewest`` finds the fewest promotions that meet a target; ``aimed`` goes
+on from there towards a higher aim while enough weighted ops stay 8-bit.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+class Walk:
+    """Scores asked so far (memoized) within an evaluation budget: ``spent`` evaluations before the
+    walk, on the candidates ``base`` scores."""
+
+    def __init__(self, check, budget: int, spent: int, base: dict):
+        self.check, self.budget, self.spent = check, budget, spent
+        self.seen, self.known = dict(base), len(base)
+
+    def score(self, promoted: list[str]) -> float:
+        key = frozenset(promoted)
+        if key not in self.seen:
+            self.seen[key] = self.check(promoted)
+        return self.seen[key]
+
+    @property
+    def left(self) -> int:
+        return self.budget - self.spent - (len(self.seen) - self.known)
+
+
+@dataclass(frozen=True)
+class EightBitShare:
+    """Which weighted ops each group's promotion takes out of 8 bits (``reads``: root -> op ids),
+    how many are 8-bit now (``eight``) of ``total``, and the share to keep."""
+
+    reads: dict
+    eight: int
+    total: int
+    keep: float
+
+    def lost(self, names) -> int:
+        return len(set().union(*(self.reads.get(n, ()) for n in names)))
+
+    def cap(self, ranked: list[str]) -> int:
+        """The longest head of ``ranked`` whose promotion keeps ``keep`` of the weighted ops 8-bit."""
+        lost: set = set()
+        for i, name in enumerate(ranked):
+            lost |= self.reads.get(name, set())
+            if self.eight - len(lost) < self.keep * self.total:
+                return i
+        return len(ranked)
+
+
+def fewest(walk: Walk, ranked: list[str], target: float, start: int = 0, reserve: int = 0) -> tuple[list[str], float]:
+    """The fewest promotions found that meet ``target``: the smallest head of ``ranked`` that does
+    (bisection; the first ``start`` are known to fall short together), then its members given back
+    to 8 bits in halves while the target still holds (the least sensitive first), while more than
+    ``reserve`` evaluations of the budget are left. When not even all of ``ranked`` meets it: the
+    best candidate seen within ``ranked``."""
+    if walk.score(ranked) < target:
+        inside = set(ranked)
+        best = max((k for k in walk.seen if k <= inside), key=lambda k: (walk.seen[k], -len(k)))
+        return [n for n in ranked if n in best], walk.seen[best]
+    lo, hi = start, len(ranked)   # score(ranked[:lo]) < target <= score(ranked[:hi])
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if walk.score(ranked[:mid]) >= target:
+            hi = mid
+        else:
+            lo = mid
+    chosen = ranked[:hi]
+    chunks = [chosen[::-1]]   # least sensitive first
+    while chunks and walk.left > reserve:
+        chunk = chunks.pop(0)
+        trial = [n for n in chosen if n not in set(chunk)]
+        if walk.score(trial) >= target:
+            chosen = trial
+        elif len(chunk) > 1:
+            chunks += [chunk[:len(chunk) // 2], chunk[len(chunk) // 2:]]
+    return chosen, walk.score(chosen)
+
+
+def aimed(walk: Walk, orders: list[list[str]], chosen: list[str], aim: float,
+          share: EightBitShare) -> tuple[list[str], float, int]:
+    """From ``chosen`` (short of ``aim``) towards ``aim``: for each order of the candidates, ``fewest``
+    over its head that keeps ``share.keep`` of the weighted ops 8-bit (``chosen`` first). The result
+    that meets the aim with the fewest weighted ops out of 8 bits, else the one that comes closest:
+    (promoted, score, index of its order; -1: ``chosen`` stays). Each order costs one evaluation
+    (its whole head) and, when that meets the aim, a bisection if the budget can pay for it."""
+    best, best_key = (list(chosen), walk.score(chosen), -1), (False, walk.score(chosen))
+    taken = set(chosen)
+    for index, order in enumerate(orders):
+        ranked = list(chosen) + [n for n in order if n not in taken]
+        cap = share.cap(ranked)
+        if cap <= len(chosen) or walk.left < 1:
+            continue
+        head = ranked[:cap]
+        if walk.score(head) < aim or walk.left >= math.ceil(math.log2(cap - len(chosen) + 1)):
+            found, reached = fewest(walk, head, aim, start=len(chosen))
+        else:
+            found, reached = head, walk.score(head)
+        key = (reached >= aim, -share.lost(found) if reached >= aim else reached)
+        if key > best_key:
+            best, best_key = (found, reached, index), key
+    return best

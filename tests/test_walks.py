@@ -1,0 +1,74 @@
+"""search-precision's walks over promotion candidates (qpasses.analysis.walks), on made-up scores."""
+from qpasses.analysis.walks import EightBitShare, Walk, aimed, fewest
+
+
+def _walk(scores, budget=30):
+    asked = []
+
+    def check(promoted):
+        asked.append(frozenset(promoted))
+        return scores(set(promoted))
+
+    return Walk(check, budget, 1, {frozenset(): scores(set())}), asked
+
+
+def _one_op_each(names, keep):
+    """Name i alone is read by weighted op i; every op is 8-bit."""
+    return EightBitShare({n: {i} for i, n in enumerate(names)}, len(names), len(names), keep)
+
+
+def test_fewest_bisects_then_gives_back():
+    walk, _ = _walk(lambda s: 10.0 + 5 * ("c" in s) + ("a" in s))
+    assert fewest(walk, ["a", "b", "c", "d"], 14.0) == (["c"], 15.0)
+
+
+def test_fewest_keeps_the_best_seen_within_its_candidates_when_none_meets():
+    walk, _ = _walk(lambda s: 10.0 + len(s))
+    walk.seen[frozenset({"z"})] = 99.0   # scored for another walk: not a candidate here
+    assert fewest(walk, ["a", "b"], 50.0) == (["a", "b"], 12.0)
+
+
+def test_aim_takes_the_order_that_meets_it_and_stays_within_the_share():
+    """The local order leads with a and b, which do nothing; the graph order leads with c, which
+    meets the aim alone. The share allows 1 of 5 ops out of 8 bits: d is never tried."""
+    names = ["a", "b", "c", "d", "e"]
+    walk, asked = _walk(lambda s: 20.0 + 6 * ("c" in s) + 10 * ("d" in s))
+    promoted, reached, order = aimed(walk, [names, ["c", "d", "a", "b", "e"]], [], 25.0, _one_op_each(names, 0.8))
+    assert (promoted, reached, order) == (["c"], 26.0, 1)
+    assert all("d" not in key for key in asked)
+
+
+def test_aim_comes_closest_when_it_cannot_be_met():
+    names = ["a", "b", "c"]
+    walk, _ = _walk(lambda s: 20.0 + len(s))
+    promoted, reached, order = aimed(walk, [names, names[::-1]], [], 30.0, _one_op_each(names, 0.3))
+    assert (promoted, reached, order) == (["a", "b"], 22.0, 0)
+
+
+def test_aim_keeps_the_target_search_promotions_first():
+    names = ["a", "b", "c"]
+    walk, _ = _walk(lambda s: 10.0 + 3 * len(s))
+    promoted, reached, _ = aimed(walk, [names[::-1]], ["a"], 16.0, _one_op_each(names, 0.0))
+    assert promoted[0] == "a" and reached >= 16.0
+
+
+def test_aim_does_nothing_when_the_target_search_used_the_share_or_the_budget_is_spent():
+    names = ["a", "b", "c", "d"]
+    scores = lambda s: 10.0 + len(s)
+    walk, asked = _walk(scores)
+    assert aimed(walk, [names], ["a", "b"], 20.0, _one_op_each(names, 0.5)) == (["a", "b"], 12.0, -1)
+    walk, asked = _walk(scores, budget=1)
+    assert aimed(walk, [names], [], 20.0, _one_op_each(names, 0.0)) == ([], 10.0, -1)
+    assert asked == []
+
+
+def test_fewest_leaves_the_reserve_and_aim_spends_it_on_whole_heads():
+    """The target search stops giving members back with 2 evaluations left; the aim then scores
+    each order's whole head once (no budget for a bisection) and keeps the better."""
+    names = ["a", "b", "c", "d"]
+    walk, asked = _walk(lambda s: 10.0 + len(s) + 3 * ("d" in s), budget=6)
+    chosen, reached = fewest(walk, names, 11.0, reserve=2)
+    assert walk.left == 2 and reached >= 11.0
+    assert chosen == ["a"]
+    promoted, reached, order = aimed(walk, [names, names[::-1]], chosen, 30.0, _one_op_each(names, 0.25))
+    assert walk.left == 0 and (promoted, reached, order) == (["a", "d", "c"], 16.0, 1)
