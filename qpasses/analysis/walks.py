@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+GIVE_BACK = 4   # evaluations the aim spends giving members back: it is a best effort, and each costs a run
+
 
 class Walk:
     """Scores asked so far (memoized) within an evaluation budget: ``spent`` evaluations before the
@@ -84,24 +86,24 @@ def fewest(walk: Walk, ranked: list[str], target: float, start: int = 0, reserve
 
 def aimed(walk: Walk, orders: list[list[str]], chosen: list[str], aim: float,
           share: EightBitShare) -> tuple[list[str], float, int]:
-    """From ``chosen`` (short of ``aim``) towards ``aim``: for each order of the candidates, ``fewest``
-    over its head that keeps ``share.keep`` of the weighted ops 8-bit (``chosen`` first). The result
-    that meets the aim with the fewest weighted ops out of 8 bits, else the one that comes closest:
-    (promoted, score, index of its order; -1: ``chosen`` stays). Each order costs one evaluation
-    (its whole head) and, when that meets the aim, a bisection if the budget can pay for it."""
-    best, best_key = (list(chosen), walk.score(chosen), -1), (False, walk.score(chosen))
-    taken = set(chosen)
-    for index, order in enumerate(orders):
-        ranked = list(chosen) + [n for n in order if n not in taken]
-        cap = share.cap(ranked)
-        if cap <= len(chosen) or walk.left < 1:
-            continue
-        head = ranked[:cap]
-        if walk.score(head) < aim or walk.left >= math.ceil(math.log2(cap - len(chosen) + 1)):
-            found, reached = fewest(walk, head, aim, start=len(chosen))
-        else:
-            found, reached = head, walk.score(head)
-        key = (reached >= aim, -share.lost(found) if reached >= aim else reached)
-        if key > best_key:
-            best, best_key = (found, reached, index), key
-    return best
+    """From ``chosen`` (short of ``aim``) towards ``aim``: each order of the candidates (``chosen``
+    first) is cut to its longest head that keeps ``share.keep`` of the weighted ops 8-bit and that
+    head is scored; the order whose head scores highest is then searched with ``fewest`` (at most
+    ``GIVE_BACK`` evaluations giving members back). (promoted, score, index of the order; -1:
+    ``chosen`` stays, as nothing within the share scored higher.)"""
+    best, best_score = -1, walk.score(chosen)
+    heads = []
+    for order in orders:
+        ranked = list(chosen) + [n for n in order if n not in set(chosen)]
+        heads.append(ranked[:share.cap(ranked)])
+    for index, head in enumerate(heads):
+        if len(head) > len(chosen) and walk.left >= 1 and walk.score(head) > best_score:
+            best, best_score = index, walk.score(head)
+    if best < 0:
+        return list(chosen), walk.score(chosen), -1
+    head = heads[best]
+    bisection = math.ceil(math.log2(len(head) - len(chosen) + 1))
+    if best_score >= aim and walk.left < bisection:
+        return head, best_score, best
+    found, reached = fewest(walk, head, aim, start=len(chosen), reserve=max(0, walk.left - bisection - GIVE_BACK))
+    return found, reached, best

@@ -61,9 +61,10 @@ class SearchPrecision(Pass):
     halves, least sensitive first, while the target still holds: at most 2*log2(tensors) + 16
     evaluations of a quantized copy on the held-out feeds. Then, below ``aim`` (default: 25 dB of SNR
     when no target is given), it goes on promoting while ``keep_8bit`` of the weighted ops stay
-    8-bit, over the same ranking and over the graph order (the inputs' end first: errors made early
-    grow through the rest), and keeps the order that meets the aim with fewest weighted ops out of
-    8 bits, else the one that comes closest; within the same evaluation budget. With ``config.executor`` ray the copies
+    8-bit: each of two orders (the same ranking; the graph order, the inputs' end first, as errors
+    made early grow through the rest) is cut where the share would drop below ``keep_8bit``, the
+    order whose head scores higher is searched (bisection to the aim, then at most 4 evaluations
+    giving members back), within the same evaluation budget. With ``config.executor`` ray the copies
     are scored as parallel tasks, a round of them at once: the checks the search may make next,
     found by replaying its decisions (qpasses.executors.speculate); the same checks and result.
     Writes: the promoted tensors' table entries (float: removed, with their sharers and the biases
