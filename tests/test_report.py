@@ -142,3 +142,17 @@ def test_a_minus_one_batch_dimension_takes_any_batch(tmp_path, capsys):
     np.savez(bad, x=rng.standard_normal((2, 2, 3, 8, 8)).astype(np.float32))
     assert main(["report", str(model), str(q), "--data", str(bad), "-o", str(tmp_path / "b.html")]) == 2
     assert "input 'x' has shape (2, 3, 8, 8)" in capsys.readouterr().err
+
+
+def test_the_summary_says_what_the_search_aimed_at():
+    from qpasses.report import html
+
+    search = {"metric": "snr", "target": 12.0, "fallback": "float", "quantized": 16.4, "reached": 22.1,
+              "promoted": ["a", "b"], "aim": 25.0, "keep_8bit": 0.8, "aimed": "graph order", "aim_met": False}
+    info = {"summary": "8-bit: 81 %", "data": "calib.npz", "layer_samples": 8,
+            "accuracy": {"samples": 8, "outputs": {}}, "decisions": {"precision_search": search}}
+    text = "".join(html._summary(info))
+    assert ("search-precision: target 12.0 snr (aim 25.0 with 80 % of the weighted ops 8-bit, over the "
+            "graph order: not met), quantized 16.4, reached 22.1; 2 tensors promoted to float: a, b") in text
+    del search["aim"]
+    assert "search-precision: target 12.0 snr, quantized" in "".join(html._summary(info))

@@ -124,7 +124,10 @@ def _summary(info: dict) -> list[str]:
     search = info.get("decisions", {}).get("precision_search")
     if search:
         promoted = search.get("promoted", [])
-        out.append(f"<p>search-precision: target {escape(str(search.get('target')))} {escape(str(search.get('metric')))}, "
+        aim = (f" (aim {escape(str(search['aim']))} with {100 * search.get('keep_8bit', 0):.0f} % of the weighted ops "
+               f"8-bit, over the {escape(str(search.get('aimed')))}{'' if search.get('aim_met') else ': not met'})"
+               if "aim" in search else "")
+        out.append(f"<p>search-precision: target {escape(str(search.get('target')))} {escape(str(search.get('metric')))}{aim}, "
                    f"quantized {escape(str(search.get('quantized')))}, reached {escape(str(search.get('reached')))}; "
                    f"{len(promoted)} tensors promoted to {escape(str(search.get('fallback')))}"
                    + (": " + escape(", ".join(promoted)) if promoted else "") + "</p>")
