@@ -152,7 +152,7 @@ def test_the_summary_says_what_the_search_aimed_at():
     info = {"summary": "8-bit: 81 %", "data": "calib.npz", "layer_samples": 8,
             "accuracy": {"samples": 8, "outputs": {}}, "decisions": {"precision_search": search}}
     text = "".join(html._summary(info))
-    assert ("search-precision: target 12.0 snr (aim 25.0 with 80 % of the weighted ops 8-bit, over the "
-            "graph order: not met), quantized 16.4, reached 22.1; 2 tensors promoted to float: a, b") in text
+    assert ("search-precision: target 12.0 snr (aim 25.0 with 80 % of the weighted ops 8-bit, not met: "
+            "graph order), quantized 16.4, reached 22.1; 2 tensors promoted to float: a, b") in text
     del search["aim"]
     assert "search-precision: target 12.0 snr, quantized" in "".join(html._summary(info))

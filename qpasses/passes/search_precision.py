@@ -38,7 +38,7 @@ DEFAULT_TARGET_DB = 12.0
 # measured) while 80 % of the weighted ops stay 8-bit. On ppocr_v4_det IoU 0.960 -> 0.984, on
 # ppocr_v4_rec text 0.836 -> 0.875, each with 20 % of its weighted ops out of 8 bits (tools/README.md).
 DEFAULT_AIM_DB = 25.0
-ORDERS = ("local error", "graph order")
+ORDERS = ("local-error ranking", "graph order")
 
 
 @register
@@ -161,7 +161,8 @@ class SearchPrecision(Pass):
         decision |= search.spread(chosen, "reached")
         if chosen:
             total = len(groups)
-            goal = f"target {target:g}" + (f", aim {aim:g} with {keep:.0%} of the weighted ops 8-bit"
+            how = f"taken over the {search.aimed}" if search.aimed in ORDERS else search.aimed
+            goal = f"target {target:g}" + (f", aim {aim:g} with {keep:.0%} of the weighted ops 8-bit: {how}"
                                            if "aim" in decision else "")
             promote(model, [groups[name] for name in chosen], fallback, {
                 name: (f"{NAME}: kept {fallback}: local quantization error {search.local_db[name]:+.1f} dB "
@@ -327,7 +328,7 @@ class _Search:
         local-error ranking and the graph order (analysis.walks.aimed); says which order it took."""
         orders, share = self._orders(), self._share(keep)
         promoted, reached, index = self._walked(lambda walk: aimed(walk, orders, chosen, aim, share), aim)
-        self.aimed = ORDERS[index] if index >= 0 else "nothing more within the share"
+        self.aimed = ORDERS[index] if index >= 0 else "nothing within the share scored higher"
         return promoted, reached
 
     def _orders(self) -> list[list[str]]:
