@@ -122,7 +122,6 @@ def _relative_error_db(x: np.ndarray, tq) -> float:
     return float(20 * np.log10(max(err, 1e-30) / typical)) if typical else -400.0
 
 
-
 def eight_bit_share(model: QModel, groups: dict[str, list[str]], keep: float) -> EightBitShare:
     """Which weighted ops (Conv/ConvTranspose/Gemm/MatMul with a constant weight, in bodies too)
     with an 8-bit input and weight each group's promotion takes out of 8 bits: those reading a member."""

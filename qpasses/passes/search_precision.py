@@ -72,7 +72,8 @@ class SearchPrecision(Pass):
     why-line), ``model.decisions["precision_search"]`` (target, scores and what they counted as,
     promotions, evaluations; the aim, the share and the order it took).
     Invariants: the graph is not changed; nothing is promoted when the quantized model already
-    meets the target; nothing is done (and it says why) without calibration data or above
+    meets the aim (the target when there is no aim); the aim never takes the share of 8-bit
+    weighted ops below ``keep_8bit`` (the target may); nothing is done (and it says why) without calibration data or above
     ``max_nodes`` / ``max_weight_mb``.
     """
 
