@@ -246,7 +246,7 @@ class Objective:
             return 0.0
         if self.metric == "snr":
             return _jackknife([_worst_ratio(total - stats[i]) for i in range(n)])
-        return _jackknife([min(_aggregate(self.metric, total - stats[i]), default=1.0) for i in range(n)])
+        return _jackknife([self.overall(dict(enumerate(_aggregate(self.metric, total - stats[i])))) for i in range(n)])
 
     def lower_bound(self, score: float, error: float, z: float) -> float:
         """``score`` less ``z`` standard errors ``error`` (``standard_error``; for snr taken on the

@@ -7,7 +7,9 @@ from collections import Counter
 import onnx
 
 WEIGHTED_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
-_EIGHT_BIT = frozenset({onnx.TensorProto.INT8, onnx.TensorProto.UINT8})
+_EIGHT_BIT_TYPES = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8}
+EIGHT_BIT = frozenset(_EIGHT_BIT_TYPES)                 # table qtypes that count as 8-bit
+_EIGHT_BIT = frozenset(_EIGHT_BIT_TYPES.values())       # the same, as ONNX element types
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
 
 

@@ -19,11 +19,9 @@ from ..evaluate import session
 from ..graphutil import subgraphs
 from ..ir import QModel
 from ..qparams import dequantize, quantize
-from ..summary import WEIGHTED_OPS
+from ..summary import EIGHT_BIT, WEIGHTED_OPS
 from .scopes import scopes
 from .walks import EightBitShare
-
-EIGHT_BIT = frozenset({"int8", "uint8"})
 
 
 def promotion_groups(model: QModel) -> dict[str, list[str]]:

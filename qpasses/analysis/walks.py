@@ -76,7 +76,8 @@ def fewest(walk: Walk, ranked: list[str], target: float, start: int = 0, reserve
     chunks = [chosen[::-1]]   # least sensitive first
     while chunks and walk.left > reserve:
         chunk = chunks.pop(0)
-        trial = [n for n in chosen if n not in set(chunk)]
+        dropped = set(chunk)
+        trial = [n for n in chosen if n not in dropped]
         if walk.score(trial) >= target:
             chosen = trial
         elif len(chunk) > 1:
@@ -92,9 +93,9 @@ def aimed(walk: Walk, orders: list[list[str]], chosen: list[str], aim: float,
     ``GIVE_BACK`` evaluations giving members back). (promoted, score, index of the order; -1:
     ``chosen`` stays, as nothing within the share scored higher.)"""
     best, best_score = -1, walk.score(chosen)
-    heads = []
+    heads, taken = [], set(chosen)
     for order in orders:
-        ranked = list(chosen) + [n for n in order if n not in set(chosen)]
+        ranked = list(chosen) + [n for n in order if n not in taken]
         heads.append(ranked[:share.cap(ranked)])
     for index, head in enumerate(heads):
         if len(head) > len(chosen) and walk.left >= 1 and walk.score(head) > best_score:

@@ -223,7 +223,7 @@ class _Search:
         self.executor, self.shared = executors.from_config(ctx.config), None
         self.seconds = {"build": 0.0, "built": 0, "tasks": 0.0, "scored": 0}   # quantizing here, scoring in tasks
         self.speculated: dict = {}   # rounds of speculative tasks, for speculate.LAST
-        self.local_db: dict | None = None   # root -> local error in dB (ranked)
+        self.local_db, self.ranking = None, []   # root -> local error in dB; the roots, largest first
         self.aimed = ""   # which order the aim took
 
     def check(self, promoted: list[str]) -> float:
@@ -316,7 +316,8 @@ class _Search:
         if self.local_db is None:
             feeds = self.check_ref.feeds[:max(1, self.options.probe_samples)]
             self.local_db = local_errors(self.model, self.computed, feeds)
-        return sorted(self.local_db, key=lambda name: (-self.local_db[name], name))
+            self.ranking = sorted(self.local_db, key=lambda name: (-self.local_db[name], name))
+        return list(self.ranking)
 
     def search(self, reserve: int = 0) -> tuple[list[str], float]:
         """The fewest promotions found that meet the target (analysis.walks.fewest), leaving
