@@ -122,6 +122,11 @@ def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
     return 10.0 * math.log10(signal / err)
 
 
+# the fewest feeds a score is judged on when its outputs hold enough values (a pooled SNR over
+# fewer scatters); small outputs take more (select-by-snr, search-precision: ``output_values``)
+MIN_FEEDS = 8
+
+
 class Reference:
     """The reference model's outputs on some feeds, kept to score test models against them."""
 
@@ -138,13 +143,18 @@ class Reference:
         self._signal_cache: np.ndarray | None = None
 
     @classmethod
-    def from_kept(cls, kept, count: int, model: QModel) -> "Reference | None":
-        """The first ``count`` feeds calibrate kept with the float outputs on them (KeptSamples): the
-        reference ``run`` gives on them, without a second float run. None when it kept fewer, or when
-        ``model``'s float values changed since (corrected biases, rounded weights): ``run`` reads those,
-        as a run resumed from the saved model would."""
+    def from_kept(cls, kept, model: QModel, max_samples: int, enough_values: int = 0,
+                  min_samples: int = 1) -> "Reference | None":
+        """The feeds calibrate kept with the float outputs on them (KeptSamples), as many as ``run``
+        would take: the reference it gives on them, without a second float run. None when calibrate
+        kept fewer than ``min_samples`` for lack of room, or when ``model``'s float values changed since (corrected
+        biases, rounded weights): ``run`` reads those, as a run resumed from the saved model would."""
         changed = model.decisions.get("bias_correction", {}).get("applied") or "weight_rounding" in model.decisions
-        if kept is None or changed or len(kept.feeds) < max(count, 1):
+        if kept is None or changed or not kept.feeds:
+            return None
+        per_feed = sum(np.size(v) for v in kept.outputs[0])
+        count = min(max_samples, max(min_samples, -(-enough_values // max(per_feed, 1))))
+        if len(kept.feeds) < min(count, min_samples) and kept.full:
             return None
         return cls(kept.names, list(kept.feeds[0]), kept.feeds[:count], kept.outputs[:count])
 

@@ -10,7 +10,7 @@ import numpy as np
 from ..calibration.data import open_data
 from ..calibration.softmax import ROW_MAX_SUFFIX
 from ..errors import CalibrationDataError, first_line
-from ..evaluate import Reference, rerun_skip_reason
+from ..evaluate import MIN_FEEDS, Reference, rerun_skip_reason
 from ..ir import QModel
 from ..pipeline import Pass, PassResult, make_pass, run_nested, split_after
 from ..progress import progress
@@ -23,8 +23,7 @@ from ..scored_runs import ScoredRuns
 NAME = "select-by-snr"
 CORRECT_BIAS = "correct-bias"
 BIAS_DECISION = "bias_correction"   # model.decisions key correct-bias reads: it does nothing when set
-MIN_SAMPLES = 8
-KEEP_RUNS = 8   # the chosen variant's outputs on its first feeds, kept for search-precision's first check
+KEEP_RUNS = 32   # the chosen variant's outputs on its first feeds, kept for search-precision's first check
 
 
 @dataclass
@@ -119,7 +118,7 @@ class SelectBySnr(Pass):
     are kept only if it wins. Writes: the chosen variant into ``model.ranges`` / the table (with a
     ``why`` line), the corrected bias values (or not) and ``model.decisions["bias_correction"]``
     (so the correct-bias pass does nothing more); every score goes to the findings. Also
-    ``ctx.cache["scored_runs"]``: the chosen variant's outputs on its first 8 feeds, which
+    ``ctx.cache["scored_runs"]``: the chosen variant's outputs on its first 32 feeds, which
     search-precision's first check takes when it is the same model on the same feeds. With
     ``config.executor`` ray, the variants are scored as parallel tasks and the duels replayed on
     their per-feed errors (qpasses.executors.scoring): the same scores and choice.
@@ -195,7 +194,7 @@ class SelectBySnr(Pass):
             try:
                 contender = contender_of(i)
                 if best is None:
-                    contender.advance(MIN_SAMPLES)
+                    contender.advance(MIN_FEEDS)
                 winner = self._duel(reference, best[1], contender) if best else contender
             except Exception as exc:   # a variant that cannot be built or run is not chosen
                 failed.append({"variant": _label(combo), "error": f"{type(exc).__name__}: {first_line(exc)}"})
@@ -223,9 +222,10 @@ class SelectBySnr(Pass):
                                  "penalty_db": round(r.penalty, 2), "samples": r.ran}
                                 | ({"dropped": True} if r.dropped else {}) for c, r in scored]}
         decided = self._bias_correction(model, ctx, best[1], reference, report, fused) if bias else False
-        best[1].close()
-        if getattr(best[1], "kept", None) is not None:   # search-precision's first check may be this model
+        if getattr(best[1], "kept", None) is not None:   # search-precision's first check may be this model:
+            best[1].advance(KEEP_RUNS)   # its runs on every feed it keeps (an early stop ran fewer)
             ctx.cache[ScoredRuns.CACHE_KEY] = best[1].kept
+        best[1].close()
         ctx.findings.set(NAME, report)
         return PassResult(model, any(v.changes for v in best[0]) or decided, {"variants": len(scored)})
 
@@ -248,7 +248,7 @@ class SelectBySnr(Pass):
         return prescored(executor, reference, models, penalties, optimize=fused)
 
     def _duel(self, reference: Reference, best, challenger):
-        return reference.duel(best, challenger, min_samples=MIN_SAMPLES, z=self.early_stop)
+        return reference.duel(best, challenger, min_samples=MIN_FEEDS, z=self.early_stop)
 
     def _bias_correction(self, model: QModel, ctx, chosen, reference: Reference, report: dict, fused: bool) -> bool:
         """Score the chosen variant with correct-bias against it (``chosen``: its Contender); keep
@@ -300,16 +300,13 @@ class SelectBySnr(Pass):
         return trial.to_proto(metadata=False), corrected
 
     def _reference(self, model: QModel, ctx, kept) -> Reference | None:
-        if kept is not None and kept.feeds:
-            per_feed = sum(np.size(v) for v in kept.outputs[0])
-            n = min(self.samples, max(MIN_SAMPLES, -(-self.output_values // max(per_feed, 1))), len(kept.feeds))
-            reference = Reference.from_kept(kept, n, model) if n >= MIN_SAMPLES or not kept.full else None
-            if reference is not None:   # calibrate kept enough: no second float run
-                return reference
+        reference = Reference.from_kept(kept, model, self.samples, self.output_values, MIN_FEEDS)
+        if reference is not None:   # calibrate kept enough: no second float run
+            return reference
         try:
             feeds = open_data(ctx.calibration_data)
             reference = Reference.run(model, feeds, self.samples,
-                                      enough_values=self.output_values, min_samples=MIN_SAMPLES)
+                                      enough_values=self.output_values, min_samples=MIN_FEEDS)
         except CalibrationDataError:
             return None
         return reference if reference.feeds else None

@@ -230,6 +230,21 @@ def test_the_float_outputs_calibrate_kept_are_its_reference(monkeypatch):
     assert decisions[0] == decisions[1] and decisions[0]["promoted"] == ["x"] and decisions[0]["held_out"] is False
 
 
+@pytest.mark.parametrize("resumed", [False, True])
+@pytest.mark.parametrize(("options", "feeds"), [({}, 32), ({"output_values": 64 * 10}, 10),
+                                                ({"output_values": 64}, 8), ({"samples": 12}, 12)])
+def test_small_outputs_are_checked_on_more_feeds(resumed, options, feeds):
+    """An output of 64 values a feed: up to ``samples`` feeds until they hold ``output_values``
+    values, never under 8; the same count from calibrate's kept outputs or a second float run."""
+    model = from_proto(parse(OUTLIERS))
+    ctx = RunContext({"op_types_to_quantize": ["Tanh"], "calibration": {"method": "minmax"}}, _outlier_feeds(40))
+    PassManager("annotate-types,calibrate").run(model, ctx)
+    if resumed:
+        ctx.cache.clear()
+    PassManager([SearchPrecision(target=25, **options)]).run(model, ctx)
+    assert model.decisions["precision_search"]["feeds"] == feeds
+
+
 def test_the_shortfall_line_says_what_the_score_counted_as():
     from qpasses.summary import shortfall
 
