@@ -1,6 +1,9 @@
 """HQQ (half-quadratic quantization, no data): per block, the zero point is optimised for a sparse
 (l_p, p < 1) reconstruction error by alternating a generalised soft-threshold of the residual and
-a closed-form zero-point update, the scale fixed from the block's range."""
+a closed-form zero-point update, the scale fixed from the block's range. Each block keeps the zero
+point whose codes gave it the least absolute error (the min-max one included); the updates stop
+once one lowers the weight's total error by less than ``MIN_GAIN`` (tools/README.md: on the
+benchmark's decoder 17.36 dB after 4-5 updates against 17.33 after 20, in a third of the time)."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,12 +11,17 @@ import numpy as np
 from .blocks import Blocked, encode, minmax_params, rows_of
 
 ITERATIONS, LP, BETA, KAPPA = 20, 0.7, 10.0, 1.01
+MIN_GAIN = 0.005   # an update that lowers the weight's total absolute error less than this ends them
 
 
-def _shrink(x: np.ndarray, beta: float, p: float) -> np.ndarray:
-    """Proximal step of |x|^p: sign(x) * max(|x| - |x|^(p-1) / beta, 0)."""
-    ax = np.abs(x)
-    return np.sign(x) * np.maximum(ax - np.power(np.maximum(ax, 1e-8), p - 1) / beta, 0)
+def _shrink(x: np.ndarray, beta: float, p: float, tmp: np.ndarray) -> np.ndarray:
+    """Proximal step of |x|^p, in place: sign(x) * max(|x| - |x|^(p-1) / beta, 0)."""
+    ax = np.abs(x, out=tmp)
+    step = np.power(np.maximum(ax, 1e-8), p - 1)
+    step *= 1.0 / beta
+    np.subtract(ax, step, out=step)
+    np.maximum(step, 0, out=step)
+    return np.copysign(step, x, out=x)
 
 
 def quantize_hqq(weight: np.ndarray, bits: int, block_size: int, integer_zero_points: bool,
@@ -30,22 +38,38 @@ def quantize_hqq(weight: np.ndarray, bits: int, block_size: int, integer_zero_po
         zero = -lo / np.where(scales == 0, 1, scales)
     scales = np.where(scales == 0, 1, scales).astype(np.float32)
     zero = zero.astype(np.float32)
-    beta, best_err, best_zero = BETA, None, zero
-    for _ in range(iterations):
-        codes = np.clip(np.rint(blocks / scales[..., None] + zero[..., None]), 0, top)
-        residual = _shrink(blocks - (codes - zero[..., None]) * scales[..., None], beta, LP)
-        zero = np.mean(codes - (blocks - residual) / scales[..., None], axis=-1).astype(np.float32)
-        beta *= KAPPA
-        err = np.abs(blocks - (codes - zero[..., None]) * scales[..., None]).sum(axis=-1)
+    s, inv = scales[..., None], (1 / scales)[..., None]
+    codes, residual, tmp = (np.empty(blocks.shape, np.float32) for _ in range(3))
+    ones = np.ones(blocks.shape[-1], np.float32)   # sums over a block as products: numpy reduces short rows slowly
+    beta, best_err, best_zero, total = BETA, None, zero, np.inf
+    for _ in range(iterations + 1):
+        np.multiply(blocks, inv, out=codes)
+        codes += zero[..., None]
+        np.clip(np.rint(codes, out=codes), 0, top, out=codes)
+        np.subtract(codes, zero[..., None], out=residual)
+        residual *= s
+        np.subtract(blocks, residual, out=residual)   # w - dequantized codes
+        err = np.abs(residual, out=tmp) @ ones
         if best_err is None:
-            best_err, best_zero = err, zero
+            best_err = err
         else:
             better = err < best_err
             best_err, best_zero = np.where(better, err, best_err), np.where(better, zero, best_zero)
+        if err.sum() > total * (1 - MIN_GAIN):   # the last update did not pay: later ones pay less
+            break
+        total = err.sum()
+        if tmp.max() < beta ** (-1 / (2 - LP)) * 0.999:   # every residual shrinks to 0 (|x|^(2-p) < 1/beta)
+            np.multiply(blocks, inv, out=residual)
+        else:
+            shrunk = _shrink(residual, beta, LP, tmp)
+            np.subtract(blocks, shrunk, out=residual)
+            residual *= inv
+        codes -= residual
+        zero = codes @ (ones / blocks.shape[-1])
+        beta *= KAPPA
     zero = best_zero
     if integer_zero_points:
         zero = np.clip(np.rint(zero), 0, top).astype(np.float32)
     codes = encode(blocks, scales, zero, bits)
     zps = zero.astype(np.uint8) if integer_zero_points else zero
     return Blocked(codes, scales, zps, weight.shape[0], bits, symmetric=False)
-
