@@ -140,6 +140,7 @@ class Reference:
         self.shapes = [[np.shape(o[i]) for o in outputs] for i in range(len(self.names))]
         self.dtypes = [np.asarray(outputs[0][i]).dtype if outputs else np.dtype(np.float64)
                        for i in range(len(self.names))]
+        self.parts: list = [None] * len(self.names)   # per output, its components (None: the whole output)
         self._signal_cache: np.ndarray | None = None
 
     @classmethod
@@ -247,12 +248,34 @@ class Reference:
         bounds = self.bounds[k]
         return self.outputs[self.names[k]][bounds[i]:bounds[i + 1]]
 
+    def split(self, objective) -> "Reference":
+        """Contenders are scored per output component (``objective``'s, checked on these feeds'
+        shapes), so no piece of an output (scores beside boxes) hides behind a larger one."""
+        parts = objective.components_for(self.names, self.runs())
+        self.parts = [parts[n] if len(parts[n]) > 1 else None for n in self.names]
+        self._signal_cache = None
+        return self
+
+    def sums(self, i: int, values=None) -> list[float]:
+        """Feed ``i``'s sums of squares per column (an output, or each of its components): of the
+        reference values, or (``values``: the test model's outputs) of their errors. numpy, not
+        BLAS: its threads would compete with onnxruntime's."""
+        row = []
+        for k, parts in enumerate(self.parts):
+            ref = self._feed_output(k, i)
+            square = np.square(ref if values is None else ref - np.ravel(values[k]).astype(np.float64))
+            if parts is None:
+                row.append(float(np.sum(square)))
+            else:
+                square = square.reshape(self.shapes[k][i])
+                row.extend(float(np.sum(part.take(square))) for part in parts)
+        return row
+
     def _signal(self) -> np.ndarray:
-        """Per feed and output, the sum of squares of the reference values (numpy, not BLAS: its
-        threads would compete with onnxruntime's)."""
+        """Per feed and column (``sums``), the sum of squares of the reference values."""
         if self._signal_cache is None:
-            self._signal_cache = np.array([[np.sum(np.square(self._feed_output(k, i))) for k in range(len(self.names))]
-                                           for i in range(len(self.feeds))]).reshape(len(self.feeds), len(self.names))
+            columns = sum(1 if p is None else len(p) for p in self.parts)
+            self._signal_cache = np.array([self.sums(i) for i in range(len(self.feeds))]).reshape(len(self.feeds), columns)
         return self._signal_cache
 
     def contender(self, test_model, *, penalty: float = 0.0, optimize: bool = True, keep: int = 0) -> "Contender":
@@ -283,8 +306,9 @@ class Reference:
 
 class Contender:
     """A test model scored against a Reference feed by feed, resumable: ``advance(m)`` runs it on
-    the kept feeds up to the m-th; its score is its worst output SNR over the feeds it ran minus
-    ``penalty``; ``errors``: per feed and output, the sum of squared errors. ``keep``: its outputs
+    the kept feeds up to the m-th; its score is its worst output SNR (of a component, after
+    Reference.split) over the feeds it ran minus ``penalty``; ``errors``: per feed and column
+    (Reference.sums), the sum of squared errors. ``keep``: its outputs
     on the first ``keep`` feeds are kept (``kept``, a ScoredRuns) for a later check of the same model."""
 
     def __init__(self, reference: Reference, test_model, *, penalty: float = 0.0, optimize: bool = True,
@@ -298,7 +322,7 @@ class Contender:
         if self.kept is not None:
             self.kept.io = io_names(self.session)
         _check_same_signature(reference.inputs, reference.names, self.session)
-        self.errors = np.zeros((len(reference.feeds), len(reference.names)))
+        self.errors = np.zeros(reference._signal().shape)
         self.ran = 0
 
     def advance(self, upto: int) -> None:
@@ -307,12 +331,11 @@ class Contender:
             values = self.session.run(ref.names, ref.feeds[i])
             if self.kept is not None:
                 self.kept.add(ref, i, values)
-            self.errors[i] = [np.sum(np.square(ref._feed_output(k, i) - np.ravel(v).astype(np.float64)))
-                              for k, v in enumerate(values)]
+            self.errors[i] = ref.sums(i, values)
             self.ran = i + 1
 
     def snr(self) -> float:
-        """The worst output SNR over the feeds it ran."""
+        """The worst output (or component) SNR over the feeds it ran."""
         return float(_worst_snr(self.reference._signal()[:self.ran].sum(0), self.errors[:self.ran].sum(0)))
 
     def score(self) -> float:

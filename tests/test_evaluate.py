@@ -102,3 +102,30 @@ def test_a_model_that_cannot_run_raises():
     broken = parse(IDENTITY.replace("y = Identity(x)", "z = Identity(x)").replace("(float[1, 256] y)", "(float[1, 256] z)"))
     with pytest.raises(Exception, match="reference output"):
         reference(12).contender(broken)
+
+
+BOXES_AND_SCORES = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[1, 4, 16] x, float[1, 2, 16] c) => (float[1, 6, 16] y) <float k = {100.0}, float d = {%s}>
+{
+  b = Mul(x, k)
+  s = Sigmoid(c)
+  t = Add(s, d)
+  y = Concat <axis = 1> (b, t)
+}
+"""
+
+
+def test_split_scores_contenders_by_their_worst_component():
+    """Scores 1 % off beside boxes 100x larger: the output's SNR hides them, its components do not."""
+    from qpasses.objective import Objective
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.uniform(0, 1, (1, 4, 16)).astype(np.float32),
+              "c": rng.normal(0, 1, (1, 2, 16)).astype(np.float32)} for _ in range(8)]
+    float_model, test_model = parse(BOXES_AND_SCORES % "0.0"), parse(BOXES_AND_SCORES % "0.01")
+    whole = Reference.run(float_model, feeds).contender(test_model)
+    split = Reference.run(float_model, feeds).split(Objective("snr", model=float_model)).contender(test_model)
+    whole.advance(8), split.advance(8)
+    scores = compare(float_model, test_model, feeds, objective=Objective("snr", model=float_model))["components"]
+    assert whole.errors.shape == (8, 1) and split.errors.shape == (8, 2)
+    assert split.snr() == pytest.approx(min(scores.values())) and split.snr() < 40 < whole.snr()

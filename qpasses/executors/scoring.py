@@ -1,5 +1,5 @@
 """Variants scored as parallel tasks: each task runs one quantized model on every reference feed
-and returns its squared error per feed and output; the driver replays the duels on those errors
+and returns its squared error per feed and output (or component); the driver replays the duels on those errors
 (``Replayed``), so it decides what the one-process run decides, sample counts and early stops
 included. The reference (feeds and float outputs) goes to the object store once.
 ``objective_scores``: search-precision's candidates, each task one overall objective score."""

@@ -12,6 +12,7 @@ from ..calibration.softmax import ROW_MAX_SUFFIX
 from ..errors import CalibrationDataError, first_line
 from ..evaluate import MIN_FEEDS, Reference, rerun_skip_reason
 from ..ir import QModel
+from ..objective import Objective
 from ..pipeline import Pass, PassResult, make_pass, run_nested, split_after
 from ..progress import progress
 from ..registry import register
@@ -107,8 +108,9 @@ class SelectBySnr(Pass):
     outputs calibrate kept for them (else the float model runs on them again). Open axes: ``ranges`` (the calibrated ranges or the observed
     min/max; only when ``calibration.method`` was not chosen by the user) and ``weights``
     (per-tensor weights symmetric or asymmetric; only when ``weight_symmetric`` was not given).
-    Each combination runs ``then`` on a copy of the model and is scored by the lowest output SNR
-    over the feeds, minus a penalty: ``asymmetric_penalty_db`` trades accuracy for onnxruntime's
+    Each combination runs ``then`` on a copy of the model and is scored by the lowest SNR of an
+    output component over the feeds (an output built by Concat judged piece by piece: probabilities
+    beside boxes), minus a penalty: ``asymmetric_penalty_db`` trades accuracy for onnxruntime's
     faster symmetric kernels (by default it only settles ties); then the first wins (calibrated
     ranges, asymmetric weights: the measured defaults). Variants are scored in that order, each
     against the best so far on the same feeds, the best a block of 8 feeds ahead: from 8 feeds on,
@@ -301,15 +303,13 @@ class SelectBySnr(Pass):
 
     def _reference(self, model: QModel, ctx, kept) -> Reference | None:
         reference = Reference.from_kept(kept, model, self.samples, self.output_values, MIN_FEEDS)
-        if reference is not None:   # calibrate kept enough: no second float run
-            return reference
-        try:
-            feeds = open_data(ctx.calibration_data)
-            reference = Reference.run(model, feeds, self.samples,
-                                      enough_values=self.output_values, min_samples=MIN_FEEDS)
-        except CalibrationDataError:
-            return None
-        return reference if reference.feeds else None
+        if reference is None:   # else calibrate kept enough: no second float run
+            try:
+                reference = Reference.run(model, open_data(ctx.calibration_data), self.samples,
+                                          enough_values=self.output_values, min_samples=MIN_FEEDS)
+            except CalibrationDataError:
+                return None
+        return reference.split(Objective("snr", model=model)) if reference.feeds else None
 
 
 def _has_biases(model: QModel) -> bool:
