@@ -19,19 +19,21 @@ def plain_hqq(weight, bits, block_size, integer_zero_points, iterations=hqq.ITER
         zero = -lo / np.where(scales == 0, 1, scales)
     scales = np.where(scales == 0, 1, scales).astype(np.float32)
     zero, inv = zero.astype(np.float32), (1 / scales)[..., None]
+    scaled = blocks * inv
     beta, best_err, best_zero, total = hqq.BETA, None, zero, np.inf
     for _ in range(iterations + 1):
-        codes = np.clip(np.rint(blocks * inv + zero[..., None]), 0, top)
-        residual = blocks - (codes - zero[..., None]) * scales[..., None]
-        err = np.abs(residual) @ ones
+        codes = np.clip(np.rint(scaled + zero[..., None]), 0, top)
+        u = scaled - codes + zero[..., None]
+        err = (np.abs(u) @ ones) * scales
         better = np.ones(err.shape, bool) if best_err is None else err < best_err
         best_err, best_zero = np.where(better, err, best_err), np.where(better, zero, best_zero)
         if err.sum() > total * (1 - hqq.MIN_GAIN):
             break
         total = err.sum()
+        residual = u * scales[..., None]
         ax = np.abs(residual)
         shrunk = np.sign(residual) * np.maximum(ax - np.power(np.maximum(ax, 1e-8), hqq.LP - 1) / beta, 0)
-        zero = (codes - (blocks - shrunk) * inv) @ (ones / block_size)
+        zero = (codes - (scaled - shrunk * inv)) @ (ones / block_size)
         beta *= hqq.KAPPA
     if integer_zero_points:
         best_zero = np.clip(np.rint(best_zero), 0, top).astype(np.float32)

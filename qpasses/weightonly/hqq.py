@@ -39,17 +39,16 @@ def quantize_hqq(weight: np.ndarray, bits: int, block_size: int, integer_zero_po
     scales = np.where(scales == 0, 1, scales).astype(np.float32)
     zero = zero.astype(np.float32)
     s, inv = scales[..., None], (1 / scales)[..., None]
-    codes, residual, tmp = (np.empty(blocks.shape, np.float32) for _ in range(3))
+    scaled = blocks * inv   # the loop works in code units: w / s, and residuals u = (w - dequantized) / s
+    codes, u, tmp = (np.empty(blocks.shape, np.float32) for _ in range(3))
     ones = np.ones(blocks.shape[-1], np.float32)   # sums over a block as products: numpy reduces short rows slowly
     beta, best_err, best_zero, total = BETA, None, zero, np.inf
     for _ in range(iterations + 1):
-        np.multiply(blocks, inv, out=codes)
-        codes += zero[..., None]
+        np.add(scaled, zero[..., None], out=codes)
         np.clip(np.rint(codes, out=codes), 0, top, out=codes)
-        np.subtract(codes, zero[..., None], out=residual)
-        residual *= s
-        np.subtract(blocks, residual, out=residual)   # w - dequantized codes
-        err = np.abs(residual, out=tmp) @ ones
+        np.subtract(scaled, codes, out=u)
+        u += zero[..., None]
+        err = (np.abs(u, out=tmp) @ ones) * scales   # per block, sum |w - dequantized|
         if best_err is None:
             best_err = err
         else:
@@ -58,13 +57,14 @@ def quantize_hqq(weight: np.ndarray, bits: int, block_size: int, integer_zero_po
         if err.sum() > total * (1 - MIN_GAIN):   # the last update did not pay: later ones pay less
             break
         total = err.sum()
-        if tmp.max() < beta ** (-1 / (2 - LP)) * 0.999:   # every residual shrinks to 0 (|x|^(2-p) < 1/beta)
-            np.multiply(blocks, inv, out=residual)
+        if tmp.max() * scales.max() < beta ** (-1 / (2 - LP)) * 0.999:   # every residual shrinks to 0
+            codes -= scaled                                                # (|x|^(2-p) < 1/beta)
         else:
-            shrunk = _shrink(residual, beta, LP, tmp)
-            np.subtract(blocks, shrunk, out=residual)
-            residual *= inv
-        codes -= residual
+            u *= s
+            shrunk = _shrink(u, beta, LP, tmp)
+            shrunk *= inv
+            np.subtract(scaled, shrunk, out=shrunk)
+            codes -= shrunk
         zero = codes @ (ones / blocks.shape[-1])
         beta *= KAPPA
     zero = best_zero
