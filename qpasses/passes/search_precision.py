@@ -154,8 +154,8 @@ class SearchPrecision(Pass):
         objective = Objective(metric, model=model.to_proto(metadata=False))
         search = _Search(self, model, ctx, check, groups, objective, target, fallback)
         first = search.check([])
-        decision = {"metric": metric, "target": target, "fallback": fallback, "feeds": len(check.feeds),
-                    "held_out": held_out, "confidence": self.confidence} | search.spread([], "quantized")
+        decision = {"metric": metric, "target": target, "fallback": fallback, "feeds": len(check.feeds), "held_out": held_out,
+                    "confidence": self.confidence, **({"aim": aim} if aim > target else {})} | search.spread([], "quantized")
         chosen, reached = search.search(len(ORDERS) if aim > target else 0) if first < target else ([], first)
         if aim > target and reached < aim:
             chosen, reached = search.aim(chosen, aim, keep)
@@ -166,7 +166,7 @@ class SearchPrecision(Pass):
             total = len(groups)
             how = f"taken over the {search.aimed}" if search.aimed in ORDERS else search.aimed
             goal = f"target {target:g}" + (f", aim {aim:g} with {keep:.0%} of the weighted ops 8-bit: {how}"
-                                           if "aim" in decision else "")
+                                           if "aimed" in decision else "")
             promote(model, [groups[name] for name in chosen], fallback, {
                 name: (f"{NAME}: kept {fallback}: local quantization error {search.local_db[name]:+.1f} dB "
                        f"of its typical value; with {len(chosen)} of {total} tensors kept {fallback} the "

@@ -126,7 +126,7 @@ def _summary(info: dict) -> list[str]:
         promoted = search.get("promoted", [])
         aim = (f" (aim {escape(str(search['aim']))} with {100 * search.get('keep_8bit', 0):.0f} % of the weighted ops "
                f"8-bit, {'met' if search.get('aim_met') else 'not met'}: {escape(str(search.get('aimed')))})"
-               if "aim" in search else "")
+               if "aimed" in search else "")
         out.append(f"<p>search-precision: target {escape(str(search.get('target')))} {escape(str(search.get('metric')))}{aim}, "
                    f"quantized {escape(str(search.get('quantized')))}, reached {escape(str(search.get('reached')))}; "
                    f"{len(promoted)} tensors promoted to {escape(str(search.get('fallback')))}"

@@ -1,0 +1,77 @@
+"""quantize-silu: SiLU gates 8-bit when the outputs allow, as integer kernels in onnxruntime."""
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from qpasses.api import run_pipeline
+from qpasses.context import RunContext
+from qpasses.ir import from_proto
+from qpasses.passes.quantize_silu import QuantizeSilu
+from qpasses.pipeline import PassManager
+from qpasses.testing import parse
+
+SILU = """
+<ir_version: 10, opset_import: ["" : 17]>
+g (float[1, 8, 6, 6] x) => (float[1, 4, 6, 6] y) <float[8, 8, 1, 1] w = {%s}, float[4, 8, 1, 1] v = {%s}>
+{
+    a = Conv(x, w)
+    g = Sigmoid(a)
+    s = Mul(a, g)
+    y = Conv(s, v)
+}
+"""
+
+
+def _model():
+    rng = np.random.default_rng(0)
+    w, v = rng.uniform(-0.5, 0.5, 64), rng.uniform(-0.5, 0.5, 32)
+    return from_proto(parse(SILU % (", ".join(f"{x:.4f}" for x in w), ", ".join(f"{x:.4f}" for x in v))))
+
+
+def _feeds(n=16):
+    rng = np.random.default_rng(1)
+    return [{"x": rng.normal(0, 1, (1, 8, 6, 6)).astype(np.float32)} for _ in range(n)]
+
+
+def _run(config=None, search=None, **options):
+    model, ctx = _model(), RunContext(config, _feeds())
+    PassManager("annotate-types,calibrate").run(model, ctx)
+    if search is not None:   # what search-precision decided
+        model.decisions["precision_search"] = search
+    record = PassManager([QuantizeSilu(**options)]).run(model, ctx)[0]
+    return model, ctx, record
+
+
+def test_the_gate_becomes_8_bit_and_runs_as_integer_kernels(tmp_path):
+    model, ctx, record = _run()
+    decision = model.decisions["silu_gates"]
+    assert record.modified and decision["quantized"] and decision["gates"] == ["g"]
+    gate, source = model.quant["g"], model.quant["a"]
+    assert gate.qtype == source.qtype and "quantize-silu" in gate.why[-1] and "g" not in model.decisions.get("float", {})
+    lo, hi = model.ranges["a"]
+    assert model.ranges["g"] == pytest.approx((1 / (1 + np.exp(-lo)), 1 / (1 + np.exp(-hi))))
+    run_pipeline(model, "compute-qparams,fix-bias-scales,insert-qdq,insert-converts", ctx=ctx)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(model.to_proto().SerializeToString(), options, providers=["CPUExecutionProvider"])
+    import onnx
+    ops = {n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node}
+    assert {"QLinearSigmoid", "QLinearMul"} <= ops and "Sigmoid" not in ops
+
+
+@pytest.mark.parametrize(("search", "options", "quantized"), [
+    (None, {"margin_db": -100.0}, False),                                      # must gain 100 dB
+    ({"metric": "snr", "target": 1000.0}, {}, False),                          # below the target
+    ({"metric": "snr", "target": 0.0, "aim": -1000.0}, {"margin_db": -100.0}, True),   # meets the aim
+])
+def test_the_gates_stay_float_unless_the_outputs_allow(search, options, quantized):
+    model, _, _ = _run(search=search, **options)
+    decision = model.decisions["silu_gates"]
+    assert decision["quantized"] is quantized and ("g" in model.quant) is quantized
+    if not quantized:
+        assert "quantize-silu: 8-bit SiLU gates took" in model.decisions["float"]["g"]["reason"]
+
+
+def test_an_explicit_op_selection_is_left_alone():
+    model, _, record = _run({"op_types_to_quantize": ["Conv"]})
+    assert not record.modified and "silu_gates" not in model.decisions and "g" not in model.quant
