@@ -11,7 +11,7 @@ from .calibration.data import InputSpec, validate
 from .calibration import segments
 from .errors import ModelError
 from .ir import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
-from .scored_runs import ScoredRuns, model_bytes
+from .scored_runs import ScoredRuns
 
 
 def session(model, *, optimize: bool = True):
@@ -278,100 +278,15 @@ class Reference:
             self._signal_cache = np.array([self.sums(i) for i in range(len(self.feeds))]).reshape(len(self.feeds), columns)
         return self._signal_cache
 
-    def contender(self, test_model, *, penalty: float = 0.0, optimize: bool = True, keep: int = 0) -> "Contender":
-        """``test_model`` ready to be scored on the kept feeds (see Contender, duel)."""
+    def contender(self, test_model, *, penalty: float = 0.0, optimize: bool = True, keep: int = 0):
+        """``test_model`` ready to be scored on the kept feeds (qpasses.duels.Contender)."""
+        from .duels import Contender
         return Contender(self, test_model, penalty=penalty, optimize=optimize, keep=keep)
 
-    def duel(self, best: "Contender", challenger: "Contender", *, min_samples: int = 8, z: float = 3.0) -> "Contender":
-        """Run ``best`` and ``challenger`` on the same feeds, ``best`` a block of ``min_samples``
-        ahead, until one trails the other by more than ``z`` standard errors (paired jackknife over
-        the feeds both ran) both with and without the penalties (checked from ``min_samples`` feeds
-        on; ``z`` = 0: never) or every feed ran. Returns the winner (a tie: ``best``); a loser that stopped early
-        is marked ``dropped``. onnxruntime's errors are raised."""
-        n = len(self.feeds)
-        best.advance(min_samples)
-        while challenger.ran < n:
-            if challenger.ran >= best.ran:
-                best.advance(best.ran + max(min_samples, 1))
-            challenger.advance(challenger.ran + 1)
-            if z > 0 and min_samples <= challenger.ran < n:
-                for loser, winner in ((challenger, best), (best, challenger)):
-                    # behind with and without the penalties: feeds on which both score alike
-                    # (saturated outputs) have no spread, and a penalty alone must not stop a variant
-                    if loser.margin(winner, z, penalties=False) < min(0.0, loser.penalty - winner.penalty):
-                        loser.dropped = True
-                        return winner
-        return challenger if challenger.score() > best.score() else best
-
-
-class Contender:
-    """A test model scored against a Reference feed by feed, resumable: ``advance(m)`` runs it on
-    the kept feeds up to the m-th; its score is its worst output SNR (of a component, after
-    Reference.split) over the feeds it ran minus ``penalty``; ``errors``: per feed and column
-    (Reference.sums), the sum of squared errors. ``keep``: its outputs
-    on the first ``keep`` feeds are kept (``kept``, a ScoredRuns) for a later check of the same model."""
-
-    def __init__(self, reference: Reference, test_model, *, penalty: float = 0.0, optimize: bool = True,
-                 keep: int = 0):
-        self.reference, self.penalty, self.dropped = reference, penalty, False
-        self.kept = None
-        if keep > 0:   # its first outputs are kept (ScoredRuns): the model is identified by its bytes
-            test_model = model_bytes(test_model)
-            self.kept = ScoredRuns(test_model, optimize, keep)
-        self.session = session(test_model, optimize=optimize)
-        if self.kept is not None:
-            self.kept.io = io_names(self.session)
-        _check_same_signature(reference.inputs, reference.names, self.session)
-        self.errors = np.zeros(reference._signal().shape)
-        self.ran = 0
-
-    def advance(self, upto: int) -> None:
-        ref = self.reference
-        for i in range(self.ran, min(upto, len(ref.feeds))):
-            values = self.session.run(ref.names, ref.feeds[i])
-            if self.kept is not None:
-                self.kept.add(ref, i, values)
-            self.errors[i] = ref.sums(i, values)
-            self.ran = i + 1
-
-    def snr(self) -> float:
-        """The worst output (or component) SNR over the feeds it ran."""
-        return float(_worst_snr(self.reference._signal()[:self.ran].sum(0), self.errors[:self.ran].sum(0)))
-
-    def score(self) -> float:
-        return self.snr() - self.penalty
-
-    def margin(self, other: "Contender", z: float = 0.0, penalties: bool = True) -> float:
-        """This score (SNR without ``penalties``) minus ``other``'s over the feeds both ran, plus
-        ``z`` standard errors."""
-        m = min(self.ran, other.ran)
-        handicap = other.penalty - self.penalty if penalties else 0.0
-        return _margin(self.reference._signal()[:m], self.errors[:m], other.errors[:m], z) + handicap
-
-    def close(self) -> None:
-        """Free the onnxruntime session (the errors stay)."""
-        self.session = None
-
-
-def _worst_snr(signal: np.ndarray, error: np.ndarray):
-    """min over outputs (last axis) of 10*log10(signal / error), with snr_db's conventions."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        snr = 10 * np.log10(signal / error)
-    return np.where(error == 0, np.inf, np.where(signal == 0, -np.inf, snr)).min(axis=-1)
-
-
-def _margin(signal: np.ndarray, errors: np.ndarray, best: np.ndarray, z: float) -> float:
-    """The SNR from per-feed ``errors`` minus the one from ``best`` (same feeds: rows), plus ``z``
-    paired jackknife standard errors of that difference (SNRs capped to +-400 dB)."""
-    n, total = signal.shape[0], signal.sum(0)
-
-    def snrs(e):   # over all rows, and leaving each row out
-        loo = _worst_snr(np.maximum(total - signal, 0), np.maximum(e.sum(0) - e, 0))
-        return np.clip(_worst_snr(total, e.sum(0)), -400, 400), np.clip(loo, -400, 400)
-
-    (full, loo), (best_full, best_loo) = snrs(errors), snrs(best)
-    diff = loo - best_loo
-    return float(full - best_full) + z * math.sqrt((n - 1) / n * float(np.sum((diff - diff.mean()) ** 2)))
+    def duel(self, best, challenger, *, min_samples: int = 8, z: float = 3.0):
+        """The winner of two contenders on these feeds (qpasses.duels.duel)."""
+        from .duels import duel
+        return duel(self, best, challenger, min_samples=min_samples, z=z)
 
 
 def compare(reference_model, test_model, feeds, max_samples: int | None = None, *, objective=None) -> dict:

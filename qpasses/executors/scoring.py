@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 
 from ..errors import first_line
-from ..evaluate import Contender, Reference
+from ..duels import Contender
+from ..evaluate import Reference
 from . import portable
 
 
