@@ -76,10 +76,11 @@ class QuantizeSilu(Pass):
         if DECISION in model.decisions or config.op_types_to_quantize is not None or config.target:
             return PassResult(model, False, {"gates": 0})
         gates = silu_gates(model)
+        if not gates:
+            return PassResult(model, False, {"gates": 0})
         skip = rerun_skip_reason(model, ctx.calibration_data, self.max_nodes, self.max_weight_mb)
-        if not gates or skip:
-            if skip and gates:
-                ctx.findings.set(NAME, {"skipped": skip})
+        if skip:
+            ctx.findings.set(NAME, {"skipped": skip})
             return PassResult(model, False, {"gates": 0})
         search = model.decisions.get(SEARCH, {})
         metric, target, aim = search.get("metric", config.accuracy.metric), search.get("target"), search.get("aim")
@@ -89,15 +90,14 @@ class QuantizeSilu(Pass):
         except CalibrationDataError as exc:
             ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
             return PassResult(model, False, {"gates": 0})
-        why = (f"{NAME}: a SiLU gate, 8-bit so onnxruntime runs x * Sigmoid(x) on integer kernels: the worst "
-               f"output component's {metric} went from {{before:.4g}} to {{after:.4g}} on {len(reference.feeds)} "
-               "calibration feeds")
         before = self._score(model, ctx, reference, objective, {})
         after = self._score(model, ctx, reference, objective, gates)
         allowed = self.margin_db if metric == "snr" else 0.0
         keep = (target is None or after >= target) and (after >= before - allowed or (aim is not None and after >= aim))
         if keep:
-            quantize_gates(model, gates, why.format(before=before, after=after))
+            quantize_gates(model, gates, f"{NAME}: a SiLU gate, 8-bit so onnxruntime runs x * Sigmoid(x) on integer "
+                                         f"kernels: the worst output component's {metric} went from {before:.4g} to "
+                                         f"{after:.4g} on {len(reference.feeds)} calibration feeds")
         else:
             floats = model.decisions.setdefault(FLOAT, {})
             for gate in gates:

@@ -75,3 +75,20 @@ def test_the_gates_stay_float_unless_the_outputs_allow(search, options, quantize
 def test_an_explicit_op_selection_is_left_alone():
     model, _, record = _run({"op_types_to_quantize": ["Conv"]})
     assert not record.modified and "silu_gates" not in model.decisions and "g" not in model.quant
+
+
+def test_a_run_resumed_around_it_gives_the_same_bytes(tmp_path):
+    from qpasses.ir import load, save
+    from qpasses.pipeline import QUANTIZE_PIPELINE
+
+    def run(model, passes):
+        return run_pipeline(model, passes, ctx=RunContext(None, _feeds()))[0]
+
+    whole = run(_model(), QUANTIZE_PIPELINE)
+    assert whole.decisions["silu_gates"]["quantized"]
+    passes = QUANTIZE_PIPELINE.split(",")
+    at = passes.index("quantize-silu")
+    for cut in (at, at + 1):   # before it and after it
+        save(run(_model(), ",".join(passes[:cut])), tmp_path / "cut.onnx")
+        resumed = run(load(tmp_path / "cut.onnx"), ",".join(passes[cut:]))
+        assert resumed.to_proto().SerializeToString() == whole.to_proto().SerializeToString(), passes[cut - 1]
