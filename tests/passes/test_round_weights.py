@@ -121,18 +121,17 @@ def test_8_bit_inputs_when_asked_and_a_second_run_changes_nothing():
 
 @pytest.mark.parametrize(("aim_met", "rounded"), [(False, True), (True, False), (None, False)])
 def test_8_bit_inputs_are_rounded_when_the_search_ended_below_its_aim(aim_met, rounded):
-    """search-precision's saved decision (aim_met False: accuracy short of the aim) lets the
-    GPTQ codes reach the 8-bit-input layers; met, or no aim, leaves them alone."""
+    """With below_aim, search-precision's saved decision (aim_met False: accuracy short of the aim)
+    lets the GPTQ codes reach the 8-bit-input layers; met, or no aim, leaves them alone."""
     feeds = _feeds((1, 8, 12, 12), 4)
     model = model_from_text(CONV)
     run_passes("annotate-types,calibrate,compute-qparams", model, {}, feeds)
     if aim_met is not None:
         model.decisions["precision_search"] = {"target": 12.0, "aim": 25.0, "aim_met": aim_met}
     off = model.copy()
-    record = run_passes("round-weights", model, {}, feeds)[0]
+    record = run_passes("round-weights{below_aim=true}", model, {}, feeds)[0]
     assert record.modified is rounded and ("weight_rounding" in model.decisions) is rounded
-    if aim_met is False:   # switched off, the same decision leaves them alone
-        assert not run_passes("round-weights{below_aim=false}", off, {}, feeds)[0].modified
+    assert not run_passes("round-weights", off, {}, feeds)[0].modified   # off by default
 
 
 def test_layers_with_too_few_input_rows_keep_round_to_nearest():
