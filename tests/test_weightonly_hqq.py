@@ -3,22 +3,16 @@ import numpy as np
 import pytest
 
 from qpasses.weightonly import hqq
-from qpasses.weightonly.blocks import minmax_params, rows_of
+from qpasses.weightonly.blocks import rows_of
 
 
 def plain_hqq(weight, bits, block_size, integer_zero_points, iterations=hqq.ITERATIONS):
-    """(scales, zero points) as the module docstring says: min-max start, shrink, zero update,
+    """(scales, zero points) as the module docstring says: from the min-max start, shrink, zero update,
     per-block best, stop once an update gains less than MIN_GAIN (sums as hqq takes them)."""
     blocks = rows_of(weight, block_size)
     top, ones = 2 ** bits - 1, np.ones(block_size, np.float32)
-    if integer_zero_points:
-        scales, zero = minmax_params(blocks, bits, symmetric=False)
-    else:
-        lo, hi = blocks.min(axis=-1), blocks.max(axis=-1)
-        scales = ((hi - lo) / top).astype(np.float32)
-        zero = -lo / np.where(scales == 0, 1, scales)
-    scales = np.where(scales == 0, 1, scales).astype(np.float32)
-    zero, inv = zero.astype(np.float32), (1 / scales)[..., None]
+    scales, zero = hqq.start(blocks, bits, integer_zero_points)   # the start is not what is checked here
+    inv = (1 / scales)[..., None]
     scaled = blocks * inv
     beta, best_err, best_zero, total = hqq.BETA, None, zero, np.inf
     for _ in range(iterations + 1):

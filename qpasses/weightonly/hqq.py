@@ -24,24 +24,30 @@ def _shrink(x: np.ndarray, beta: float, p: float, tmp: np.ndarray) -> np.ndarray
     return np.copysign(step, x, out=x)
 
 
+def start(blocks: np.ndarray, bits: int, integer_zero_points: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The min-max scales (never 0) and zero points the updates start from, float32. Integer zero
+    points need a range that contains 0."""
+    if integer_zero_points:
+        scales, zero = minmax_params(blocks, bits, symmetric=False)
+    else:
+        lo, hi = blocks.min(axis=-1), blocks.max(axis=-1)
+        scales = ((hi - lo) / (2 ** bits - 1)).astype(np.float32)
+        zero = -lo / np.where(scales == 0, 1, scales)
+    return np.where(scales == 0, 1, scales).astype(np.float32), zero.astype(np.float32)
+
+
 def quantize_hqq(weight: np.ndarray, bits: int, block_size: int, integer_zero_points: bool,
                  iterations: int = ITERATIONS) -> Blocked:
     """W [K, N] -> Blocked, asymmetric. ``integer_zero_points``: rounded to the code range at the
     end (DequantizeLinear needs them; MatMulNBits takes float ones)."""
     blocks = rows_of(weight, block_size)
     top = 2 ** bits - 1
-    if integer_zero_points:   # a zero point in the code range: the range must contain 0
-        scales, zero = minmax_params(blocks, bits, symmetric=False)
-    else:
-        lo, hi = blocks.min(axis=-1), blocks.max(axis=-1)
-        scales = ((hi - lo) / top).astype(np.float32)
-        zero = -lo / np.where(scales == 0, 1, scales)
-    scales = np.where(scales == 0, 1, scales).astype(np.float32)
-    zero = zero.astype(np.float32)
+    scales, zero = start(blocks, bits, integer_zero_points)
     s, inv = scales[..., None], (1 / scales)[..., None]
     scaled = blocks * inv   # the loop works in code units: w / s, and residuals u = (w - dequantized) / s
     codes, u, tmp = (np.empty(blocks.shape, np.float32) for _ in range(3))
     ones = np.ones(blocks.shape[-1], np.float32)   # sums over a block as products: numpy reduces short rows slowly
+    mean, largest = ones / blocks.shape[-1], float(scales.max())
     beta, best_err, best_zero, total = BETA, None, zero, np.inf
     for _ in range(iterations + 1):
         np.add(scaled, zero[..., None], out=codes)
@@ -57,7 +63,7 @@ def quantize_hqq(weight: np.ndarray, bits: int, block_size: int, integer_zero_po
         if err.sum() > total * (1 - MIN_GAIN):   # the last update did not pay: later ones pay less
             break
         total = err.sum()
-        if tmp.max() * scales.max() < beta ** (-1 / (2 - LP)) * 0.999:   # every residual shrinks to 0
+        if tmp.max() * largest < beta ** (-1 / (2 - LP)) * 0.999:   # every residual shrinks to 0
             codes -= scaled                                                # (|x|^(2-p) < 1/beta)
         else:
             u *= s
@@ -65,7 +71,7 @@ def quantize_hqq(weight: np.ndarray, bits: int, block_size: int, integer_zero_po
             shrunk *= inv
             np.subtract(scaled, shrunk, out=shrunk)
             codes -= shrunk
-        zero = codes @ (ones / blocks.shape[-1])
+        zero = codes @ mean
         beta *= KAPPA
     zero = best_zero
     if integer_zero_points:
