@@ -1,6 +1,7 @@
 """Numeric comparison of two models in onnxruntime: SNR and max error per output."""
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import onnx
 
 from .calibration.data import InputSpec, validate
 from .calibration import segments
-from .errors import ModelError
+from .errors import CalibrationDataError, ModelError
 from .ir import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
 from .scored_runs import ScoredRuns
 
@@ -158,6 +159,30 @@ class Reference:
         if len(kept.feeds) < min(count, min_samples) and kept.full:
             return None
         return cls(kept.names, list(kept.feeds[0]), kept.feeds[:count], kept.outputs[:count])
+
+    @classmethod
+    def for_check(cls, model: QModel, data, kept, max_samples: int, enough_values: int) -> tuple["Reference", bool]:
+        """The float outputs a search checks quantized copies against, and whether its feeds were held
+        out: the feeds calibrate held out of its ranges (``model.decisions["calibration"]
+        ["held_out_from"]`` on), else the first ones, taken from ``kept`` (KeptSamples) when it holds
+        them; as many as ``run`` takes with ``min_samples`` MIN_FEEDS."""
+        from .calibration.data import open_data
+        from .calibration.sessions import unrunnable
+        start = model.decisions.get("calibration", {}).get("held_out_from")
+        reference = None if start else cls.from_kept(kept, model, max_samples, enough_values, MIN_FEEDS)
+        if reference is not None:   # calibrate ran the float model on these feeds: no second run
+            return reference, False
+        data = open_data(data)
+        feeds = itertools.islice(data, start, None) if start else iter(data)
+        try:
+            reference = cls.run(model, feeds, max_samples, enough_values=enough_values, min_samples=MIN_FEEDS)
+        except (CalibrationDataError, ModelError):
+            raise
+        except Exception as exc:   # onnxruntime refused the float model (calibrate may not have run it)
+            raise ModelError(f"onnxruntime cannot run the model: {unrunnable(model, exc)}") from None
+        if not reference.feeds:
+            raise CalibrationDataError("no feed to score on")
+        return reference, bool(start)
 
     @classmethod
     def run(cls, reference_model, feeds, max_samples: int | None = None, enough_values: int = 0,

@@ -10,13 +10,13 @@ import numpy as np
 from ..annotations import TensorQuant
 from ..decisions import FLOAT
 from ..ir import QModel
-from ..qtypes import qtype
+from ..summary import EIGHT_BIT
 
 
 def silu_gates(model: QModel) -> dict[str, str]:
     """Sigmoid output -> its input x, for each main-graph ``Mul(x, Sigmoid(x))`` whose x and product
-    are quantized 8-bit activations (no convert, not fixed) and whose Sigmoid output, read by that
-    Mul only, is left float."""
+    are int8/uint8 activations (no convert, not fixed: QLinearSigmoid and QLinearMul take them) and
+    whose Sigmoid output, read by that Mul only, is left float."""
     table, out = model.quant, {}
     for node in model.graph.nodes:
         if node.op != "Sigmoid" or len(node.outputs) != 1:
@@ -50,7 +50,7 @@ def quantize_gates(model: QModel, gates: dict[str, str], reason: str) -> None:
 
 def _plain_8bit(tq: TensorQuant | None) -> bool:
     return (tq is not None and tq.role == "activation" and tq.convert is None and not tq.fixed
-            and tq.shares is None and tq.rmin is None and tq.rmax is None and qtype(tq.qtype).bits == 8)
+            and tq.shares is None and tq.rmin is None and tq.rmax is None and tq.qtype in EIGHT_BIT)
 
 
 def _sigmoid(v: float) -> float:

@@ -1,15 +1,13 @@
 """quantize-silu: 8-bit SiLU gates where the outputs show that they cost (almost) nothing."""
 from __future__ import annotations
 
-import itertools
 from dataclasses import field
 from typing import ClassVar
 
 from ..analysis.silu import quantize_gates, silu_gates
-from ..calibration.data import open_data
 from ..decisions import FLOAT
 from ..errors import CalibrationDataError, first_line
-from ..evaluate import MIN_FEEDS, Reference, rerun_skip_reason
+from ..evaluate import Reference, rerun_skip_reason
 from ..executors.scoring import objective_score
 from ..ir import QModel
 from ..objective import Objective
@@ -86,7 +84,7 @@ class QuantizeSilu(Pass):
         metric, target, aim = search.get("metric", config.accuracy.metric), search.get("target"), search.get("aim")
         objective = Objective(metric, model=model.to_proto(metadata=False))
         try:
-            reference = self._reference(model, ctx)
+            reference, _ = Reference.for_check(model, ctx.calibration_data, None, self.samples, self.output_values)
         except CalibrationDataError as exc:
             ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
             return PassResult(model, False, {"gates": 0})
@@ -109,15 +107,6 @@ class QuantizeSilu(Pass):
         model.decisions[DECISION] = decision
         ctx.findings.set(NAME, decision)
         return PassResult(model, True, {"gates": len(gates) if keep else 0})
-
-    def _reference(self, model: QModel, ctx) -> Reference:
-        start = model.decisions.get("calibration", {}).get("held_out_from")
-        data = open_data(ctx.calibration_data)
-        feeds = itertools.islice(data, start, None) if start else iter(data)
-        reference = Reference.run(model, feeds, self.samples, enough_values=self.output_values, min_samples=MIN_FEEDS)
-        if not reference.feeds:
-            raise CalibrationDataError("no feed to score on")
-        return reference
 
     def _score(self, model: QModel, ctx, reference: Reference, objective, gates: dict) -> float:
         trial = model.copy(share_weights=True)

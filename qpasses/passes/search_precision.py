@@ -2,7 +2,6 @@
 model's outputs meet an accuracy target on held-out calibration feeds."""
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from dataclasses import field
@@ -12,11 +11,9 @@ from typing import ClassVar
 from .. import executors
 from ..analysis.sensitivity import eight_bit_share, graph_order, local_errors, promotion_groups, promote
 from ..analysis.walks import Walk, aimed, fewest
-from ..calibration.data import open_data
 from ..config import ACCURACY_FALLBACKS, ACCURACY_METRICS
-from ..calibration.sessions import unrunnable
-from ..errors import CalibrationDataError, ModelError, first_line
-from ..evaluate import MIN_FEEDS, Reference, rerun_skip_reason
+from ..errors import CalibrationDataError, first_line
+from ..evaluate import Reference, rerun_skip_reason
 from ..executors import speculate
 from ..executors.scoring import objective_score, objective_scores
 from ..ir import QModel
@@ -147,7 +144,8 @@ class SearchPrecision(Pass):
             ctx.findings.set(NAME, {"skipped": skip or "nothing quantized to promote"})
             return PassResult(model, False, {"promoted": 0})
         try:
-            check, held_out = self._reference(model, ctx)
+            check, held_out = Reference.for_check(model, ctx.calibration_data, ctx.cache.pop("kept_samples", None),
+                                                  self.samples, self.output_values)
         except CalibrationDataError as exc:
             ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
             return PassResult(model, False, {"promoted": 0})
@@ -179,26 +177,6 @@ class SearchPrecision(Pass):
         model.decisions[DECISION] = decision
         ctx.findings.set(NAME, decision)
         return PassResult(model, True, {"promoted": len(chosen), "evaluations": search.evaluations})
-
-    def _reference(self, model: QModel, ctx):
-        """The float outputs on the held-out feeds (or the first ones), and whether they were held out."""
-        start = model.decisions.get("calibration", {}).get("held_out_from")
-        kept = ctx.cache.pop("kept_samples", None)
-        reference = None if start else Reference.from_kept(kept, model, self.samples, self.output_values, MIN_FEEDS)
-        if reference is not None:   # calibrate ran the float model on these feeds: no second run
-            return reference, False
-        data = open_data(ctx.calibration_data)
-        feeds = itertools.islice(data, start, None) if start else iter(data)
-        try:
-            reference = Reference.run(model, feeds, self.samples, enough_values=self.output_values, min_samples=MIN_FEEDS)
-        except (CalibrationDataError, ModelError):
-            raise
-        except Exception as exc:   # onnxruntime refused the float model (calibrate may not have run it)
-            raise ModelError(f"onnxruntime cannot run the model: {unrunnable(model, exc)}") from None
-        if not reference.feeds:
-            raise CalibrationDataError("no feed to score on")
-        return reference, bool(start)
-
 
 class _Search:
     """Scores on the held-out feeds of the model with some tensor groups promoted (cached). With a
