@@ -39,8 +39,9 @@ class Variant:
     why: tuple[list[str], str] = ([], "")  # table entries it changes and the reason it gives them
 
 
-def range_variants(model: QModel, config) -> list[Variant]:
-    """The calibrated ranges, or the observed min/max (only when the user did not pick the method)."""
+def range_variants(model: QModel, config, fitted_penalty_db: float = 0.0) -> list[Variant]:
+    """The calibrated ranges, or the observed min/max (only when the user did not pick the method);
+    the calibrated ones handicapped by ``fitted_penalty_db``."""
     info = model.decisions.get("calibration", {})
     method = info.get("method", config.calibration.method)
     if info.get("given", True) or method == "minmax":
@@ -54,7 +55,8 @@ def range_variants(model: QModel, config) -> list[Variant]:
         m.decisions["calibration"] = {**m.decisions.get("calibration", {}), "method": "minmax", "given": False,
                                       "chosen_by": NAME, "over": method}   # held-out feeds stay held out
 
-    return [Variant("ranges", method, lambda m: None, changes=False), Variant("ranges", "minmax", use_minmax)]
+    return [Variant("ranges", method, lambda m: None, changes=False, penalty_db=fitted_penalty_db),
+            Variant("ranges", "minmax", use_minmax)]
 
 
 GEMM_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
@@ -110,9 +112,10 @@ class SelectBySnr(Pass):
     (per-tensor weights symmetric or asymmetric; only when ``weight_symmetric`` was not given).
     Each combination runs ``then`` on a copy of the model and is scored by the lowest SNR of an
     output component over the feeds (an output built by Concat judged piece by piece: probabilities
-    beside boxes), minus a penalty: ``asymmetric_penalty_db`` trades accuracy for onnxruntime's
-    faster symmetric kernels (by default it only settles ties); then the first wins (calibrated
-    ranges, asymmetric weights: the measured defaults). Variants are scored in that order, each
+    beside boxes), minus penalties: ``fitted_penalty_db`` for the calibrated ranges, which were
+    fitted to these feeds (their clipping is tuned to the tails seen here, and new data has
+    others); ``asymmetric_penalty_db`` trades accuracy for onnxruntime's faster symmetric kernels
+    (by default it only settles ties); then the first wins (calibrated ranges, asymmetric weights). Variants are scored in that order, each
     against the best so far on the same feeds, the best a block of 8 feeds ahead: from 8 feeds on,
     as soon as one trails the other by more than ``early_stop`` standard errors (jackknife over the
     feeds) both stop and the leader is kept. With ``bias_correction``, the chosen variant is scored
@@ -151,6 +154,9 @@ class SelectBySnr(Pass):
     asymmetric_penalty_db: float = field(default=0.05, metadata={
         "help": "dB asymmetric per-tensor weights must gain to be chosen: onnxruntime's int8 kernels "
                 "run them up to ~14 % slower (the default only settles ties)"})
+    fitted_penalty_db: float = field(default=1.0, metadata={
+        "help": "dB the calibrated ranges must gain over the observed min/max to be chosen: fitted to the "
+                "feeds that score them, they read 0.7-2.5 dB better there than on held-out data (bert_encoder)"})
     max_weight_mb: float = field(default=512.0, metadata={
         "help": "do nothing for models with more weight data than this (each variant quantizes a copy)"})
     max_nodes: int = field(default=2000, metadata={
@@ -171,7 +177,7 @@ class SelectBySnr(Pass):
 
     def run(self, model: QModel, ctx) -> PassResult:
         config = ctx.config
-        axes = [a for a in (range_variants(model, config),
+        axes = [a for a in (range_variants(model, config, self.fitted_penalty_db),
                             weight_variants(model, config, self.asymmetric_penalty_db)) if a]
         bias = (self.bias_correction and bool(split_after(self.then, "compute-qparams")[0])
                 and BIAS_DECISION not in model.decisions and _has_biases(model))
