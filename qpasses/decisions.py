@@ -4,6 +4,7 @@ from __future__ import annotations
 from .ir import QModel
 
 FLOAT = "float"
+PRECISION_SEARCH = "precision_search"   # search-precision's: metric, target, aim, promotions
 
 
 def leave_float(model: QModel, reasons: dict[str, str], by: str) -> None:

@@ -12,6 +12,7 @@ from qpasses.evaluate import Reference
 from qpasses.scored_runs import ScoredRuns
 from qpasses.examples import example_data, example_model
 from qpasses.ir import QModel, from_proto
+from qpasses.pipeline import QUANTIZE_PIPELINE
 from qpasses.testing import parse
 
 U8S8 = {"activation_type": "uint8", "weight_type": "int8", "per_channel": False, "calibration": {"method": "minmax"}}
@@ -54,10 +55,15 @@ CASES = {"example": (example_model, _example_feeds, U8S8),
          "outlier_mlp": (_mlp, _mlp_feeds, U8S8 | {"accuracy": {"target": 40}})}
 
 
-def _quantize(case: str) -> tuple[bytes, dict]:
+# select-by-snr before search-precision (the default has it after): the search's first check is
+# the model select-by-snr chose, on the same first feeds
+SELECT_FIRST = QUANTIZE_PIPELINE.replace("search-precision,select-by-snr", "select-by-snr,search-precision")
+
+
+def _quantize(case: str, passes: str | None) -> tuple[bytes, dict]:
     make, feeds, config = CASES[case]
     ctx = RunContext(config, feeds())
-    model, _ = run_pipeline(from_proto(make()), None, ctx=ctx)
+    model, _ = run_pipeline(from_proto(make()), passes, ctx=ctx)
     return model.to_proto().SerializeToString(), ctx.findings.as_dict()
 
 
@@ -66,8 +72,9 @@ def _plain_copier(self: QModel):
     return lambda: from_proto(self.to_proto())
 
 
+@pytest.mark.parametrize(("passes", "reuses"), [(None, []), (SELECT_FIRST, [True])])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_cheaper_trials_give_the_same_bytes(case, monkeypatch):
+def test_cheaper_trials_give_the_same_bytes(case, passes, reuses, monkeypatch):
     real_runs_for, reused = ScoredRuns.runs_for, []
 
     def runs_for(self, *args):
@@ -76,17 +83,17 @@ def test_cheaper_trials_give_the_same_bytes(case, monkeypatch):
         return runs
 
     monkeypatch.setattr(ScoredRuns, "runs_for", runs_for)
-    fast, findings = _quantize(case)
+    fast, findings = _quantize(case, passes)
     if case == "outlier_mlp":   # the paths this is about ran
         assert findings["search-precision"]["evaluations"] > 2 and findings["search-precision"]["promoted"]
     assert len(findings["select-by-snr"]["variants"]) == 2
-    assert reused == [True]   # search-precision's first check took select-by-snr's runs
+    assert reused == reuses   # select-by-snr first: search-precision's first check took its runs
     real_score = Reference.score
     monkeypatch.setattr(QModel, "copier", _plain_copier)
     monkeypatch.setattr(Reference, "score", lambda self, m, **kw: real_score(self, m, **(kw | {"per_output": True,
                                                                                               "reuse": None})))
-    plain, _ = _quantize(case)
-    assert fast == plain and reused == [True]
+    plain, _ = _quantize(case, passes)
+    assert fast == plain and reused == reuses
 
 
 def test_reuse_needs_the_same_model_and_feeds():

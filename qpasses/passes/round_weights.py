@@ -9,6 +9,7 @@ import onnx_graphsurgeon as gs
 
 from ..analysis.scopes import scopes
 from ..calibration.runner import collect_stats
+from ..decisions import PRECISION_SEARCH
 from ..errors import CalibrationDataError
 from ..evaluate import rerun_skip_reason
 from ..ir import QModel
@@ -149,7 +150,7 @@ class RoundWeights(Pass):
     def run(self, model: QModel, ctx) -> PassResult:
         if DECISION in model.decisions:
             return PassResult(model, False, {"rounded": 0})
-        short = self.below_aim and model.decisions.get("precision_search", {}).get("aim_met") is False
+        short = self.below_aim and model.decisions.get(PRECISION_SEARCH, {}).get("aim_met") is False
         targets = find_targets(model, 8 if short else self.activation_bits)
         if not targets:
             return PassResult(model, False, {"rounded": 0})

@@ -12,6 +12,7 @@ from .. import executors
 from ..analysis.sensitivity import eight_bit_share, graph_order, local_errors, promotion_groups, promote
 from ..analysis.walks import Walk, aimed, fewest
 from ..config import ACCURACY_FALLBACKS, ACCURACY_METRICS
+from ..decisions import PRECISION_SEARCH
 from ..errors import CalibrationDataError, first_line
 from ..evaluate import Reference, rerun_skip_reason
 from ..executors import speculate
@@ -25,7 +26,7 @@ from ..qdq import require_opset
 from ..registry import register
 
 NAME = "search-precision"
-DECISION = "precision_search"
+DECISION = PRECISION_SEARCH
 # The default target: a model whose worst output component is below 12 dB SNR is unusable on the
 # benchmark models (a detector's erased probabilities: 3 dB, an embedder at cosine 0.1: ~0 dB),
 # while ppocr_v4_det's masks agree at 0.95 IoU from 13 dB on: a higher default would spend
@@ -144,7 +145,7 @@ class SearchPrecision(Pass):
             ctx.findings.set(NAME, {"skipped": skip or "nothing quantized to promote"})
             return PassResult(model, False, {"promoted": 0})
         try:
-            check, held_out = Reference.for_check(model, ctx.calibration_data, ctx.cache.pop("kept_samples", None),
+            check, held_out = Reference.for_check(model, ctx.calibration_data, ctx.cache.get("kept_samples"),
                                                   self.samples, self.output_values)
         except CalibrationDataError as exc:
             ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..calibration.data import open_data
 from ..calibration.softmax import ROW_MAX_SUFFIX
+from ..decisions import PRECISION_SEARCH
 from ..errors import CalibrationDataError, first_line
 from ..evaluate import MIN_FEEDS, Reference, rerun_skip_reason
 from ..ir import QModel
@@ -24,7 +25,7 @@ from ..scored_runs import ScoredRuns
 NAME = "select-by-snr"
 CORRECT_BIAS = "correct-bias"
 BIAS_DECISION = "bias_correction"   # model.decisions key correct-bias reads: it does nothing when set
-KEEP_RUNS = 32   # the chosen variant's outputs on its first feeds, kept for search-precision's first check
+KEEP_RUNS = 32   # the chosen variant's outputs on its first feeds, kept for the next check of that model
 
 
 @dataclass
@@ -105,9 +106,12 @@ def _label(combo) -> str:
 class SelectBySnr(Pass):
     """Quantize each open variant on a copy, score its output SNR vs float, keep the best.
 
-    Reads: the table, ranges and observed min/max (after calibrate and annotate-types), the first
-    ``samples`` calibration feeds (fewer, at least 8, for big outputs or inputs) with the float
-    outputs calibrate kept for them (else the float model runs on them again). Open axes: ``ranges`` (the calibrated ranges or the observed
+    Reads: the table, ranges and observed min/max (after calibrate and annotate-types; in the
+    default pipeline after search-precision too, so the ranges are judged with the tensors it keeps
+    float left out: a few clipped tensors it promoted no longer count against the calibrated
+    ranges), search-precision's saved target, the first ``samples`` calibration feeds (fewer, at
+    least 8, for big outputs or inputs) with the float outputs calibrate kept for them (else the
+    float model runs on them again). Open axes: ``ranges`` (the calibrated ranges or the observed
     min/max; only when ``calibration.method`` was not chosen by the user) and ``weights``
     (per-tensor weights symmetric or asymmetric; only when ``weight_symmetric`` was not given).
     Each combination runs ``then`` on a copy of the model and is scored by the lowest SNR of an
@@ -115,7 +119,8 @@ class SelectBySnr(Pass):
     beside boxes), minus penalties: ``fitted_penalty_db`` for the calibrated ranges, which were
     fitted to these feeds (their clipping is tuned to the tails seen here, and new data has
     others); ``asymmetric_penalty_db`` trades accuracy for onnxruntime's faster symmetric kernels
-    (by default it only settles ties); then the first wins (calibrated ranges, asymmetric weights). Variants are scored in that order, each
+    (by default it only settles ties); then the first wins (calibrated ranges, asymmetric weights).
+    A variant below search-precision's SNR target is not chosen over one that meets it. Variants are scored in that order, each
     against the best so far on the same feeds, the best a block of 8 feeds ahead: from 8 feeds on,
     as soon as one trails the other by more than ``early_stop`` standard errors (jackknife over the
     feeds) both stop and the leader is kept. With ``bias_correction``, the chosen variant is scored
@@ -123,8 +128,9 @@ class SelectBySnr(Pass):
     are kept only if it wins. Writes: the chosen variant into ``model.ranges`` / the table (with a
     ``why`` line), the corrected bias values (or not) and ``model.decisions["bias_correction"]``
     (so the correct-bias pass does nothing more); every score goes to the findings. Also
-    ``ctx.cache["scored_runs"]``: the chosen variant's outputs on its first 32 feeds, which
-    search-precision's first check takes when it is the same model on the same feeds. With
+    ``ctx.cache["scored_runs"]``: the chosen variant's outputs on its first 32 feeds, which the
+    next check of the same model on the same feeds takes (quantize-silu's first score; with
+    select-by-snr first, search-precision's first check). With
     ``config.executor`` ray, the variants are scored as parallel tasks and the duels replayed on
     their per-feed errors (qpasses.executors.scoring): the same scores and choice.
     Invariants: the graph is not changed (copies share its weight arrays, read-only); nothing is
@@ -181,7 +187,7 @@ class SelectBySnr(Pass):
                             weight_variants(model, config, self.asymmetric_penalty_db)) if a]
         bias = (self.bias_correction and bool(split_after(self.then, "compute-qparams")[0])
                 and BIAS_DECISION not in model.decisions and _has_biases(model))
-        kept = ctx.cache.get("kept_samples")   # search-precision's reference too: it frees them
+        kept = ctx.cache.get("kept_samples")   # search-precision's and quantize-silu's reference too
         if not axes and not bias:
             return PassResult(model, False, {"variants": 0})
         skip = rerun_skip_reason(model, ctx.calibration_data, self.max_nodes, self.max_weight_mb)
@@ -220,6 +226,7 @@ class SelectBySnr(Pass):
         if best is None:   # the passes after this one will meet the same problem and say so
             ctx.findings.set(NAME, report | {"skipped": "no variant could be quantized and run"})
             return PassResult(model, False, {"variants": 0})
+        best = _within_target(model, scored, best)
         for variant in best[0]:
             variant.apply(model)
             names, reason = variant.why
@@ -230,7 +237,7 @@ class SelectBySnr(Pass):
                                  "penalty_db": round(r.penalty, 2), "samples": r.ran}
                                 | ({"dropped": True} if r.dropped else {}) for c, r in scored]}
         decided = self._bias_correction(model, ctx, best[1], reference, report, fused) if bias else False
-        if getattr(best[1], "kept", None) is not None:   # search-precision's first check may be this model:
+        if getattr(best[1], "kept", None) is not None and best[1].session is not None:   # a later check may be this model:
             best[1].advance(KEEP_RUNS)   # its runs on every feed it keeps (an early stop ran fewer)
             ctx.cache[ScoredRuns.CACHE_KEY] = best[1].kept
         best[1].close()
@@ -316,6 +323,17 @@ class SelectBySnr(Pass):
             except CalibrationDataError:
                 return None
         return reference.split(Objective("snr", model=model)) if reference.feeds else None
+
+
+def _within_target(model: QModel, scored: list, best: tuple) -> tuple:
+    """The best variant that keeps search-precision's SNR target (its saved decision, when it ran
+    first) if the best one falls below it: a range choice made after the search must not undo it."""
+    search = model.decisions.get(PRECISION_SEARCH, {})
+    target = search.get("target") if search.get("metric") == "snr" else None
+    if target is None or best[1].snr() >= target:
+        return best
+    meeting = [s for s in scored if s[1].snr() >= target]
+    return max(meeting, key=lambda s: s[1].score()) if meeting else best
 
 
 def _has_biases(model: QModel) -> bool:

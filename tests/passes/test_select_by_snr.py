@@ -123,6 +123,21 @@ def test_calibrated_ranges_need_to_lead_by_their_penalty(penalty, chosen):
     assert report["chosen"] == f"ranges {chosen}" and record.modified == (chosen == "minmax")
 
 
+@pytest.mark.parametrize("metric, chosen", [("snr", DEFAULT), ("cosine", "minmax")])
+def test_a_choice_after_the_search_keeps_its_snr_target(metric, chosen):
+    """After search-precision (its saved decision): min/max leads under the handicap but reads below
+    the search's SNR target while the calibrated ranges meet it, so they stay."""
+    model, data = model_from_text(SIGMOID), outlier_feeds()
+    ctx = RunContext(ALL, data)
+    run_pipeline(model, BEFORE, ctx=ctx)
+    model.decisions["precision_search"] = {"metric": metric, "target": 27.0}
+    run_pipeline(model, NAME, ctx=ctx)
+    report = ctx.findings.as_dict()[NAME]
+    scores = {v["variant"]: v["snr_db"] for v in report["variants"]}
+    assert scores["ranges minmax"] < 27.0 <= scores[f"ranges {DEFAULT}"] < scores["ranges minmax"] + 1
+    assert report["chosen"] == f"ranges {chosen}"
+
+
 @pytest.mark.parametrize("config", [{"calibration": {"method": "percentile"}},
                                     {"calibration": {"method": "minmax"}}])
 def test_a_method_the_user_chose_is_kept(config):
