@@ -215,7 +215,7 @@ def print_pipeline(passes) -> str:
 
 BASE_PIPELINE = "fold-constants,fold-batchnorm,cleanup"
 QUANTIZE_PIPELINE = (BASE_PIPELINE + ",smooth-quant,annotate-types,propagate-mixed-precision,calibrate,"
-                     "search-precision,select-by-snr,quantize-silu,compute-qparams,round-weights,correct-bias,fix-bias-scales,insert-qdq,insert-converts,cleanup")
+                     "select-by-snr,search-precision,quantize-silu,compute-qparams,round-weights,correct-bias,fix-bias-scales,insert-qdq,insert-converts,cleanup")
 
 
 WEIGHT_ONLY_PIPELINE = BASE_PIPELINE + ",quantize-weights,cleanup"

@@ -55,9 +55,8 @@ CASES = {"example": (example_model, _example_feeds, U8S8),
          "outlier_mlp": (_mlp, _mlp_feeds, U8S8 | {"accuracy": {"target": 40}})}
 
 
-# select-by-snr before search-precision (the default has it after): the search's first check is
-# the model select-by-snr chose, on the same first feeds
-SELECT_FIRST = QUANTIZE_PIPELINE.replace("search-precision,select-by-snr", "select-by-snr,search-precision")
+# select-by-snr after search-precision: the search's first check cannot take its runs
+SEARCH_FIRST = QUANTIZE_PIPELINE.replace("select-by-snr,search-precision", "search-precision,select-by-snr")
 
 
 def _quantize(case: str, passes: str | None) -> tuple[bytes, dict]:
@@ -72,7 +71,7 @@ def _plain_copier(self: QModel):
     return lambda: from_proto(self.to_proto())
 
 
-@pytest.mark.parametrize(("passes", "reuses"), [(None, []), (SELECT_FIRST, [True])])
+@pytest.mark.parametrize(("passes", "reuses"), [(None, [True]), (SEARCH_FIRST, [])])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cheaper_trials_give_the_same_bytes(case, passes, reuses, monkeypatch):
     real_runs_for, reused = ScoredRuns.runs_for, []
@@ -87,7 +86,7 @@ def test_cheaper_trials_give_the_same_bytes(case, passes, reuses, monkeypatch):
     if case == "outlier_mlp":   # the paths this is about ran
         assert findings["search-precision"]["evaluations"] > 2 and findings["search-precision"]["promoted"]
     assert len(findings["select-by-snr"]["variants"]) == 2
-    assert reused == reuses   # select-by-snr first: search-precision's first check took its runs
+    assert reused == reuses   # the default: search-precision's first check took select-by-snr's runs
     real_score = Reference.score
     monkeypatch.setattr(QModel, "copier", _plain_copier)
     monkeypatch.setattr(Reference, "score", lambda self, m, **kw: real_score(self, m, **(kw | {"per_output": True,

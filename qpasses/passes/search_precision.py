@@ -198,7 +198,8 @@ class _Search:
         self.raised: QModel | None = None   # the model at the highest opset a trial needed (see _quantized)
         self.copier = None   # (the model trials copy, its QModel.copier)
         # the outputs select-by-snr's chosen variant gave, if any: the first check may be that model
-        self.reuse = ctx.cache.pop(ScoredRuns.CACHE_KEY, None)
+        # (left in the cache: quantize-silu's first score is that model too when nothing is promoted)
+        self.reuse = ctx.cache.get(ScoredRuns.CACHE_KEY)
         self.executor, self.shared = executors.from_config(ctx.config), None
         self.seconds = {"build": 0.0, "built": 0, "tasks": 0.0, "scored": 0}   # quantizing here, scoring in tasks
         self.speculated: dict = {}   # rounds of speculative tasks, for speculate.LAST

@@ -106,10 +106,9 @@ def _label(combo) -> str:
 class SelectBySnr(Pass):
     """Quantize each open variant on a copy, score its output SNR vs float, keep the best.
 
-    Reads: the table, ranges and observed min/max (after calibrate and annotate-types; in the
-    default pipeline after search-precision too, so the ranges are judged with the tensors it keeps
-    float left out: a few clipped tensors it promoted no longer count against the calibrated
-    ranges), search-precision's saved target, the first ``samples`` calibration feeds (fewer, at
+    Reads: the table, ranges and observed min/max (after calibrate and annotate-types; placed after
+    search-precision, it judges the ranges with the tensors the search keeps float left out, and
+    reads the search's saved target), the first ``samples`` calibration feeds (fewer, at
     least 8, for big outputs or inputs) with the float outputs calibrate kept for them (else the
     float model runs on them again). Open axes: ``ranges`` (the calibrated ranges or the observed
     min/max; only when ``calibration.method`` was not chosen by the user) and ``weights``
@@ -129,8 +128,8 @@ class SelectBySnr(Pass):
     ``why`` line), the corrected bias values (or not) and ``model.decisions["bias_correction"]``
     (so the correct-bias pass does nothing more); every score goes to the findings. Also
     ``ctx.cache["scored_runs"]``: the chosen variant's outputs on its first 32 feeds, which the
-    next check of the same model on the same feeds takes (quantize-silu's first score; with
-    select-by-snr first, search-precision's first check). With
+    next checks of the same model on the same feeds take (search-precision's first check;
+    quantize-silu's first score when the search promoted nothing). With
     ``config.executor`` ray, the variants are scored as parallel tasks and the duels replayed on
     their per-feed errors (qpasses.executors.scoring): the same scores and choice.
     Invariants: the graph is not changed (copies share its weight arrays, read-only); nothing is

@@ -78,7 +78,8 @@ def test_an_explicit_op_selection_is_left_alone():
 
 
 def test_a_run_resumed_around_it_gives_the_same_bytes(tmp_path, monkeypatch):
-    """Around it and select-by-snr before it; in one run its first score takes select-by-snr's runs."""
+    """Around it and the passes before it; in one run, with nothing promoted, search-precision's
+    first check and its first score both take select-by-snr's runs."""
     from qpasses.ir import load, save
     from qpasses.pipeline import QUANTIZE_PIPELINE
     from qpasses.scored_runs import ScoredRuns
@@ -89,10 +90,11 @@ def test_a_run_resumed_around_it_gives_the_same_bytes(tmp_path, monkeypatch):
     real_runs_for, reused = ScoredRuns.runs_for, []
     monkeypatch.setattr(ScoredRuns, "runs_for", lambda self, *a: reused.append(real_runs_for(self, *a)) or reused[-1])
     whole = run(_model(), QUANTIZE_PIPELINE)
-    assert whole.decisions["silu_gates"]["quantized"] and len(reused) == 1 and reused[0] is not None
+    assert whole.decisions["silu_gates"]["quantized"] and not whole.decisions["precision_search"]["promoted"]
+    assert len(reused) == 2 and all(runs is not None for runs in reused)
     passes = QUANTIZE_PIPELINE.split(",")
     at = passes.index("quantize-silu")
-    for cut in (at - 1, at, at + 1):   # before select-by-snr, before and after it
+    for cut in (at - 2, at - 1, at, at + 1):   # before select-by-snr, search-precision, it; after it
         save(run(_model(), ",".join(passes[:cut])), tmp_path / "cut.onnx")
         resumed = run(load(tmp_path / "cut.onnx"), ",".join(passes[cut:]))
         assert resumed.to_proto().SerializeToString() == whole.to_proto().SerializeToString(), passes[cut - 1]
