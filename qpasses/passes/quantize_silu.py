@@ -13,7 +13,6 @@ from ..ir import QModel
 from ..objective import Objective
 from ..pipeline import Pass, PassResult, run_nested
 from ..registry import register
-from ..scored_runs import ScoredRuns
 
 NAME = "quantize-silu"
 DECISION = "silu_gates"
@@ -26,9 +25,8 @@ class QuantizeSilu(Pass):
 
     Reads: the table and ranges (after search-precision), the calibration feeds search-precision
     checks (held out, else the first: ``samples`` at most, fewer once the outputs hold
-    ``output_values`` values, never under 8) with the float outputs calibrate kept on them, select-by-snr's runs of
-    the model as it is (when it chose this very model) and its decision's metric, target and aim. Scores the
-    objective (the worst output component) of the model as it is and with every gate 8-bit, each
+    ``output_values`` values, never under 8) and search-precision's decision: metric, target and
+    aim. Scores the objective (the worst output component) of the model as it is and with every gate 8-bit, each
     through ``then``, and keeps the gates when that score stays at or above the target and either
     meets the aim (the bar the default search aims at) or lies within ``margin_db`` of the first
     (cosine, top1: not below it). On the benchmark: ddddocr_det 26.48 -> 25.90 dB (aim 25) and 24 %
@@ -85,12 +83,11 @@ class QuantizeSilu(Pass):
         metric, target, aim = search.get("metric", config.accuracy.metric), search.get("target"), search.get("aim")
         objective = Objective(metric, model=model.to_proto(metadata=False))
         try:
-            reference, _ = Reference.for_check(model, ctx.calibration_data, ctx.cache.get("kept_samples"),
-                                               self.samples, self.output_values)
+            reference, _ = Reference.for_check(model, ctx.calibration_data, None, self.samples, self.output_values)
         except CalibrationDataError as exc:
             ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
             return PassResult(model, False, {"gates": 0})
-        before = self._score(model, ctx, reference, objective, {}, ctx.cache.pop(ScoredRuns.CACHE_KEY, None))
+        before = self._score(model, ctx, reference, objective, {})
         after = self._score(model, ctx, reference, objective, gates)
         allowed = self.margin_db if metric == "snr" else 0.0
         keep = (target is None or after >= target) and (after >= before - allowed or (aim is not None and after >= aim))
@@ -110,10 +107,9 @@ class QuantizeSilu(Pass):
         ctx.findings.set(NAME, decision)
         return PassResult(model, True, {"gates": len(gates) if keep else 0})
 
-    def _score(self, model: QModel, ctx, reference: Reference, objective, gates: dict, reuse=None) -> float:
-        """``reuse``: select-by-snr's runs of its chosen variant, taken when that is this very model."""
+    def _score(self, model: QModel, ctx, reference: Reference, objective, gates: dict) -> float:
         trial = model.copy(share_weights=True)
         if gates:
             quantize_gates(trial, gates, f"{NAME}: tried")
         run_nested(self.then, trial, ctx)
-        return objective_score(reference, trial.to_proto(metadata=False).SerializeToString(), objective, reuse)["score"]
+        return objective_score(reference, trial.to_proto(metadata=False).SerializeToString(), objective)["score"]

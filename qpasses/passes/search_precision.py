@@ -145,7 +145,7 @@ class SearchPrecision(Pass):
             ctx.findings.set(NAME, {"skipped": skip or "nothing quantized to promote"})
             return PassResult(model, False, {"promoted": 0})
         try:
-            check, held_out = Reference.for_check(model, ctx.calibration_data, ctx.cache.get("kept_samples"),
+            check, held_out = Reference.for_check(model, ctx.calibration_data, ctx.cache.pop("kept_samples", None),
                                                   self.samples, self.output_values)
         except CalibrationDataError as exc:
             ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
@@ -198,8 +198,7 @@ class _Search:
         self.raised: QModel | None = None   # the model at the highest opset a trial needed (see _quantized)
         self.copier = None   # (the model trials copy, its QModel.copier)
         # the outputs select-by-snr's chosen variant gave, if any: the first check may be that model
-        # (left in the cache: quantize-silu's first score is that model too when nothing is promoted)
-        self.reuse = ctx.cache.get(ScoredRuns.CACHE_KEY)
+        self.reuse = ctx.cache.pop(ScoredRuns.CACHE_KEY, None)
         self.executor, self.shared = executors.from_config(ctx.config), None
         self.seconds = {"build": 0.0, "built": 0, "tasks": 0.0, "scored": 0}   # quantizing here, scoring in tasks
         self.speculated: dict = {}   # rounds of speculative tasks, for speculate.LAST

@@ -25,7 +25,7 @@ from ..scored_runs import ScoredRuns
 NAME = "select-by-snr"
 CORRECT_BIAS = "correct-bias"
 BIAS_DECISION = "bias_correction"   # model.decisions key correct-bias reads: it does nothing when set
-KEEP_RUNS = 32   # the chosen variant's outputs on its first feeds, kept for the next check of that model
+KEEP_RUNS = 32   # the chosen variant's outputs on its first feeds, kept for search-precision's first check
 
 
 @dataclass
@@ -119,17 +119,16 @@ class SelectBySnr(Pass):
     fitted to these feeds (their clipping is tuned to the tails seen here, and new data has
     others); ``asymmetric_penalty_db`` trades accuracy for onnxruntime's faster symmetric kernels
     (by default it only settles ties); then the first wins (calibrated ranges, asymmetric weights).
-    A variant below search-precision's SNR target is not chosen over one that meets it. Variants are scored in that order, each
-    against the best so far on the same feeds, the best a block of 8 feeds ahead: from 8 feeds on,
-    as soon as one trails the other by more than ``early_stop`` standard errors (jackknife over the
-    feeds) both stop and the leader is kept. With ``bias_correction``, the chosen variant is scored
+    After search-precision, a variant below its SNR target is not chosen over one that meets it.
+    Variants are scored in that order, each against the best so far on the same feeds, the best a
+    block of 8 feeds ahead: from 8 feeds on, as soon as one trails the other by more than
+    ``early_stop`` standard errors (jackknife over the feeds) both stop and the leader is kept. With ``bias_correction``, the chosen variant is scored
     the same way against itself with correct-bias run after compute-qparams; its corrected biases
     are kept only if it wins. Writes: the chosen variant into ``model.ranges`` / the table (with a
     ``why`` line), the corrected bias values (or not) and ``model.decisions["bias_correction"]``
     (so the correct-bias pass does nothing more); every score goes to the findings. Also
-    ``ctx.cache["scored_runs"]``: the chosen variant's outputs on its first 32 feeds, which the
-    next checks of the same model on the same feeds take (search-precision's first check;
-    quantize-silu's first score when the search promoted nothing). With
+    ``ctx.cache["scored_runs"]``: the chosen variant's outputs on its first 32 feeds, which
+    search-precision's first check takes when it is the same model on the same feeds. With
     ``config.executor`` ray, the variants are scored as parallel tasks and the duels replayed on
     their per-feed errors (qpasses.executors.scoring): the same scores and choice.
     Invariants: the graph is not changed (copies share its weight arrays, read-only); nothing is
@@ -186,7 +185,7 @@ class SelectBySnr(Pass):
                             weight_variants(model, config, self.asymmetric_penalty_db)) if a]
         bias = (self.bias_correction and bool(split_after(self.then, "compute-qparams")[0])
                 and BIAS_DECISION not in model.decisions and _has_biases(model))
-        kept = ctx.cache.get("kept_samples")   # search-precision's and quantize-silu's reference too
+        kept = ctx.cache.get("kept_samples")   # search-precision's reference too: it frees them
         if not axes and not bias:
             return PassResult(model, False, {"variants": 0})
         skip = rerun_skip_reason(model, ctx.calibration_data, self.max_nodes, self.max_weight_mb)
@@ -236,7 +235,7 @@ class SelectBySnr(Pass):
                                  "penalty_db": round(r.penalty, 2), "samples": r.ran}
                                 | ({"dropped": True} if r.dropped else {}) for c, r in scored]}
         decided = self._bias_correction(model, ctx, best[1], reference, report, fused) if bias else False
-        if getattr(best[1], "kept", None) is not None and best[1].session is not None:   # a later check may be this model:
+        if getattr(best[1], "kept", None) is not None and best[1].session is not None:   # the next check may be it:
             best[1].advance(KEEP_RUNS)   # its runs on every feed it keeps (an early stop ran fewer)
             ctx.cache[ScoredRuns.CACHE_KEY] = best[1].kept
         best[1].close()
