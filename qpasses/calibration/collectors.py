@@ -402,10 +402,12 @@ class _Moments:
         self.centres = centres
         self.sums = [np.concatenate([[0.0], np.cumsum(n * centres**k)]) for k in range(3)]
 
-    def between(self, lo, hi, k: int):
-        """Sum of n*v^k over lo <= v < hi (arrays broadcast)."""
+    def between(self, lo, hi, *ks: int):
+        """Sum of n*v^k over lo <= v < hi (arrays broadcast), one array per k (a single k: the array)."""
         i, j = np.searchsorted(self.centres, lo, "left"), np.searchsorted(self.centres, hi, "left")
-        return self.sums[k][np.maximum(j, i)] - self.sums[k][i]
+        j = np.maximum(j, i)
+        out = [self.sums[k][j] - self.sums[k][i] for k in ks]
+        return out[0] if len(out) == 1 else out
 
     def below(self, cut, k: int):
         return self.between(-np.inf, cut, k)
@@ -422,7 +424,7 @@ def _expected_mse(m: _Moments, lo, hi, step) -> np.ndarray:
     clip = (lo**2 * m.below(lo, 0) - 2 * lo * m.below(lo, 1) + m.below(lo, 2)
             + hi**2 * m.above(hi, 0) - 2 * hi * m.above(hi, 1) + m.above(hi, 2))
     near_lo, near_hi = np.maximum(lo, -step / 2), np.minimum(hi, step / 2)
-    near_n, near_sq = m.between(near_lo, near_hi, 0), m.between(near_lo, near_hi, 2)
+    near_n, near_sq = m.between(near_lo, near_hi, 0, 2)
     inside = m.sums[0][-1] - m.below(lo, 0) - m.above(hi, 0)
     return np.maximum(clip, 0.0) + near_sq + (inside - near_n) * step**2 / 12
 
