@@ -49,7 +49,8 @@ class SearchPrecision(Pass):
     decision). Quantizes a copy with ``then`` and scores the objective against the float model:
     ``metric`` of the worst output component (an output built by Concat is judged piece by piece: boxes
     beside probabilities), less ``confidence`` standard errors (jackknife over the feeds checked, for
-    snr on the error-to-signal ratio: a few feeds can flatter a model). Below ``target``, it ranks the
+    snr on the error-to-signal ratio: a few feeds can flatter a model); an SNR target given must hold
+    with ``in_sample_db`` to spare when those feeds were not held out. Below ``target``, it ranks the
     quantized tensors (activations and weights, with the tensors sharing their qparams) by their local
     error — the RMS error quantizing a tensor adds, relative to the median magnitude of its non-zero
     values, from one float run on ``probe_samples`` feeds: a tensor whose few large values stretch the
@@ -113,6 +114,10 @@ class SearchPrecision(Pass):
         "help": "standard errors (jackknife over the check's feeds; for snr, of the error-to-signal ratio) a "
                 "score must clear the target by: on bert_encoder 8 feeds read 25.2 dB and the eval set 24.1 "
                 "(0: the score itself)"})
+    in_sample_db: float = field(default=1.0, metadata={
+        "help": "dB a given SNR target must be cleared by on check feeds the ranges were computed from (not "
+                "held out): those read 1-2 dB above new data (tools/README.md; the default target and aim "
+                "were set on them already)"})
     probe_samples: int = field(default=4, metadata={"help": "feeds the local errors are measured on"})
     max_nodes: int = field(default=2000, metadata={
         "help": "do nothing for graphs with more nodes than this (each evaluation quantizes a copy)"})
@@ -151,12 +156,16 @@ class SearchPrecision(Pass):
             ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
             return PassResult(model, False, {"promoted": 0})
         objective = Objective(metric, model=model.to_proto(metadata=False))
-        search = _Search(self, model, ctx, check, groups, objective, target, fallback)
+        given = self.target is not None or ctx.config.accuracy.target is not None
+        needed = target + self.in_sample_db if given and metric == "snr" and not held_out else target
+        aim = max(aim, needed)
+        search = _Search(self, model, ctx, check, groups, objective, needed, fallback)
         first = search.check([])
-        decision = {"metric": metric, "target": target, "fallback": fallback, "feeds": len(check.feeds), "held_out": held_out,
-                    "confidence": self.confidence, **({"aim": aim} if aim > target else {})} | search.spread([], "quantized")
-        chosen, reached = search.search(len(ORDERS) if aim > target else 0) if first < target else ([], first)
-        if aim > target and reached < aim:
+        decision = {"metric": metric, "target": target, **({"checked_at": needed} if needed > target else {}),
+                    "fallback": fallback, "feeds": len(check.feeds), "held_out": held_out, "confidence": self.confidence,
+                    **({"aim": aim} if aim > needed else {})} | search.spread([], "quantized")
+        chosen, reached = search.search(len(ORDERS) if aim > needed else 0) if first < needed else ([], first)
+        if aim > needed and reached < aim:
             chosen, reached = search.aim(chosen, aim, keep)
             decision |= {"aim": aim, "keep_8bit": keep, "aimed": search.aimed}
         search.bar.close()
@@ -164,8 +173,8 @@ class SearchPrecision(Pass):
         if chosen:
             total = len(groups)
             how = f"taken over the {search.aimed}" if search.aimed in ORDERS else search.aimed
-            goal = f"target {target:g}" + (f", aim {aim:g} with {keep:.0%} of the weighted ops 8-bit: {how}"
-                                           if "aimed" in decision else "")
+            goal = (f"target {target:g}" + (f", {needed:g} on feeds the ranges came from" if needed > target else "")
+                    + (f", aim {aim:g} with {keep:.0%} of the weighted ops 8-bit: {how}" if "aimed" in decision else ""))
             promote(model, [groups[name] for name in chosen], fallback, {
                 name: (f"{NAME}: kept {fallback}: local quantization error {search.local_db[name]:+.1f} dB "
                        f"of its typical value; with {len(chosen)} of {total} tensors kept {fallback} the "

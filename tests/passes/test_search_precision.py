@@ -300,3 +300,23 @@ def test_without_a_target_it_aims_higher_within_the_8_bit_share(options):
     assert total == 5 and eight >= 4
     reason = float_reasons(model)[decision["promoted"][0]]["reason"]
     assert f"aim 25 with 80% of the weighted ops 8-bit: taken over the {decision['aimed']}" in reason
+
+
+def test_a_given_target_is_cleared_with_room_on_the_feeds_the_ranges_came_from():
+    """Checks on feeds calibrate computed the ranges from read above new data: a target given must
+    hold with ``in_sample_db`` to spare there; on held-out feeds, and for the default target, as is."""
+    def decide(passes, **options):
+        model = from_proto(parse(OUTLIERS))
+        ctx = RunContext({"op_types_to_quantize": ["Tanh"], "calibration": {"method": "minmax"}}, _outlier_feeds(40))
+        PassManager(passes).run(model, ctx)
+        PassManager([SearchPrecision(**options)]).run(model, ctx)
+        return model.decisions["precision_search"]
+
+    roomy = decide("annotate-types,calibrate", target=25)
+    assert roomy["target"] == 25 and roomy["checked_at"] == 26 and roomy["met"]
+    assert roomy["reached_counted"] >= 26 or not roomy["promoted"]
+    for passes, options in (("annotate-types,calibrate", {"target": 25, "in_sample_db": 0}),
+                            ("annotate-types,calibrate{hold_out=8}", {"target": 25}),
+                            ("annotate-types,calibrate", {})):
+        decision = decide(passes, **options)
+        assert "checked_at" not in decision, (passes, options)
