@@ -26,8 +26,8 @@ class QuantizeSilu(Pass):
     Reads: the table and ranges (after search-precision), the calibration feeds search-precision
     checks (held out, else the first: ``samples`` at most, fewer once the outputs hold
     ``output_values`` values, never under 8) and search-precision's decision: metric, target and
-    aim. Scores the objective (the worst output component) of the model as it is and with every gate 8-bit, each
-    through ``then``, and keeps the gates when that score stays at or above the target and either
+    aim. Scores the objective (the worst output component) of the model as it is and with every
+    gate 8-bit, each through ``then``, and keeps the gates when that score stays at or above the target and either
     meets the aim (the bar the default search aims at) or lies within ``margin_db`` of the first
     (cosine, top1: not below it). On the benchmark: ddddocr_det 26.48 -> 25.90 dB (aim 25) and 24 %
     faster; yolo_detector 12.98 -> 11.95 and 13.03 -> 12.33 dB, its gates stay float (8-bit, its

@@ -122,8 +122,8 @@ class SelectBySnr(Pass):
     After search-precision, a variant below its SNR target is not chosen over one that meets it.
     Variants are scored in that order, each against the best so far on the same feeds, the best a
     block of 8 feeds ahead: from 8 feeds on, as soon as one trails the other by more than
-    ``early_stop`` standard errors (jackknife over the feeds) both stop and the leader is kept. With ``bias_correction``, the chosen variant is scored
-    the same way against itself with correct-bias run after compute-qparams; its corrected biases
+    ``early_stop`` standard errors (jackknife over the feeds) both stop and the leader is kept.
+    With ``bias_correction``, the chosen variant is scored the same way against itself with correct-bias run after compute-qparams; its corrected biases
     are kept only if it wins. Writes: the chosen variant into ``model.ranges`` / the table (with a
     ``why`` line), the corrected bias values (or not) and ``model.decisions["bias_correction"]``
     (so the correct-bias pass does nothing more); every score goes to the findings. Also
