@@ -126,22 +126,25 @@ class SearchPrecision(Pass):
     then: str = field(default="compute-qparams,fix-bias-scales,insert-qdq,insert-converts", metadata={
         "help": "the passes that turn a candidate into the QDQ model that is scored", "pipeline": True})
 
-    def settings(self, config) -> tuple[str, float, str, float, float]:
-        """(metric, target, fallback, aim, keep_8bit): this pass's options, else config.accuracy,
-        else the defaults (an aim of 25 dB only for snr with no target given; no aim: the target)."""
+    def settings(self, config) -> tuple[str, float, str, float, float, float]:
+        """(metric, target, fallback, aim, keep_8bit, room): this pass's options, else config.accuracy,
+        else the defaults (an aim of 25 dB only for snr with no target given; no aim: the target);
+        ``room``: what an SNR target given must be cleared by on feeds the ranges came from."""
         acc = config.accuracy
         metric = self.metric or acc.metric
         target = self.target if self.target is not None else acc.target
+        room = self.in_sample_db if target is not None and metric == "snr" else 0.0
         aim = self.aim if self.aim is not None else acc.aim
         if aim is None:
             aim = DEFAULT_AIM_DB if metric == "snr" and target is None else 0.0
         if target is None:
             target = DEFAULT_TARGET_DB if metric == "snr" else 0.0
         keep = self.keep_8bit if self.keep_8bit is not None else acc.keep_8bit
-        return metric, float(target), self.fallback or acc.fallback, max(float(aim), float(target)), float(keep)
+        return (metric, float(target), self.fallback or acc.fallback, max(float(aim), float(target)), float(keep),
+                float(room))
 
     def run(self, model: QModel, ctx) -> PassResult:
-        metric, target, fallback, aim, keep = self.settings(ctx.config)
+        metric, target, fallback, aim, keep, room = self.settings(ctx.config)
         if aim <= 0 or DECISION in model.decisions:
             return PassResult(model, False, {"promoted": 0})
         skip = rerun_skip_reason(model, ctx.calibration_data, self.max_nodes, self.max_weight_mb)
@@ -156,8 +159,7 @@ class SearchPrecision(Pass):
             ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
             return PassResult(model, False, {"promoted": 0})
         objective = Objective(metric, model=model.to_proto(metadata=False))
-        given = self.target is not None or ctx.config.accuracy.target is not None
-        needed = target + self.in_sample_db if given and metric == "snr" and not held_out else target
+        needed = target if held_out else target + room
         aim = max(aim, needed)
         search = _Search(self, model, ctx, check, groups, objective, needed, fallback)
         first = search.check([])
