@@ -14,7 +14,8 @@ from qpasses.context import Findings, RunContext
 from qpasses.executors import speculate
 from qpasses.ir import from_proto, save
 from qpasses.objective import Objective
-from qpasses.passes.search_precision import SearchPrecision, _Search
+from qpasses.passes.search_precision import SearchPrecision
+from qpasses.precision_checks import Checks
 from qpasses.pipeline import PassManager
 from qpasses.testing import parse
 
@@ -60,7 +61,7 @@ def test_parallel_search_decides_and_writes_the_same(workers, monkeypatch, tmp_p
     assert spec["rounds"] < spec["used"] and spec["scored"] <= spec["rounds"] * workers
 
 
-class _Table(_Search):
+class _Table(Checks):
     """The search over a made-up score table: the replay against the one-process walk."""
 
     def __init__(self, table: dict, broken: set, workers: int, target: float, names: list[str]):

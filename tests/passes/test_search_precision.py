@@ -185,7 +185,7 @@ g (float[1, 64] x) => (float[1, 64] y) <float k = {3.0}>
 def test_trials_raise_the_opset_once_with_the_same_decision(monkeypatch):
     import onnx.version_converter
 
-    import qpasses.passes.search_precision as search_precision
+    import qpasses.precision_checks as search_precision
 
     real, calls = onnx.version_converter.convert_version, []
 
