@@ -151,8 +151,7 @@ class Reference:
         would take: the reference it gives on them, without a second float run. None when calibrate
         kept fewer than ``min_samples`` for lack of room, or when ``model``'s float values changed since (corrected
         biases, rounded weights): ``run`` reads those, as a run resumed from the saved model would."""
-        changed = model.decisions.get("bias_correction", {}).get("applied") or "weight_rounding" in model.decisions
-        if kept is None or changed or not kept.feeds:
+        if not _kept_usable(kept, model):
             return None
         per_feed = sum(np.size(v) for v in kept.outputs[0])
         count = min(max_samples, max(min_samples, -(-enough_values // max(per_feed, 1))))
@@ -183,6 +182,34 @@ class Reference:
         if not reference.feeds:
             raise CalibrationDataError("no feed to score on")
         return reference, bool(start)
+
+    @classmethod
+    def for_rest(cls, model: QModel, data, kept, check: "Reference", held_out: bool, max_samples: int) -> "Reference":
+        """The float outputs on the calibration feeds after ``check``'s (``for_check``), at most
+        ``max_samples``: the ones calibrate kept first (no second float run), then read again."""
+        from .calibration.data import open_data
+        start = (model.decisions.get("calibration", {}).get("held_out_from") or 0) if held_out else 0
+        skip, feeds, outs = start + len(check.feeds), [], []
+        if not held_out and _kept_usable(kept, model) and kept.names == check.names:
+            feeds, outs = kept.feeds[skip:skip + max_samples], kept.outputs[skip:skip + max_samples]
+            if not (kept.full or len(kept.feeds) >= kept.limit):   # it holds every feed there is
+                max_samples = len(feeds)
+            skip = max(skip, len(kept.feeds))
+        rest = itertools.islice(open_data(data), skip, None) if len(feeds) < max_samples else iter(())
+        first = next(rest, None)
+        if first is not None:
+            more = cls.run(model, itertools.chain([first], rest), max_samples - len(feeds))
+            feeds, outs = feeds + more.feeds, outs + more.runs(native=True)
+        return cls(check.names, check.inputs, feeds, outs)
+
+    def pick(self, indices) -> "Reference":
+        """The same reference on the feeds ``indices`` only."""
+        runs = self.runs(native=True)
+        return Reference(self.names, self.inputs, [self.feeds[i] for i in indices], [runs[i] for i in indices])
+
+    def plus(self, other: "Reference") -> "Reference":
+        """This reference and ``other``'s feeds after its own."""
+        return Reference(self.names, self.inputs, self.feeds + other.feeds, self.runs(native=True) + other.runs(native=True))
 
     @classmethod
     def run(cls, reference_model, feeds, max_samples: int | None = None, enough_values: int = 0,
@@ -312,6 +339,13 @@ class Reference:
         """The winner of two contenders on these feeds (qpasses.duels.duel)."""
         from .duels import duel
         return duel(self, best, challenger, min_samples=min_samples, z=z)
+
+
+def _kept_usable(kept, model: QModel) -> bool:
+    """Whether calibrate's kept float outputs still hold for ``model``: not once its float values
+    changed (corrected biases, rounded weights)."""
+    changed = model.decisions.get("bias_correction", {}).get("applied") or "weight_rounding" in model.decisions
+    return kept is not None and not changed and bool(kept.feeds)
 
 
 def compare(reference_model, test_model, feeds, max_samples: int | None = None, *, objective=None) -> dict:

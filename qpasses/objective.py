@@ -239,6 +239,20 @@ class Objective:
                                                               test_runs[:i] + test_runs[i + 1:], names))
                            for i in range(n)] if n >= 2 else [])
 
+    def worst_feeds(self, reference_runs: list, test_runs: list, names: list[str]) -> list[int]:
+        """The feeds from the one whose leaving out raises ``overall`` most (the worst) down."""
+        n = len(reference_runs)
+        if n < 2:
+            return list(range(n))
+        if self.builtin:
+            stats = self._feed_stats(reference_runs, test_runs, names)[1]
+            total = stats.sum(axis=0)
+            left_out = [self.overall(dict(enumerate(_aggregate(self.metric, total - stats[i])))) for i in range(n)]
+        else:
+            left_out = [self.overall(self.scores_from_runs(reference_runs[:i] + reference_runs[i + 1:],
+                                                           test_runs[:i] + test_runs[i + 1:], names)) for i in range(n)]
+        return sorted(range(n), key=lambda i: (-left_out[i], i))
+
     def _stats_error(self, stats: np.ndarray) -> float:
         """``standard_error`` from a built-in metric's per-feed sums (``_feed_stats``)."""
         total, n = stats.sum(axis=0), len(stats)

@@ -148,6 +148,41 @@ class Checks:
         ranked = self.ranked()
         return self._walked(lambda walk: fewest(walk, ranked, self.target, reserve=reserve), self.target)
 
+    def confirmed(self, chosen: list[str], rest: Reference, reserve: int = 0) -> tuple[list[str], dict]:
+        """``chosen`` (meeting the target on the check feeds) scored on those and ``rest`` together:
+        the calibration feeds after them, which the checks did not cover. While it misses the target
+        there and evaluations are left, the worst of ``rest`` (half as many as there are check feeds)
+        join the check feeds and the search goes on from ``chosen`` down the ranking (``fewest``,
+        leaving ``reserve`` evaluations and one to confirm again). Returns the promotions and what
+        the last confirmation read (``met`` None: no evaluation was left to read it)."""
+        record = {"feeds": len(self.check_ref.feeds) + len(rest.feeds), "added": 0}
+        while rest.feeds and self.evaluations < self.budget:
+            both = self.check_ref.plus(rest)
+            runs = both.runs_of(self._quantized(chosen).to_proto(metadata=False).SerializeToString())
+            summary, error = self.objective.summary_and_error(both.runs(), runs, both.names)
+            self.evaluations += 1
+            self.bar.update(self.evaluations)
+            bound = self.objective.lower_bound(summary["overall"], error, self.options.confidence)
+            record |= {"score": _round(summary["overall"]), "counted": _round(bound)}
+            if bound >= self.target or self.evaluations >= self.budget:
+                break
+            checked = len(self.check_ref.feeds)
+            worst = [i - checked for i in self.objective.worst_feeds(both.runs(), runs, both.names) if i >= checked]
+            moved = worst[:max(1, checked // 2)]
+            self.check_ref = self.check_ref.plus(rest.pick(moved))
+            rest = rest.pick(sorted(set(range(len(rest.feeds))) - set(moved)))
+            record["added"] += len(moved)
+            del record["score"], record["counted"]   # read again on the new promotions, if evaluations are left
+            self.scores, self.raw, self.known, self.shared, self.reuse = {}, {}, {}, None, None
+            ranked = chosen + [name for name in self.ranked() if name not in chosen]
+            start = len(chosen)   # short of the target on all the feeds, so on the worst of them too
+            chosen, _ = self._walked(lambda walk: fewest(walk, ranked, self.target, start, reserve + 1), self.target)
+        if "counted" not in record and not rest.feeds:   # every feed is a check feed now
+            key = frozenset(chosen)
+            record |= {"score": _round(self.raw[key]), "counted": _round(self.scores[key])}
+        record["met"] = record["counted"] >= self.target if "counted" in record else None
+        return chosen, record
+
     def aim(self, chosen: list[str], aim: float, keep: float) -> tuple[list[str], float]:
         """From ``chosen`` towards ``aim`` while ``keep`` of the weighted ops stay 8-bit, over the
         local-error ranking and the graph order (analysis.walks.aimed); says which order it took."""

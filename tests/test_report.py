@@ -148,11 +148,18 @@ def test_the_summary_says_what_the_search_aimed_at():
     from qpasses.report import html
 
     search = {"metric": "snr", "target": 12.0, "fallback": "float", "quantized": 16.4, "reached": 22.1,
-              "promoted": ["a", "b"], "aim": 25.0, "keep_8bit": 0.8, "aimed": "graph order", "aim_met": False}
+              "promoted": ["a", "b"], "aim": 25.0, "keep_8bit": 0.8, "aimed": "graph order", "aim_met": False,
+              "feeds": 12, "confirmed": {"feeds": 24, "added": 4, "score": 19.5, "counted": 18.2, "met": True}}
     info = {"summary": "8-bit: 81 %", "data": "calib.npz", "layer_samples": 8,
             "accuracy": {"samples": 8, "outputs": {}}, "decisions": {"precision_search": search}}
     text = "".join(html._summary(info))
     assert ("search-precision: target 12.0 snr (aim 25.0 with 80 % of the weighted ops 8-bit, not met: "
-            "graph order), quantized 16.4, reached 22.1; 2 tensors promoted to float: a, b") in text
+            "graph order), quantized 16.4, reached 22.1 on 12 check feeds, confirmed on 24 calibration feeds (4 of "
+            "them then added to the checks): 19.5, met; 2 tensors promoted to float: a, b") in text
     del search["aimed"]   # an aim the 8-bit model met before any walk: nothing more to say
-    assert "search-precision: target 12.0 snr, quantized" in "".join(html._summary(info))
+    search["confirmed"] = {"skipped": "calib.npz: gone"}
+    text = "".join(html._summary(info))
+    assert "search-precision: target 12.0 snr, quantized" in text and "not confirmed (calib.npz: gone)" in text
+    search["confirmed"] = {"feeds": 8, "added": 4, "met": None}
+    assert "confirmed on 8 calibration feeds (4 of them then added to the checks): no evaluation left to read it again" in "".join(
+        html._summary(info))

@@ -80,6 +80,18 @@ def _short(values, n: int = 3) -> str:
     return text + (f", ... ({len(values)})" if len(values) > n else "")
 
 
+def _confirmation(confirmed) -> str:
+    """search-precision's confirmation on the calibration feeds after the checked ones, in words."""
+    if not confirmed:
+        return ""
+    if "skipped" in confirmed:
+        return f", not confirmed ({escape(confirmed['skipped'])})"
+    added = f" ({confirmed['added']} of them then added to the checks)" if confirmed["added"] else ""
+    read = (f"{escape(str(confirmed['score']))}, " if "score" in confirmed else "")
+    verdict = {True: "met", False: "missed", None: "no evaluation left to read it again"}[confirmed["met"]]
+    return f", confirmed on {confirmed['feeds']} calibration feeds{added}: {read}{verdict}"
+
+
 def _table(headers: list[str], rows: list[list], *, sortable: bool = False, numeric=(), names=(0,),
            cap: int | None = None) -> str:
     """A table; columns ``numeric`` right-aligned, ``names`` (tensor names) wrapped anywhere; with
@@ -128,7 +140,8 @@ def _summary(info: dict) -> list[str]:
                f"8-bit, {'met' if search.get('aim_met') else 'not met'}: {escape(str(search.get('aimed')))})"
                if "aimed" in search else "")
         out.append(f"<p>search-precision: target {escape(str(search.get('target')))} {escape(str(search.get('metric')))}{aim}, "
-                   f"quantized {escape(str(search.get('quantized')))}, reached {escape(str(search.get('reached')))}; "
+                   f"quantized {escape(str(search.get('quantized')))}, reached {escape(str(search.get('reached')))} "
+                   f"on {escape(str(search.get('feeds')))} check feeds{_confirmation(search.get('confirmed'))}; "
                    f"{len(promoted)} tensors promoted to {escape(str(search.get('fallback')))}"
                    + (": " + escape(", ".join(promoted)) if promoted else "") + "</p>")
     floats = info.get("floats", {})

@@ -223,7 +223,7 @@ def test_the_float_outputs_calibrate_kept_are_its_reference(monkeypatch):
             ctx.cache.clear()
         else:
             monkeypatch.setattr("qpasses.evaluate.Reference.run", None)   # a float run would fail
-        PassManager([SearchPrecision(target=25)]).run(model, ctx)
+        PassManager([SearchPrecision(target=25, confirm_samples=0)]).run(model, ctx)   # its 8 more: read again
         monkeypatch.undo()
         assert "kept_samples" not in ctx.cache   # freed once scored
         decisions.append(model.decisions["precision_search"])
@@ -254,6 +254,10 @@ def test_the_shortfall_line_says_what_the_score_counted_as():
                                    "target 25, with 2 tensors promoted")
     plain = decision | {"confidence": 0.0, "reached_counted": 24.5}
     assert shortfall(plain) == "reached 24.5 snr, short of the target 25, with 2 tensors promoted"
+    unconfirmed = plain | {"reached": 26.5, "feeds": 12, "confirmed": {"feeds": 24, "added": 4, "score": 22.1,
+                                                                        "counted": 21.0, "met": False}}
+    assert shortfall(unconfirmed) == ("reached 26.5 snr on its 12 check feeds but 22.1 on all 24 calibration "
+                                      "feeds it confirmed on, short of the target 25, with 2 tensors promoted")
 
 
 def _chain(layers: int = 5, d: int = 32):
@@ -320,3 +324,54 @@ def test_a_given_target_is_cleared_with_room_on_the_feeds_the_ranges_came_from()
                             ("annotate-types,calibrate", {})):
         decision = decide(passes, **options)
         assert "checked_at" not in decision, (passes, options)
+
+
+# A MatMul whose input the calibrated range clips: the first 32 feeds hold none of the spikes (+-40)
+# the next 24 do, so the first 32 alone say that 8 bits everywhere meet the target.
+CLIPPED = """
+g (float[1, 64] x) => (float[1, 8] y) <float[64, 8] w = {%s}>
+{
+  y = MatMul(x, w)
+}
+""" % ", ".join(f"{v:.4f}" for v in np.random.default_rng(3).normal(0.0, 0.2, 512))
+
+
+def _late_spike_feeds(calm: int, spiky: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    feeds = []
+    for i in range(calm + spiky):
+        x = rng.normal(0.0, 1.0, (1, 64)).astype(np.float32)
+        if i >= calm:
+            x[0, rng.integers(0, 64)] = rng.choice([-40.0, 40.0])
+        feeds.append({"x": x})
+    return feeds
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_target_met_on_the_check_feeds_is_confirmed_on_the_next_ones(resumed):
+    """The check feeds meet the target with nothing promoted; the next feeds do not: the worst of them
+    join the check feeds, the clipped input is kept float, and the rest then confirm the target
+    (the same from calibrate's kept outputs or from reading the data again)."""
+    results = {}
+    for confirm in (0, 32):
+        model = from_proto(parse(CLIPPED))
+        ctx = RunContext({"op_types_to_quantize": ["MatMul"], "calibration": {"method": "percentile", "percentile": 99.0}},
+                         _late_spike_feeds(32, 24))
+        PassManager("annotate-types,calibrate").run(model, ctx)
+        if resumed:
+            ctx.cache.clear()
+        PassManager([SearchPrecision(target=20, confirm_samples=confirm)]).run(model, ctx)
+        decision = model.decisions["precision_search"]
+        results[confirm] = (decision, _snr(model, ctx, CLIPPED, _late_spike_feeds(0, 16, seed=5)))
+    (plain, plain_snr), (confirmed, confirmed_snr) = results[0], results[32]
+    assert plain["met"] and plain["promoted"] == [] and plain["feeds"] == 32 and "confirmed" not in plain
+    assert plain_snr < 15
+    assert confirmed["confirmed"]["feeds"] == 56 and confirmed["confirmed"]["added"] == 16
+    assert confirmed["confirmed"]["met"] and confirmed["confirmed"]["counted"] >= 21   # 20 + 1 dB in-sample
+    assert confirmed["feeds"] == 48 and confirmed["promoted"] == ["x"] and confirmed["met"]
+    assert confirmed_snr > 25 and confirmed["evaluations"] <= int(2 * math.log2(2)) + 16
+
+
+def test_no_confirmation_without_feeds_after_the_checked_ones():
+    model, _, _ = _search(n=32, target=25)
+    assert "confirmed" not in model.decisions["precision_search"]
