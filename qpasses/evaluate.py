@@ -184,23 +184,27 @@ class Reference:
         return reference, bool(start)
 
     @classmethod
-    def for_rest(cls, model: QModel, data, kept, check: "Reference", held_out: bool, max_samples: int) -> "Reference":
-        """The float outputs on the calibration feeds after ``check``'s (``for_check``), at most
-        ``max_samples``: the ones calibrate kept first (no second float run), then read again."""
+    def for_rest(cls, model: QModel, data, kept, after: int, held_out: bool, max_samples: int) -> "Reference | None":
+        """The float outputs on at most ``max_samples`` calibration feeds after the first ``after`` (of
+        the held-out ones, with ``held_out``): the ones calibrate kept first (no second float run),
+        then read again. None when there are none."""
         from .calibration.data import open_data
         start = (model.decisions.get("calibration", {}).get("held_out_from") or 0) if held_out else 0
-        skip, feeds, outs = start + len(check.feeds), [], []
-        if not held_out and _kept_usable(kept, model) and kept.names == check.names:
-            feeds, outs = kept.feeds[skip:skip + max_samples], kept.outputs[skip:skip + max_samples]
+        skip, found = start + after, None
+        if not held_out and _kept_usable(kept, model):
+            if kept.feeds[skip:skip + max_samples]:
+                found = cls(kept.names, list(kept.feeds[0]), kept.feeds[skip:skip + max_samples],
+                            kept.outputs[skip:skip + max_samples])
             if not (kept.full or len(kept.feeds) >= kept.limit):   # it holds every feed there is
-                max_samples = len(feeds)
+                return found
             skip = max(skip, len(kept.feeds))
-        rest = itertools.islice(open_data(data), skip, None) if len(feeds) < max_samples else iter(())
+        missing = max_samples - (len(found.feeds) if found else 0)
+        rest = itertools.islice(open_data(data), skip, None) if missing > 0 else iter(())
         first = next(rest, None)
-        if first is not None:
-            more = cls.run(model, itertools.chain([first], rest), max_samples - len(feeds))
-            feeds, outs = feeds + more.feeds, outs + more.runs(native=True)
-        return cls(check.names, check.inputs, feeds, outs)
+        if first is None:
+            return found
+        more = cls.run(model, itertools.chain([first], rest), missing)
+        return found.plus(more) if found else more
 
     def pick(self, indices) -> "Reference":
         """The same reference on the feeds ``indices`` only."""

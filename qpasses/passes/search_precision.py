@@ -205,10 +205,10 @@ class SearchPrecision(Pass):
         if self.confirm_samples <= 0:
             return None
         try:
-            rest = Reference.for_rest(model, ctx.calibration_data, kept, check, held_out, self.confirm_samples)
+            return Reference.for_rest(model, ctx.calibration_data, kept, len(check.feeds), held_out,
+                                      self.confirm_samples)
         except CalibrationDataError as exc:
             return {"skipped": first_line(exc)}
-        return rest if rest.feeds else None
 
 
 def _margin(confidence: float, bound: float) -> str:

@@ -375,3 +375,17 @@ def test_a_target_met_on_the_check_feeds_is_confirmed_on_the_next_ones(resumed):
 def test_no_confirmation_without_feeds_after_the_checked_ones():
     model, _, _ = _search(n=32, target=25)
     assert "confirmed" not in model.decisions["precision_search"]
+
+
+def test_held_out_checks_are_confirmed_on_the_held_out_feeds_after_them():
+    """calibrate{hold_out=16}: the search checks the first 8 held-out feeds (outputs of 64 values,
+    output_values=64) and confirms on all 16 of them, none of the feeds the ranges came from."""
+    model = from_proto(parse(OUTLIERS))
+    feeds = _outlier_feeds(64)
+    ctx = RunContext({"op_types_to_quantize": ["Tanh"], "calibration": {"method": "minmax"}}, feeds)
+    PassManager("annotate-types,calibrate{hold_out=16}").run(model, ctx)
+    PassManager([SearchPrecision(target=25, output_values=64)]).run(model, ctx)
+    decision = model.decisions["precision_search"]
+    assert decision["held_out"] and decision["feeds"] == 8 and decision["met"]
+    assert decision["confirmed"]["feeds"] == 16 and decision["confirmed"]["met"]
+    assert decision["confirmed"]["counted"] >= 25 and "checked_at" not in decision   # held out: no allowance
