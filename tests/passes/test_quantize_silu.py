@@ -72,6 +72,15 @@ def test_the_gates_stay_float_unless_the_outputs_allow(search, options, quantize
         assert "quantize-silu: 8-bit SiLU gates took" in model.decisions["float"]["g"]["reason"]
 
 
+def test_a_target_holds_with_the_searchs_in_sample_allowance():
+    """A target the search checked 1 dB higher (on the feeds the ranges came from) binds the gates there too."""
+    model, _, _ = _run(search={"metric": "snr", "target": 0.0})
+    after = model.decisions["silu_gates"]["after"]
+    for checked_at, quantized in ((after - 0.5, True), (after + 0.5, False)):
+        model, _, _ = _run(search={"metric": "snr", "target": after - 1.0, "checked_at": checked_at}, margin_db=100.0)
+        assert model.decisions["silu_gates"]["quantized"] is quantized
+
+
 def test_an_explicit_op_selection_is_left_alone():
     model, _, record = _run({"op_types_to_quantize": ["Conv"]})
     assert not record.modified and "silu_gates" not in model.decisions and "g" not in model.quant
