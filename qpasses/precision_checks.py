@@ -183,6 +183,13 @@ class Checks:
         record["met"] = record["counted"] >= self.target if "counted" in record else None
         return chosen, record
 
+    def blocking(self, chosen: list[str], count: int = 5) -> dict[str, float]:
+        """The ``count`` tensors the ranking would promote next (not in ``chosen``), with their local
+        errors in dB: where a target missed still costs most."""
+        taken = set(chosen)
+        left = [name for name in self.ranked() if name not in taken][:count]
+        return {name: round(self.local_db[name], 1) for name in left}
+
     def aim(self, chosen: list[str], aim: float, keep: float) -> tuple[list[str], float]:
         """From ``chosen`` towards ``aim`` while ``keep`` of the weighted ops stay 8-bit, over the
         local-error ranking and the graph order (analysis.walks.aimed); says which order it took."""

@@ -105,10 +105,13 @@ def shortfall(decision: dict) -> str:
     reached, counted, confidence = decision["reached"], decision.get("reached_counted"), decision.get("confidence", 0)
     counted = (f" (counted as {counted}: less {confidence:g} standard error)"
                if confidence and counted is not None and counted != reached else "")
+    blocking = decision.get("blocking") or {}
+    nexts = ("; next in the ranking, not promoted: " + ", ".join(f"{n} (local error {db:+.1f} dB)" for n, db in blocking.items())
+             if blocking else "")
     confirmed = decision.get("confirmed", {})
     if confirmed.get("met") is False:
         return (f"reached {reached} {decision['metric']} on its {decision['feeds']} check feeds but "
                 f"{confirmed['score']} on all {confirmed['feeds']} calibration feeds it confirmed on, "
-                f"short of the target {decision['target']:g}, with {len(decision['promoted'])} tensors promoted")
+                f"short of the target {decision['target']:g}, with {len(decision['promoted'])} tensors promoted{nexts}")
     return (f"reached {reached} {decision['metric']}{counted}, short of the target {decision['target']:g}, "
-            f"with {len(decision['promoted'])} tensors promoted")
+            f"with {len(decision['promoted'])} tensors promoted{nexts}")

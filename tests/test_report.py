@@ -160,6 +160,8 @@ def test_the_summary_says_what_the_search_aimed_at():
     search["confirmed"] = {"skipped": "calib.npz: gone"}
     text = "".join(html._summary(info))
     assert "search-precision: target 12.0 snr, quantized" in text and "not confirmed (calib.npz: gone)" in text
+    search |= {"met": False, "blocking": {"conv3.w": -12.3, "relu2": -20.0}}
+    assert "a, b; target missed, next in the ranking: conv3.w, relu2</p>" in "".join(html._summary(info))
     search["confirmed"] = {"feeds": 8, "added": 4, "met": None}
     assert "confirmed on 8 calibration feeds (4 of them then added to the checks): no evaluation left to read it again" in "".join(
         html._summary(info))

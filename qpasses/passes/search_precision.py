@@ -62,7 +62,8 @@ class SearchPrecision(Pass):
     derived from them, the reason in ``model.decisions["float"]``; 16-bit: the new type, with a
     why-line), ``model.decisions["precision_search"]`` (target, scores and what they counted as,
     promotions, evaluations; what the confirmation read and how many feeds it added to the checks;
-    the aim, the share and the order it took). ``met`` is false when the last confirmation missed.
+    the aim, the share and the order it took). ``met`` is false when the last confirmation missed;
+    then ``blocking`` names the tensors next in the ranking, not promoted, with their local errors.
     Invariants: the graph is not changed; nothing is promoted when the quantized model already meets the
     aim (the target when there is no aim); the aim never takes the share of 8-bit weighted ops below
     ``keep_8bit`` (the target may); nothing is done (and it says why) without calibration data or above
@@ -193,7 +194,9 @@ class SearchPrecision(Pass):
                        f"{search.raw[frozenset(chosen)]:.4g}{on} ({goal}"
                        f"{_margin(self.confidence, search.scores[frozenset(chosen)])})")
                 for name in chosen})
-        decision |= {"promoted": chosen, "evaluations": search.evaluations, "met": reached >= target and decision.get("confirmed", {}).get("met") is not False}
+        met = reached >= target and decision.get("confirmed", {}).get("met") is not False
+        decision |= {"promoted": chosen, "evaluations": search.evaluations, "met": met}
+        decision |= {} if met else {"blocking": search.blocking(chosen)}
         decision |= {"aim_met": reached >= aim} if "aim" in decision else {}
         model.decisions[DECISION] = decision
         ctx.findings.set(NAME, decision)

@@ -143,7 +143,9 @@ def _summary(info: dict) -> list[str]:
                    f"quantized {escape(str(search.get('quantized')))}, reached {escape(str(search.get('reached')))} "
                    f"on {escape(str(search.get('feeds')))} check feeds{_confirmation(search.get('confirmed'))}; "
                    f"{len(promoted)} tensors promoted to {escape(str(search.get('fallback')))}"
-                   + (": " + escape(", ".join(promoted)) if promoted else "") + "</p>")
+                   + (": " + escape(", ".join(promoted)) if promoted else "")
+                   + ("; target missed, next in the ranking: " + escape(", ".join(search["blocking"]))
+                      if search.get("blocking") else "") + "</p>")
     floats = info.get("floats", {})
     rows = [[name, row.get("pass", ""), row.get("reason", "")] for name, row in floats.items()]
     out.append(f"<details><summary>{len(rows)} tensors left float, and why</summary>"

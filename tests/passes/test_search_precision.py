@@ -254,6 +254,10 @@ def test_the_shortfall_line_says_what_the_score_counted_as():
                                    "target 25, with 2 tensors promoted")
     plain = decision | {"confidence": 0.0, "reached_counted": 24.5}
     assert shortfall(plain) == "reached 24.5 snr, short of the target 25, with 2 tensors promoted"
+    blocked = plain | {"blocking": {"conv3.w": -12.34, "relu2": -20.0}}
+    assert shortfall(blocked) == ("reached 24.5 snr, short of the target 25, with 2 tensors promoted; next in "
+                                  "the ranking, not promoted: conv3.w (local error -12.3 dB), relu2 (local error "
+                                  "-20.0 dB)")
     unconfirmed = plain | {"reached": 26.5, "feeds": 12, "confirmed": {"feeds": 24, "added": 4, "score": 22.1,
                                                                         "counted": 21.0, "met": False}}
     assert shortfall(unconfirmed) == ("reached 26.5 snr on its 12 check feeds but 22.1 on all 24 calibration "
@@ -389,3 +393,14 @@ def test_held_out_checks_are_confirmed_on_the_held_out_feeds_after_them():
     assert decision["held_out"] and decision["feeds"] == 8 and decision["met"]
     assert decision["confirmed"]["feeds"] == 16 and decision["confirmed"]["met"]
     assert decision["confirmed"]["counted"] >= 25 and "checked_at" not in decision   # held out: no allowance
+
+
+def test_a_missed_target_names_the_tensors_next_in_the_ranking():
+    from qpasses.precision_checks import Checks
+
+    checks = Checks.__new__(Checks)   # the ranking alone: the local errors, largest first
+    checks.local_db = {"a": -3.04, "b": -5.0, "c": -7.5, "d": -9.0, "e": -10.0, "f": -11.0, "g": -12.0}
+    checks.ranking = sorted(checks.local_db, key=lambda n: -checks.local_db[n])
+    assert checks.blocking(["a", "c"]) == {"b": -5.0, "d": -9.0, "e": -10.0, "f": -11.0, "g": -12.0}
+    assert checks.blocking(["a"], count=2) == {"b": -5.0, "c": -7.5}
+    assert checks.blocking(list(checks.local_db)) == {}
