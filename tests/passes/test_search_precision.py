@@ -404,3 +404,24 @@ def test_a_missed_target_names_the_tensors_next_in_the_ranking():
     assert checks.blocking(["a", "c"]) == {"b": -5.0, "d": -9.0, "e": -10.0, "f": -11.0, "g": -12.0}
     assert checks.blocking(["a"], count=2) == {"b": -5.0, "c": -7.5}
     assert checks.blocking(list(checks.local_db)) == {}
+
+
+def test_a_confirmation_that_cannot_run_is_said_not_raised(monkeypatch):
+    from qpasses.evaluate import Reference
+
+    runs_of = Reference.runs_of
+
+    def refusing(self, *args, **kwargs):
+        if len(self.feeds) > 32:
+            raise RuntimeError("onnxruntime refused feed 40")
+        return runs_of(self, *args, **kwargs)
+
+    monkeypatch.setattr(Reference, "runs_of", refusing)
+    model = from_proto(parse(CLIPPED))
+    ctx = RunContext({"op_types_to_quantize": ["MatMul"], "calibration": {"method": "percentile", "percentile": 99.0}},
+                     _late_spike_feeds(32, 24))
+    PassManager("annotate-types,calibrate").run(model, ctx)
+    PassManager([SearchPrecision(target=20)]).run(model, ctx)
+    decision = model.decisions["precision_search"]
+    assert decision["confirmed"] == {"feeds": 56, "added": 0, "skipped": "onnxruntime refused feed 40", "met": None}
+    assert decision["met"] and decision["promoted"] == []
