@@ -234,10 +234,7 @@ class Objective:
         8 check feeds: 35 dB +- 39), while the ratio's spread says how much worse it may get."""
         if self.builtin:
             return self._stats_error(self._feed_stats(reference_runs, test_runs, names)[1])
-        n = len(reference_runs)
-        return _jackknife([self.overall(self.scores_from_runs(reference_runs[:i] + reference_runs[i + 1:],
-                                                              test_runs[:i] + test_runs[i + 1:], names))
-                           for i in range(n)] if n >= 2 else [])
+        return _jackknife(self._left_out(reference_runs, test_runs, names) if len(reference_runs) >= 2 else [])
 
     def worst_feeds(self, reference_runs: list, test_runs: list, names: list[str]) -> list[int]:
         """The feeds from the one whose leaving out raises ``overall`` most (the worst) down."""
@@ -245,22 +242,30 @@ class Objective:
         if n < 2:
             return list(range(n))
         if self.builtin:
-            stats = self._feed_stats(reference_runs, test_runs, names)[1]
-            total = stats.sum(axis=0)
-            left_out = [self.overall(dict(enumerate(_aggregate(self.metric, total - stats[i])))) for i in range(n)]
+            left_out = self._left_out_sums(self._feed_stats(reference_runs, test_runs, names)[1])
         else:
-            left_out = [self.overall(self.scores_from_runs(reference_runs[:i] + reference_runs[i + 1:],
-                                                           test_runs[:i] + test_runs[i + 1:], names)) for i in range(n)]
+            left_out = self._left_out(reference_runs, test_runs, names)
         return sorted(range(n), key=lambda i: (-left_out[i], i))
+
+    def _left_out(self, reference_runs: list, test_runs: list, names: list[str]) -> list[float]:
+        """``overall`` with each feed left out in turn (a user metric: one call per feed)."""
+        return [self.overall(self.scores_from_runs(reference_runs[:i] + reference_runs[i + 1:],
+                                                   test_runs[:i] + test_runs[i + 1:], names))
+                for i in range(len(reference_runs))]
+
+    def _left_out_sums(self, stats: np.ndarray) -> list[float]:
+        """``_left_out`` from a built-in metric's per-feed sums (``_feed_stats``)."""
+        total = stats.sum(axis=0)
+        return [self.overall(dict(enumerate(_aggregate(self.metric, total - row)))) for row in stats]
 
     def _stats_error(self, stats: np.ndarray) -> float:
         """``standard_error`` from a built-in metric's per-feed sums (``_feed_stats``)."""
-        total, n = stats.sum(axis=0), len(stats)
-        if n < 2:
+        if len(stats) < 2:
             return 0.0
         if self.metric == "snr":
-            return _jackknife([_worst_ratio(total - stats[i]) for i in range(n)])
-        return _jackknife([self.overall(dict(enumerate(_aggregate(self.metric, total - stats[i])))) for i in range(n)])
+            total = stats.sum(axis=0)
+            return _jackknife([_worst_ratio(total - row) for row in stats])
+        return _jackknife(self._left_out_sums(stats))
 
     def lower_bound(self, score: float, error: float, z: float) -> float:
         """``score`` less ``z`` standard errors ``error`` (``standard_error``; for snr taken on the
