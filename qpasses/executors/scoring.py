@@ -74,6 +74,17 @@ def objective_score(reference: Reference, model, objective, reuse=None) -> dict:
         return {"score": float("-inf"), "standard_error": 0.0, "failed": first_line(exc)}
 
 
+def trial_score(model, then: str, ctx, reference: Reference, objective, edit=None) -> float:
+    """The objective's score of a copy of ``model`` (``edit`` applied to it) made a QDQ model by the
+    passes ``then``: a pass's check of one change against the model as it is."""
+    from ..pipeline import run_nested
+    trial = model.copy(share_weights=True)
+    if edit is not None:
+        edit(trial)
+    run_nested(then, trial, ctx)
+    return objective_score(reference, trial.to_proto(metadata=False).SerializeToString(), objective)["score"]
+
+
 def objective_task(model: bytes, shared) -> dict:
     """Runs on a worker: ``objective_score`` of one candidate (``shared``: reference, objective)."""
     began = time.perf_counter()

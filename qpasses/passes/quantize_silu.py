@@ -8,10 +8,10 @@ from ..analysis.silu import quantize_gates, silu_gates
 from ..decisions import FLOAT, PRECISION_SEARCH
 from ..errors import CalibrationDataError, first_line
 from ..evaluate import Reference, rerun_skip_reason
-from ..executors.scoring import objective_score
+from ..executors.scoring import trial_score
 from ..ir import QModel
 from ..objective import Objective
-from ..pipeline import Pass, PassResult, run_nested
+from ..pipeline import Pass, PassResult
 from ..registry import register
 
 NAME = "quantize-silu"
@@ -89,8 +89,9 @@ class QuantizeSilu(Pass):
         except CalibrationDataError as exc:
             ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
             return PassResult(model, False, {"gates": 0})
-        before = self._score(model, ctx, reference, objective, {})
-        after = self._score(model, ctx, reference, objective, gates)
+        before = trial_score(model, self.then, ctx, reference, objective)
+        after = trial_score(model, self.then, ctx, reference, objective,
+                            lambda trial: quantize_gates(trial, gates, f"{NAME}: tried"))
         allowed = self.margin_db if metric == "snr" else 0.0
         keep = (target is None or after >= target) and (after >= before - allowed or (aim is not None and after >= aim))
         if keep:
@@ -108,10 +109,3 @@ class QuantizeSilu(Pass):
         model.decisions[DECISION] = decision
         ctx.findings.set(NAME, decision)
         return PassResult(model, True, {"gates": len(gates) if keep else 0})
-
-    def _score(self, model: QModel, ctx, reference: Reference, objective, gates: dict) -> float:
-        trial = model.copy(share_weights=True)
-        if gates:
-            quantize_gates(trial, gates, f"{NAME}: tried")
-        run_nested(self.then, trial, ctx)
-        return objective_score(reference, trial.to_proto(metadata=False).SerializeToString(), objective)["score"]

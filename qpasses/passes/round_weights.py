@@ -12,10 +12,10 @@ from ..calibration.runner import collect_stats
 from ..decisions import PRECISION_SEARCH
 from ..errors import CalibrationDataError, first_line
 from ..evaluate import Reference, rerun_skip_reason
-from ..executors.scoring import objective_score
+from ..executors.scoring import trial_score
 from ..ir import QModel
 from ..objective import Objective
-from ..pipeline import Pass, PassResult, run_nested
+from ..pipeline import Pass, PassResult
 from ..qtypes import qtype
 from ..registry import register
 from ..rounding import Geometry, Hessian, conv_geometry, round_codes
@@ -229,17 +229,12 @@ class RoundWeights(Pass):
             after, held_out = 0, False
             reference = Reference.for_rest(model, ctx.calibration_data, None, 0, False, self.check_samples)
         objective = Objective(search.get("metric", ctx.config.accuracy.metric), model=model.to_proto(metadata=False))
-        before = self._score(model, ctx, reference, objective)
+        before = trial_score(model, self.then, ctx, reference, objective)
         _restore(rounded)
-        score = self._score(model, ctx, reference, objective)
+        score = trial_score(model, self.then, ctx, reference, objective)
         allowed = self.tolerance_db if objective.metric == "snr" else 0.0
         return {"feeds": len(reference.feeds), "from": after, "metric": objective.metric,
                 "round_to_nearest": round(before, 4), "rounded": round(score, 4), "kept": score >= before - allowed}
-
-    def _score(self, model: QModel, ctx, reference: Reference, objective: Objective) -> float:
-        trial = model.copy(share_weights=True)
-        run_nested(self.then, trial, ctx)
-        return objective_score(reference, trial.to_proto(metadata=False).SerializeToString(), objective)["score"]
 
     def _round(self, model: QModel, t: Target, samples: int, originals: dict, notes: list) -> bool:
         tq = model.quant[t.weight.name]
