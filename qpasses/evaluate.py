@@ -157,7 +157,12 @@ class Reference:
         count = min(max_samples, max(min_samples, -(-enough_values // max(per_feed, 1))))
         if len(kept.feeds) < min(count, min_samples) and kept.full:
             return None
-        return cls(kept.names, list(kept.feeds[0]), kept.feeds[:count], kept.outputs[:count])
+        return cls._kept(kept, 0, count)
+
+    @classmethod
+    def _kept(cls, kept, start: int, stop: int) -> "Reference":
+        """The reference on calibrate's kept feeds ``start:stop`` (KeptSamples)."""
+        return cls(kept.names, list(kept.feeds[0]), kept.feeds[start:stop], kept.outputs[start:stop])
 
     @classmethod
     def for_check(cls, model: QModel, data, kept, max_samples: int, enough_values: int) -> tuple["Reference", bool]:
@@ -192,9 +197,8 @@ class Reference:
         start = (model.decisions.get("calibration", {}).get("held_out_from") or 0) if held_out else 0
         skip, found = start + after, None
         if not held_out and _kept_usable(kept, model):
-            if kept.feeds[skip:skip + max_samples]:
-                found = cls(kept.names, list(kept.feeds[0]), kept.feeds[skip:skip + max_samples],
-                            kept.outputs[skip:skip + max_samples])
+            if 0 < max_samples and skip < len(kept.feeds):
+                found = cls._kept(kept, skip, skip + max_samples)
             if not (kept.full or len(kept.feeds) >= kept.limit):   # it holds every feed there is
                 return found
             skip = max(skip, len(kept.feeds))
