@@ -163,7 +163,8 @@ class Checks:
             except Exception as exc:   # a model that ran on the check feeds and not on these: said, not raised
                 record["skipped"] = first_line(exc)
                 break
-            summary, error = self.objective.summary_and_error(both.runs(), runs, both.names)
+            references = both.runs()
+            summary, error = self.objective.summary_and_error(references, runs, both.names)
             self.evaluations += 1
             self.bar.update(self.evaluations)
             bound = self.objective.lower_bound(summary["overall"], error, self.options.confidence)
@@ -171,7 +172,7 @@ class Checks:
             if bound >= self.target or self.evaluations >= self.budget:
                 break
             checked = len(self.check_ref.feeds)
-            worst = [i - checked for i in self.objective.worst_feeds(both.runs(), runs, both.names) if i >= checked]
+            worst = [i - checked for i in self.objective.worst_feeds(references, runs, both.names) if i >= checked]
             moved = worst[:max(1, checked // 2)]
             self.check_ref = self.check_ref.plus(rest.pick(moved))
             rest = rest.pick(sorted(set(range(len(rest.feeds))) - set(moved)))

@@ -110,8 +110,9 @@ def shortfall(decision: dict) -> str:
              if blocking else "")
     confirmed = decision.get("confirmed", {})
     if confirmed.get("met") is False:
-        return (f"reached {reached} {decision['metric']} on its {decision['feeds']} check feeds but "
-                f"{confirmed['score']} on all {confirmed['feeds']} calibration feeds it confirmed on, "
-                f"short of the target {decision['target']:g}, with {len(decision['promoted'])} tensors promoted{nexts}")
-    return (f"reached {reached} {decision['metric']}{counted}, short of the target {decision['target']:g}, "
-            f"with {len(decision['promoted'])} tensors promoted{nexts}")
+        read = (f"reached {reached} {decision['metric']} on its {decision['feeds']} check feeds but "
+                f"{confirmed['score']} on all {confirmed['feeds']} calibration feeds it confirmed on")
+    else:
+        read = f"reached {reached} {decision['metric']}{counted}"
+    return (f"{read}, short of the target {decision['target']:g}, with {len(decision['promoted'])} tensors "
+            f"promoted{nexts}")

@@ -160,7 +160,7 @@ class SearchPrecision(Pass):
         aim = max(aim, needed)
         search = Checks(self, model, ctx, check, groups, objective, needed, fallback)
         first = search.check([])
-        unpromoted = f"{search.raw[frozenset()]:.4g}"
+        unpromoted = search.raw[frozenset()]   # on the first check feeds (a confirmation may add more)
         decision = {"metric": metric, "target": target, **({"checked_at": needed} if needed > target else {}),
                     "fallback": fallback, "feeds": len(check.feeds), "held_out": held_out, "confidence": self.confidence,
                     **({"aim": aim} if aim > needed else {})} | search.spread([], "quantized")
@@ -171,8 +171,6 @@ class SearchPrecision(Pass):
         if reached >= needed and confirming:
             chosen, confirmed = search.confirmed(chosen, rest, reserve)
             reached = search.scores[frozenset(chosen)]
-            if confirmed["added"]:
-                unpromoted += f" on its first {len(check.feeds)} check feeds"
             decision |= {"confirmed": confirmed, "feeds": len(search.check_ref.feeds)}
         elif reached >= needed and rest:
             decision |= {"confirmed": rest}
@@ -183,15 +181,16 @@ class SearchPrecision(Pass):
         decision |= search.spread(chosen, "reached")
         if chosen:
             total = len(groups)
-            on = f" on {len(search.check_ref.feeds)}" if search.check_ref is not check else ""
+            first, now = ((f" on its first {len(check.feeds)} check feeds", f" on {len(search.check_ref.feeds)}")
+                          if search.check_ref is not check else ("", ""))
             how = f"taken over the {search.aimed}" if search.aimed in ORDERS else search.aimed
             goal = (f"target {target:g}" + (f", {needed:g} on feeds the ranges came from" if needed > target else "")
                     + (f", aim {aim:g} with {keep:.0%} of the weighted ops 8-bit: {how}" if "aimed" in decision else ""))
             promote(model, [groups[name] for name in chosen], fallback, {
                 name: (f"{NAME}: kept {fallback}: local quantization error {search.local_db[name]:+.1f} dB "
                        f"of its typical value; with {len(chosen)} of {total} tensors kept {fallback} the "
-                       f"worst output component's {metric} goes from {unpromoted} to "
-                       f"{search.raw[frozenset(chosen)]:.4g}{on} ({goal}"
+                       f"worst output component's {metric} goes from {unpromoted:.4g}{first} to "
+                       f"{search.raw[frozenset(chosen)]:.4g}{now} ({goal}"
                        f"{_margin(self.confidence, search.scores[frozenset(chosen)])})")
                 for name in chosen})
         met = reached >= target and decision.get("confirmed", {}).get("met") is not False
