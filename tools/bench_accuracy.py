@@ -337,9 +337,11 @@ def latency_ms(path, feed: dict, runs: int) -> float:
     return float(np.median(times)) * 1e3
 
 
-def worst_component_snr(model_path, outs_f, outs_q) -> float | None:
+def worst_component_snr(model_path, outs_f, outs_q, spread: bool = False):
     """The worst output component's SNR, as qpasses' objective scores it (an output built by Concat
-    along a non-batch axis piece by piece: boxes beside scores); None if it cannot score them."""
+    along a non-batch axis piece by piece: boxes beside scores); None if it cannot score them.
+    ``spread``: (that SNR, how far one jackknife standard error over the eval samples takes it down,
+    in dB; taken on the error-to-signal ratio as search-precision's margin is)."""
     import onnx
     from qpasses.objective import Objective
 
@@ -347,9 +349,23 @@ def worst_component_snr(model_path, outs_f, outs_q) -> float | None:
         model = onnx.load(str(model_path), load_external_data=False)
         names = [o.name for o in model.graph.output]
         objective = Objective("snr", model=model)
-        return objective.overall(objective.scores_from_runs(outs_f, outs_q, names))
+        if not spread:
+            return objective.overall(objective.scores_from_runs(outs_f, outs_q, names))
+        summary, error = objective.summary_and_error(outs_f, outs_q, names)
+        score = summary["overall"]
+        return score, score - objective.lower_bound(score, error, 1.0)
     except Exception:
-        return None
+        return (None, None) if spread else None
+
+
+def jackknife_se(metric, outs_f, outs_q) -> float:
+    """The jackknife standard error of ``metric(outs_f, outs_q)`` over the eval samples: how far the
+    task metric of this eval set is from the same model's on another set of that size."""
+    n = len(outs_f)
+    if n < 2:
+        return 0.0
+    left_out = np.array([metric(outs_f[:i] + outs_f[i + 1:], outs_q[:i] + outs_q[i + 1:]) for i in range(n)])
+    return float(math.sqrt((n - 1) / n * np.sum((left_out - left_out.mean()) ** 2)))
 
 
 def measure(result: dict, bm: BenchModel, feeds: list[dict], outs_f, latency_runs: int = 0) -> None:
@@ -381,7 +397,8 @@ def measure(result: dict, bm: BenchModel, feeds: list[dict], outs_f, latency_run
         outs_q = [sess.run(None, f) for f in feeds]
         result["metric_name"], result["task"] = bm.metric(outs_f, outs_q)
         result["snr"] = output_snr(outs_f, outs_q)
-        result["snr_worst"] = worst_component_snr(bm.path, outs_f, outs_q)
+        result["snr_worst"], result["snr_worst_se"] = worst_component_snr(bm.path, outs_f, outs_q, spread=True)
+        result["task_se"] = jackknife_se(lambda f, q: bm.metric(f, q)[1], outs_f, outs_q)
         if latency_runs:
             result["latency_ms"] = latency_ms(path, feeds[0], latency_runs)
     except Exception as exc:
@@ -462,6 +479,20 @@ def cell(r: dict | None, key: str, digits=3) -> str:
     return _fmt(r.get(key), digits)
 
 
+def spread_cell(r: dict | None) -> str:
+    """The eval set's own noise: the jackknife standard errors of the task metric and of the worst
+    component's dB (one standard error down), averaged over the draws."""
+    if r is None:
+        return "—"
+    draws = r.get("draws") or [r]
+
+    def mean(key):
+        values = [d[key] for d in draws if isinstance(d.get(key), float) and math.isfinite(d[key])]
+        return sum(values) / len(values) if values else None
+
+    return f"{_fmt(mean('task_se'))} / {_fmt(mean('snr_worst_se'), 2)}"
+
+
 def tables(rows: list[dict], tools: list[Tool]) -> str:
     names = [t.name for t in tools]
     out = ["| model | metric | chance | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
@@ -470,15 +501,17 @@ def tables(rows: list[dict], tools: list[Tool]) -> str:
         out.append(f"| {row['model']} | {row['metric']} | {_fmt(row.get('chance'))} | "
                    + " | ".join(cell(res.get(n), "task") for n in names) + " |")
     timed = any("latency_ms" in r for row in rows for r in row["results"].values())
-    out += ["", "| model | tool | task | SNR dB | worst component SNR dB | 8-bit weighted ops | run as integer kernels | "
-            "quantize s | " + ("latency ms | " if timed else "") + "status |", "|---|---|---|---|---|---|---|---|" + "---|" * (1 + timed)]
+    out += ["", "| model | tool | task | SNR dB | worst component SNR dB | eval-set SE (task / dB) | 8-bit weighted ops | "
+            "run as integer kernels | quantize s | " + ("latency ms | " if timed else "") + "status |",
+            "|---|---|---|---|---|---|---|---|---|" + "---|" * (1 + timed)]
     for row in rows:
         for n in names:
             r = row["results"].get(n)
             if r is None:
                 continue
             st = status(r)
-            out.append(f"| {row['model']} | {n} | {cell(r, 'task')} | {cell(r, 'snr', 2)} | {cell(r, 'snr_worst', 2)} | {cell(r, 'share')} | "
+            out.append(f"| {row['model']} | {n} | {cell(r, 'task')} | {cell(r, 'snr', 2)} | {cell(r, 'snr_worst', 2)} | "
+                       f"{spread_cell(r)} | {cell(r, 'share')} | "
                        f"{cell(r, 'integer_kernels')} | {cell(r, 'seconds', 1)} | "
                        + (f"{cell(r, 'latency_ms', 3)} | " if timed else "") + f"{'ok' if st is None else st[:90]} |")
     out += ["", "| model | nodes | weighted ops | opset | outputs |", "|---|---|---|---|---|"]
@@ -627,7 +660,7 @@ def main(argv=None) -> int:
             r = dict(draws[0])
             if args.draws > 1:
                 r["draws"] = [{k: d.get(k) for k in ("task", "snr", "snr_worst", "weighted_8bit", "seconds", "calib_samples",
-                                                     "latency_ms")}
+                                                     "latency_ms", "task_se", "snr_worst_se")}
                               for d in draws]
             row["results"][tool.name] = r
             print(f"{name:16s} {tool.name:10s} task {cell(r, 'task'):>6s}  snr {cell(r, 'snr', 2):>6s}  "
