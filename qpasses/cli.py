@@ -224,16 +224,17 @@ def cmd_run(args) -> int:
                            + (f" [clearly behind: stopped after {v['samples']}]" if v.get("dropped") else
                               f" [clearly ahead after {v['samples']}]" if v.get("samples", total) < total else "")
                            for v in selected["variants"])
-        say(f"qpasses: select-by-snr chose {selected['chosen']} ({scores}; "
-            f"{total} calibration samples)")
+        say(f"qpasses: select-by-snr chose {selected['chosen']} ({scores}; {total} calibration samples)")
     data = eval_data or ctx.calibration_data
     if data is not None and ("qdq-inserted" in model.facts or ctx.config.mode != "static"):
         # a failing user metric is a user error: nothing is committed (as for every failure)
         report["accuracy"] = compare(ort_source(src), ort_source(staged), data, max_samples=_EVAL_SAMPLES,
                                      objective=objective)
         report["objective"] = report["accuracy"].pop("objective", None)
-        say(f"qpasses: output SNR vs float: {_fmt_db(report['accuracy']['snr_db'])} "
-            f"over {report['accuracy']['samples']} samples")
+        err = (report["accuracy"].get("standard_error") or 0.0) if objective.metric == "snr" else 0.0
+        low = objective.lower_bound(report["objective"]["overall"], err, 1.0) if 0 < err < math.inf else None
+        say(f"qpasses: output SNR vs float: {_fmt_db(report['accuracy']['snr_db'])} over {report['accuracy']['samples']} samples"
+            + (f" (the worst component one standard error down, as these samples spread: {_fmt_db(low)})" if low is not None else ""))
         for line in _objective_lines(objective, report["accuracy"], report["objective"], always=False):
             say(f"qpasses: {line}")
     if "types-annotated" in model.facts or "qdq-inserted" in model.facts:

@@ -1,6 +1,7 @@
 """The command line: exit codes, one-line errors, no partial outputs, the input never modified."""
 import hashlib
 import json
+import re
 import subprocess
 import sys
 
@@ -112,6 +113,9 @@ def test_run_quantizes_and_reports_the_selection_and_the_snr(example, tmp_path, 
     assert "select-by-snr" in data["pipeline"] and chosen["samples"] == 32
     assert f"select-by-snr chose {chosen['chosen']}" in err
     assert data["accuracy"]["snr_db"] > 30 and "output SNR vs float" in err
+    # the eval samples' own spread: the worst component one jackknife standard error down
+    low = re.search(r"one standard error down, as these samples spread: (-?[0-9.]+) dB", err)
+    assert low and 0 < data["objective"]["overall"] - float(low.group(1)) < 3, err
 
 
 def test_run_says_which_variants_stopped_early(tmp_path, capsys):
