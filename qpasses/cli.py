@@ -230,11 +230,10 @@ def cmd_run(args) -> int:
         # a failing user metric is a user error: nothing is committed (as for every failure)
         report["accuracy"] = compare(ort_source(src), ort_source(staged), data, max_samples=_EVAL_SAMPLES,
                                      objective=objective)
+        spread = objective.spread_note(report["accuracy"])
         report["objective"] = report["accuracy"].pop("objective", None)
-        err = (report["accuracy"].get("standard_error") or 0.0) if objective.metric == "snr" else 0.0
-        low = objective.lower_bound(report["objective"]["overall"], err, 1.0) if 0 < err < math.inf else None
-        say(f"qpasses: output SNR vs float: {_fmt_db(report['accuracy']['snr_db'])} over {report['accuracy']['samples']} samples"
-            + (f" (the worst component one standard error down, as these samples spread: {_fmt_db(low)})" if low is not None else ""))
+        say(f"qpasses: output SNR vs float: {_fmt_db(report['accuracy']['snr_db'])} over "
+            f"{report['accuracy']['samples']} samples{spread}")
         for line in _objective_lines(objective, report["accuracy"], report["objective"], always=False):
             say(f"qpasses: {line}")
     if "types-annotated" in model.facts or "qdq-inserted" in model.facts:
@@ -392,7 +391,7 @@ def cmd_compare(args) -> int:
         print(f"{name}: SNR {_fmt_db(row['snr_db'])}, max abs error {row['max_abs_error']:.6g}")
     for line in _objective_lines(objective, result, result.get("objective"), always=True):
         print(line.strip() if line.startswith("  ") else line)
-    print(f"samples: {result['samples']}")
+    print(f"samples: {result['samples']}{objective.spread_note(result)}")
     return 0
 
 

@@ -267,6 +267,15 @@ class Objective:
             return _jackknife([_worst_ratio(total - row) for row in stats])
         return _jackknife(self._left_out_sums(stats))
 
+    def spread_note(self, result: dict) -> str:
+        """For a compared model (evaluate.compare with this objective): its worst component one
+        standard error down, as the samples spread, in words; for snr with a finite, non-zero error."""
+        error = result.get("standard_error") or 0.0
+        if self.metric != "snr" or not result.get("objective") or not 0 < error < math.inf:
+            return ""
+        low = self.lower_bound(result["objective"]["overall"], error, 1.0)
+        return f" (the worst component one standard error down, as they spread: {self.format(low)})"
+
     def lower_bound(self, score: float, error: float, z: float) -> float:
         """``score`` less ``z`` standard errors ``error`` (``standard_error``; for snr taken on the
         error-to-signal ratio, then back in dB). No finite error (all of a component's signal in one

@@ -114,7 +114,7 @@ def test_run_quantizes_and_reports_the_selection_and_the_snr(example, tmp_path, 
     assert f"select-by-snr chose {chosen['chosen']}" in err
     assert data["accuracy"]["snr_db"] > 30 and "output SNR vs float" in err
     # the eval samples' own spread: the worst component one jackknife standard error down
-    low = re.search(r"one standard error down, as these samples spread: (-?[0-9.]+) dB", err)
+    low = re.search(r"one standard error down, as they spread: SNR (-?[0-9.]+) dB", err)
     assert low and 0 < data["objective"]["overall"] - float(low.group(1)) < 3, err
 
 

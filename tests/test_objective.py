@@ -2,6 +2,7 @@
 top1 / user metrics, and --metric on the command line."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -377,7 +378,19 @@ def test_compare_prints_every_component_in_the_chosen_metric(cli_files):
     assert lines[1].startswith("output[boxes]: cosine ") and lines[1].endswith("(output[0:4] on axis 1)")
     assert lines[2].startswith("output[scores]: cosine ")
     assert lines[3].startswith("objective: cosine ") and lines[3].endswith("(worst component output[scores])")
-    assert lines[4] == "samples: 6"
+    assert lines[4] == "samples: 6"   # cosine: no SNR spread line
+
+
+def test_compare_says_how_far_the_samples_spread_take_the_worst_snr(cli_files):
+    """With the snr objective, the samples line carries the worst component one jackknife standard
+    error down (on the error-to-signal ratio): below the worst component's own SNR."""
+    d = cli_files
+    proc = _cli(d, "compare", d / "det.onnx", d / "q.onnx", "--data", d / "eval.npz", pythonpath=False)
+    assert proc.returncode == 0, proc.stderr
+    worst = float(re.search(r"objective: SNR (-?[0-9.]+) dB", proc.stdout).group(1))
+    low = re.search(r"samples: 6 \(the worst component one standard error down, as they spread: SNR (-?[0-9.]+) dB\)",
+                    proc.stdout)
+    assert low and float(low.group(1)) < worst, proc.stdout
 
 
 def test_metric_module_in_the_current_directory(cli_files, monkeypatch, capsys):
