@@ -76,6 +76,8 @@ def test_run_html_has_the_passes_and_the_output_snr(example, tmp_path, capsys):
     text = page.read_text()
     snr = re.search(r"output SNR vs float: ([0-9.]+) dB", err).group(1)
     assert f">{snr}<" in text   # the same number as the run's line
+    spread = re.search(r"as they spread: SNR [0-9.]+ dB\)", err).group(0)
+    assert spread in text   # and the same spread of the samples
     assert "<h3>Time per pass</h3>" in text and ">calibrate<" in text
     assert f"<code>{tmp_path / 'q.onnx'}</code>" in text and ".qpasses-" not in text   # not the staged file
 

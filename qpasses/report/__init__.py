@@ -41,5 +41,6 @@ def build(float_model, qdq_model, data, *, objective=None, run_report: dict | No
             "data": str(getattr(data, "source", "") or "data"), "accuracy": accuracy,
             "objective": accuracy.get("objective"), "layer_samples": min(layer_samples, len(feeds)),
             "summary": summary_line(qproto, float_reasons(qmodel)), "decisions": qmodel.decisions,
-            "floats": float_reasons(qmodel), "passes": (run_report or {}).get("passes")}
+            "floats": float_reasons(qmodel), "passes": (run_report or {}).get("passes"),
+            "spread": objective.spread_note(accuracy)}
     return html.page(info, rows, layers.precision_cells(qproto))

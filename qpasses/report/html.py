@@ -123,7 +123,8 @@ def _summary(info: dict) -> list[str]:
         comps = [[name, f"{value:.4g}", objective.get("slices", {}).get(name, "")]
                  for name, value in objective.get("components", {}).items()]
         overall = objective.get("overall", math.nan)
-        out.append(f"<p>Objective ({escape(str(metric))}, worst component): <b>{overall:.4g}</b></p>")
+        out.append(f"<p>Objective ({escape(str(metric))}, worst component): <b>{overall:.4g}</b>"
+                   f"{escape(info.get('spread', ''))}</p>")
         out.append(_table(["component", str(metric), "where"], comps, numeric=(1,)))
     passes = info.get("passes")
     if passes:
