@@ -234,7 +234,7 @@ class Objective:
         8 check feeds: 35 dB +- 39), while the ratio's spread says how much worse it may get."""
         if self.builtin:
             return self._stats_error(self._feed_stats(reference_runs, test_runs, names)[1])
-        return _jackknife(self._left_out(reference_runs, test_runs, names) if len(reference_runs) >= 2 else [])
+        return jackknife(self._left_out(reference_runs, test_runs, names) if len(reference_runs) >= 2 else [])
 
     def worst_feeds(self, reference_runs: list, test_runs: list, names: list[str]) -> list[int]:
         """The feeds from the one whose leaving out raises ``overall`` most (the worst) down."""
@@ -264,8 +264,8 @@ class Objective:
             return 0.0
         if self.metric == "snr":
             total = stats.sum(axis=0)
-            return _jackknife([_worst_ratio(total - row) for row in stats])
-        return _jackknife(self._left_out_sums(stats))
+            return jackknife([_worst_ratio(total - row) for row in stats])
+        return jackknife(self._left_out_sums(stats))
 
     def spread_note(self, result: dict) -> str:
         """For a compared model (evaluate.compare with this objective): its worst component one
@@ -289,7 +289,7 @@ class Objective:
         return -10 * math.log10(worse) if worse > 0 else math.inf
 
 
-def _jackknife(left_out: list[float]) -> float:
+def jackknife(left_out: list[float]) -> float:
     """The jackknife standard error from the leave-one-out values (0 with fewer than two; inf when
     one is not finite)."""
     n = len(left_out)

@@ -337,11 +337,11 @@ def latency_ms(path, feed: dict, runs: int) -> float:
     return float(np.median(times)) * 1e3
 
 
-def worst_component_snr(model_path, outs_f, outs_q, spread: bool = False):
+def worst_component_snr(model_path, outs_f, outs_q) -> tuple[float | None, float | None]:
     """The worst output component's SNR, as qpasses' objective scores it (an output built by Concat
-    along a non-batch axis piece by piece: boxes beside scores); None if it cannot score them.
-    ``spread``: (that SNR, how far one jackknife standard error over the eval samples takes it down,
-    in dB; taken on the error-to-signal ratio as search-precision's margin is)."""
+    along a non-batch axis piece by piece: boxes beside scores), and how far one jackknife standard
+    error over the eval samples takes it down, in dB (taken on the error-to-signal ratio, as
+    search-precision's margin is); (None, None) if it cannot score them."""
     import onnx
     from qpasses.objective import Objective
 
@@ -349,23 +349,19 @@ def worst_component_snr(model_path, outs_f, outs_q, spread: bool = False):
         model = onnx.load(str(model_path), load_external_data=False)
         names = [o.name for o in model.graph.output]
         objective = Objective("snr", model=model)
-        if not spread:
-            return objective.overall(objective.scores_from_runs(outs_f, outs_q, names))
         summary, error = objective.summary_and_error(outs_f, outs_q, names)
         score = summary["overall"]
         return score, score - objective.lower_bound(score, error, 1.0)
     except Exception:
-        return (None, None) if spread else None
+        return None, None
 
 
 def jackknife_se(metric, outs_f, outs_q) -> float:
     """The jackknife standard error of ``metric(outs_f, outs_q)`` over the eval samples: how far the
     task metric of this eval set is from the same model's on another set of that size."""
-    n = len(outs_f)
-    if n < 2:
-        return 0.0
-    left_out = np.array([metric(outs_f[:i] + outs_f[i + 1:], outs_q[:i] + outs_q[i + 1:]) for i in range(n)])
-    return float(math.sqrt((n - 1) / n * np.sum((left_out - left_out.mean()) ** 2)))
+    from qpasses.objective import jackknife
+
+    return jackknife([metric(outs_f[:i] + outs_f[i + 1:], outs_q[:i] + outs_q[i + 1:]) for i in range(len(outs_f))])
 
 
 def measure(result: dict, bm: BenchModel, feeds: list[dict], outs_f, latency_runs: int = 0) -> None:
@@ -397,7 +393,7 @@ def measure(result: dict, bm: BenchModel, feeds: list[dict], outs_f, latency_run
         outs_q = [sess.run(None, f) for f in feeds]
         result["metric_name"], result["task"] = bm.metric(outs_f, outs_q)
         result["snr"] = output_snr(outs_f, outs_q)
-        result["snr_worst"], result["snr_worst_se"] = worst_component_snr(bm.path, outs_f, outs_q, spread=True)
+        result["snr_worst"], result["snr_worst_se"] = worst_component_snr(bm.path, outs_f, outs_q)
         result["task_se"] = jackknife_se(lambda f, q: bm.metric(f, q)[1], outs_f, outs_q)
         if latency_runs:
             result["latency_ms"] = latency_ms(path, feeds[0], latency_runs)
