@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .errors import PassFailure, QpassesError, TargetNotMet
+from .outputs import discard_open
 from .process import error_line, guarded, interrupted_line
 
 
@@ -41,7 +42,7 @@ def _main(argv) -> int:
         parser.print_help()
         return 2
     try:   # signals interrupt it, onnxruntime's log is silenced, what it staged is removed (process.py)
-        return guarded(args.func, args, debug=_debug(args))
+        return guarded(args.func, args, discard_open, debug=_debug(args))
     except TargetNotMet as exc:
         print(f"qpasses: error: {exc}", file=sys.stderr)
         return 3
@@ -331,7 +332,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_passes(args) -> int:
-    from .registry import in_pipeline_order
+    from .pipeline import in_pipeline_order
 
     for cls in in_pipeline_order():  # default pipeline order, then the rest by name
         print(f"{cls.name}: {cls.summary()}")

@@ -37,3 +37,14 @@ def first_line(exc: BaseException) -> str:
 
 class TargetNotMet(QpassesError):
     """--require-target: the accuracy target could not be met (exit 3)."""
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` if it can cross processes (pickle), else an exception of the same name and text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return type(type(exc).__name__, (Exception,), {})(str(exc))

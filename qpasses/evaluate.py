@@ -338,16 +338,6 @@ class Reference:
             self._signal_cache = np.array([self.sums(i) for i in range(len(self.feeds))]).reshape(len(self.feeds), columns)
         return self._signal_cache
 
-    def contender(self, test_model, *, penalty: float = 0.0, optimize: bool = True, keep: int = 0):
-        """``test_model`` ready to be scored on the kept feeds (qpasses.duels.Contender)."""
-        from .duels import Contender
-        return Contender(self, test_model, penalty=penalty, optimize=optimize, keep=keep)
-
-    def duel(self, best, challenger, *, min_samples: int = 8, z: float = 3.0):
-        """The winner of two contenders on these feeds (qpasses.duels.duel)."""
-        from .duels import duel
-        return duel(self, best, challenger, min_samples=min_samples, z=z)
-
 
 def _kept_usable(kept, model: QModel) -> bool:
     """Whether calibrate's kept float outputs still hold for ``model``: not once its float values

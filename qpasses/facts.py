@@ -11,9 +11,9 @@ import math
 from .analysis.ranges import tensors_needing_ranges
 from .errors import ModelError
 from .ir import QModel
+from .oprules import QDQ_OPS
 from .qtypes import qtype
 
-QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 
 
 def _types_annotated(model: QModel) -> list[str]:

@@ -5,7 +5,6 @@ All loading, saving and copying goes through this module so the gs seam stays in
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import json
 import os
@@ -25,7 +24,7 @@ from .annotations import QuantTable
 from .errors import ModelError, first_line
 from .graphutil import subgraphs, toposort, unique_name
 from .metadata import read_saved
-from .validate import validate_proto
+from .validate import max_ort_ir_version, validate_proto
 
 FACTS_KEY = "qpasses.facts"
 RANGES_KEY = "qpasses.ranges"
@@ -448,25 +447,6 @@ def _restore_input_initializers(proto, input_order, input_inits) -> None:
 
 
 # -- IR version ------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=1)
-def max_ort_ir_version() -> int:
-    """Highest IR version the installed onnxruntime accepts (probed once with a tiny model)."""
-    import onnxruntime as ort
-
-    for version in range(onnx.IR_VERSION, 6, -1):
-        node = onnx.helper.make_node("Identity", ["x"], ["y"])
-        vi = [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1]) for n in "xy"]
-        graph = onnx.helper.make_graph([node], "probe", vi[:1], vi[1:])
-        model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)])
-        model.ir_version = version
-        try:
-            ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-            return version
-        except Exception:
-            continue
-    return 7
-
-
 def choose_ir_version(current: int, opsets) -> int:
     """Keep the model's IR version, raised to what its opsets need and capped to what ORT runs."""
     needed = onnx.helper.find_min_ir_version_for(

@@ -25,6 +25,9 @@ from typing import Callable
 
 import numpy as np
 
+WEIGHTED_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})   # ops with a weight input
+QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+
 ACTIVATION, WEIGHT, BIAS, FLOAT = "activation", "weight", "bias", "float"
 
 

@@ -11,7 +11,7 @@ from typing import ClassVar
 from .errors import PassFailure, PipelineError, PreconditionError, QpassesError
 from .context import RunContext
 from .ir import QModel, constant_bytes, relaxed_gc
-from .registry import establishers, get_pass
+from .registry import all_passes, establishers, get_pass
 
 
 @dataclass
@@ -322,3 +322,11 @@ def split_after(passes: str, name: str) -> tuple[list[Pass], list[Pass]]:
     parsed = parse_pipeline(passes)
     cut = next((i + 1 for i, p in enumerate(parsed) if p.name == name), 0)
     return parsed[:cut], parsed[cut:]
+
+
+def in_pipeline_order() -> list[type]:
+    """Every registered pass: those of the default quantize pipeline in its order, then the rest by name."""
+    passes = all_passes()
+    names = [part.split("{")[0].strip() for part in default_pipeline(True).split(",")]
+    first = [name for name in dict.fromkeys(names) if name in passes]
+    return [passes[name] for name in first + sorted(set(passes) - set(first))]

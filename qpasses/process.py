@@ -108,13 +108,11 @@ def native_stderr_silenced(enabled: bool = True):
         sys.stderr = original
 
 
-def guarded(func, args, *, debug: bool = False) -> int:
+def guarded(func, args, discard_open, *, debug: bool = False) -> int:
     """Run a command ``func(args)``: SIGTERM/SIGHUP interrupt it like SIGINT, onnxruntime's own log
     and Python's warnings are silenced (unless ``debug``: --traceback), and whatever it staged and
-    did not commit is removed (outputs.py); the error says what could not be removed."""
+    did not commit is removed by ``discard_open()``, which returns what could not be removed."""
     import warnings
-
-    from .outputs import discard_open
 
     with signals_interrupt(), native_stderr_silenced(not debug), warnings.catch_warnings():
         if not debug:   # numpy's and onnx's warnings would add lines to a one-line error

@@ -9,6 +9,8 @@ from onnx import TensorProto
 
 from .errors import ConfigError
 
+EIGHT_BIT = frozenset({"int8", "uint8"})   # table qtypes that count as 8-bit
+
 
 @dataclass(frozen=True)
 class QType:

@@ -40,16 +40,6 @@ def all_passes() -> dict[str, type]:
     return dict(sorted(_PASSES.items()))
 
 
-def in_pipeline_order() -> list[type]:
-    """Every registered pass: those of the default quantize pipeline in its order, then the rest by name."""
-    from .pipeline import default_pipeline
-
-    passes = all_passes()
-    names = [part.split("{")[0].strip() for part in default_pipeline(True).split(",")]
-    first = [name for name in dict.fromkeys(names) if name in passes]
-    return [passes[name] for name in first + sorted(set(passes) - set(first))]
-
-
 def get_pass(name: str) -> type:
     from .errors import PipelineError
 

@@ -6,11 +6,10 @@ from collections import Counter
 
 import onnx
 
-WEIGHTED_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
-_EIGHT_BIT_TYPES = {"int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8}
-EIGHT_BIT = frozenset(_EIGHT_BIT_TYPES)                 # table qtypes that count as 8-bit
-_EIGHT_BIT = frozenset(_EIGHT_BIT_TYPES.values())       # the same, as ONNX element types
-_QDQ = ("QuantizeLinear", "DequantizeLinear")
+from .oprules import QDQ_OPS as _QDQ, WEIGHTED_OPS
+from .qtypes import EIGHT_BIT, qtype
+
+_EIGHT_BIT = frozenset(qtype(name).onnx_type for name in EIGHT_BIT)   # the same, as ONNX element types
 
 
 def _graphs(graph: onnx.GraphProto):

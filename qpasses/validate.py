@@ -177,22 +177,31 @@ def _check_initializer(tensor: onnx.TensorProto) -> None:
     raise ModelError(f"initializer '{tensor.name}': {have} values for shape {list(tensor.dims)} (expected {count})")
 
 
+def _ort_accepts(ir_version: int, opset: int) -> bool:
+    """Whether the installed onnxruntime opens a one-Identity model of this IR version and opset."""
+    import onnxruntime as ort
+
+    node = helper.make_node("Identity", ["x"], ["y"])
+    vi = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1]) for n in "xy"]
+    model = helper.make_model(helper.make_graph([node], "probe", vi[:1], vi[1:]),
+                              opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = ir_version
+    try:
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return True
+    except Exception:
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def max_ort_ir_version() -> int:
+    """Highest IR version the installed onnxruntime accepts (probed once with a tiny model)."""
+    return next((v for v in range(onnx.IR_VERSION, 6, -1) if _ort_accepts(v, 13)), 7)
+
+
 @functools.lru_cache(maxsize=1)
 def max_ort_opset() -> int:
     """Newest default-domain opset the installed onnxruntime accepts (probed once)."""
-    import onnxruntime as ort
-
-    from .ir import max_ort_ir_version
-
-    for opset in range(onnx.defs.onnx_opset_version(), 6, -1):
-        node = helper.make_node("Identity", ["x"], ["y"])
-        vi = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [1]) for n in "xy"]
-        model = helper.make_model(helper.make_graph([node], "probe", vi[:1], vi[1:]),
-                                  opset_imports=[helper.make_opsetid("", opset)])
-        model.ir_version = max_ort_ir_version()
-        try:
-            ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-            return opset
-        except Exception:
-            continue
-    return MIN_OPSET
+    ir_version = max_ort_ir_version()
+    return next((o for o in range(onnx.defs.onnx_opset_version(), 6, -1) if _ort_accepts(ir_version, o)),
+                MIN_OPSET)

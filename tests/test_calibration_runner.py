@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qpasses.analysis.dtypes import infer_types
-from qpasses.calibration import runner, segments
+from qpasses.calibration import ranges, runner, segments
 from qpasses.calibration.kept import KeptSamples
 from qpasses.ir import from_proto
 from qpasses.testing import random_feed
@@ -71,7 +71,7 @@ def _sample_outer_instead(monkeypatch):
 
 
 def _ranges(proto, feeds, method, **options):
-    return runner.calibrate_ranges(from_proto(proto), feeds, method=method, **options)
+    return ranges.calibrate_ranges(from_proto(proto), feeds, method=method, **options)
 
 
 CASES = [("minmax", {}), ("minmax", {"moving_average": True}), ("entropy", {}), ("percentile", {})]

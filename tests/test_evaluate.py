@@ -1,7 +1,8 @@
-"""evaluate.Reference.duel: scoring models feed by feed against each other and stopping once one clearly leads."""
+"""duels.duel: scoring models feed by feed against each other and stopping once one clearly leads."""
 import numpy as np
 import pytest
 
+from qpasses.duels import Contender, duel
 from qpasses.evaluate import Reference, compare
 from qpasses.testing import parse
 
@@ -38,9 +39,9 @@ def race(ref, models, penalties=None, **options):
     """Duel each model against the best so far, as select-by-snr does: (contenders, winner)."""
     best, contenders = None, []
     for model, penalty in zip(models, penalties or [0.0] * len(models)):
-        contender = ref.contender(model, penalty=penalty)
+        contender = Contender(ref, model, penalty=penalty)
         contenders.append(contender)
-        best = contender if best is None else ref.duel(best, contender, **options)
+        best = contender if best is None else duel(ref, best, contender, **options)
     if len(contenders) == 1:
         best.advance(options.get("min_samples", 8))
     return contenders, best
@@ -101,7 +102,7 @@ def test_a_lone_contender_runs_the_first_block_only():
 def test_a_model_that_cannot_run_raises():
     broken = parse(IDENTITY.replace("y = Identity(x)", "z = Identity(x)").replace("(float[1, 256] y)", "(float[1, 256] z)"))
     with pytest.raises(Exception, match="reference output"):
-        reference(12).contender(broken)
+        Contender(reference(12), broken)
 
 
 BOXES_AND_SCORES = """
@@ -123,8 +124,8 @@ def test_split_scores_contenders_by_their_worst_component():
     feeds = [{"x": rng.uniform(0, 1, (1, 4, 16)).astype(np.float32),
               "c": rng.normal(0, 1, (1, 2, 16)).astype(np.float32)} for _ in range(8)]
     float_model, test_model = parse(BOXES_AND_SCORES % "0.0"), parse(BOXES_AND_SCORES % "0.01")
-    whole = Reference.run(float_model, feeds).contender(test_model)
-    split = Reference.run(float_model, feeds).split(Objective("snr", model=float_model)).contender(test_model)
+    whole = Contender(Reference.run(float_model, feeds), test_model)
+    split = Contender(Reference.run(float_model, feeds).split(Objective("snr", model=float_model)), test_model)
     whole.advance(8), split.advance(8)
     scores = compare(float_model, test_model, feeds, objective=Objective("snr", model=float_model))["components"]
     assert whole.errors.shape == (8, 1) and split.errors.shape == (8, 2)

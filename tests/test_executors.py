@@ -11,12 +11,13 @@ from qpasses import executors
 from qpasses.api import run_pipeline
 from qpasses.calibration.collectors import Histogram, TensorStats
 from qpasses.calibration.kept import KeptSamples
-from qpasses.calibration.runner import calibrate_ranges, collect_stats
+from qpasses.calibration.ranges import calibrate_ranges
+from qpasses.calibration.runner import collect_stats
 from qpasses.config import load_config
 from qpasses.context import RunContext
 from qpasses.errors import ConfigError
 from qpasses.examples import example_data, example_model
-from qpasses.executors.calibration import sharded_stats
+from qpasses.calibration.sharded import sharded_stats
 from qpasses.ir import load, save
 
 SAMPLES = 23   # not a multiple of the shard counts: uneven shards

@@ -8,7 +8,8 @@ from qpasses import executors  # noqa: E402
 from qpasses.api import run_pipeline  # noqa: E402
 from qpasses.calibration.runner import collect_stats  # noqa: E402
 from qpasses.examples import example_data, example_model  # noqa: E402
-from qpasses.executors.calibration import sharded_stats  # noqa: E402
+from qpasses.calibration import sharded  # noqa: E402
+from qpasses.calibration.sharded import sharded_stats  # noqa: E402
 from qpasses.executors.ray import runtime_env  # noqa: E402
 from qpasses.ir import load, save  # noqa: E402
 
@@ -32,7 +33,7 @@ def test_workers_and_shards(cluster):
     assert cluster.workers == 2 and cluster.parallel
     model = load(example_model())
     stats, count = sharded_stats(cluster, model, _feeds(), method="minmax")
-    assert count == 24 and executors.calibration.LAST["shards"] == 2
+    assert count == 24 and sharded.LAST["shards"] == 2
 
 
 @pytest.mark.parametrize("method", ["percentile", "entropy"])

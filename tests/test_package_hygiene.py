@@ -1,22 +1,23 @@
-"""Package hygiene: the qpasses package never imports a test dependency, and its modules stay small.
+"""Package hygiene: every module imports, none imports a test dependency, and a module stays
+readable in one sitting.
 
-Hypothesis strategies and fuzz generators live under tests/ (tests/fuzzgen); a module over
-MAX_LINES lines is split by concern unless ALLOWED_LONG lists it with the reason it stays whole.
+Hypothesis strategies and fuzz generators live under tests/ (tests/fuzzgen). The size guard is
+soft: where code belongs is decided by the layers (test_layering.py), and a module over MAX_LINES
+stays whole only with the reason ALLOWED_LONG gives.
 """
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qpasses"
 TEST_ONLY = frozenset({"hypothesis", "pytest"})
-MAX_LINES = 400
+MAX_LINES = 600
 
 # module (relative to qpasses/) -> why it may be longer than MAX_LINES (one line)
 ALLOWED_LONG = {
     "ir.py": "the gs seam: QModel with load/save/copy/export must stay in one module (DESIGN.md section 1)",
-    "passes/annotate_types.py": "TypePlanner's entry, override, share, bias and merge rules read as one class (float dtypes: analysis/dtypes.py)",
-    "calibration/collectors.py": "one histogram type and the five range finalisers that read it, all pure numpy",
 }
 
 
@@ -35,8 +36,11 @@ def _imported(tree: ast.AST) -> set[str]:
     return names
 
 
-def test_the_package_has_modules():
-    assert len(_modules()) > 10
+@pytest.mark.parametrize("path", [p for p in _modules() if p.name != "__main__.py"],   # __main__ runs the CLI
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_every_module_imports(path):
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    importlib.import_module(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))

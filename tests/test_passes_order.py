@@ -6,7 +6,8 @@ from typing import ClassVar
 from qpasses import Pass, PassResult, register
 from qpasses.cli import main
 from qpasses.pipeline import default_pipeline
-from qpasses.registry import all_passes, in_pipeline_order, unregister
+from qpasses.pipeline import in_pipeline_order
+from qpasses.registry import all_passes, unregister
 
 ROOT = Path(__file__).resolve().parents[1]
 

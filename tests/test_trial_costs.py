@@ -8,6 +8,7 @@ import pytest
 
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
+from qpasses.duels import Contender
 from qpasses.evaluate import Reference
 from qpasses.scored_runs import ScoredRuns
 from qpasses.examples import example_data, example_model
@@ -101,7 +102,7 @@ def test_reuse_needs_the_same_model_and_feeds():
     quantized, _ = run_pipeline(from_proto(example_model()), None, config=U8S8, calibration_data=feeds)
     data = quantized.to_proto(metadata=False).SerializeToString()
     reference = Reference.run(float_model, feeds, 8)
-    contender = reference.contender(data, keep=8)
+    contender = Contender(reference, data, keep=8)
     contender.advance(8)
     kept = contender.kept
     runs = kept.runs_for(data, True, reference)

@@ -105,5 +105,11 @@ def test_threads_leave_the_busy_cpus_alone(monkeypatch, cpus, busy, want):
     assert parallel.thread_count(parallel.MIN_VALUES - 1) == 1
 
 
-def test_others_running_reads_a_count():
-    assert parallel.others_running() >= 0
+@pytest.mark.parametrize("loadavg, want", [("0.52 0.41 0.30 3/412 9876\n", 2), ("0.00 0.00 0.00 1/80 5\n", 0),
+                                           ("0.00 0.00 0.00 0/80 5\n", 0), ("garbage\n", 0)])
+def test_others_running_reads_the_runnable_count(monkeypatch, tmp_path, loadavg, want):
+    fake = tmp_path / "loadavg"
+    fake.write_text(loadavg)
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(fake if path == "/proc/loadavg" else path, *a, **k))
+    assert parallel.others_running() == want

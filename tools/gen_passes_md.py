@@ -27,7 +27,7 @@ import onnx  # noqa: E402
 from qpasses.context import RunContext  # noqa: E402
 from qpasses.ir import from_proto  # noqa: E402
 from qpasses.pipeline import QUANTIZE_PIPELINE, PassManager, _default, _format_value  # noqa: E402
-from qpasses.registry import in_pipeline_order  # noqa: E402
+from qpasses.pipeline import in_pipeline_order  # noqa: E402
 from qpasses.testing import parse, random_feed  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "passes.md"

@@ -19,7 +19,8 @@ from ..evaluate import session
 from ..graphutil import subgraphs
 from ..ir import QModel
 from ..qparams import dequantize, quantize
-from ..summary import EIGHT_BIT, WEIGHTED_OPS
+from ..oprules import WEIGHTED_OPS
+from ..qtypes import EIGHT_BIT
 from .scopes import scopes
 from .walks import EightBitShare
 

@@ -10,7 +10,7 @@ import numpy as np
 from ..annotations import TensorQuant
 from ..decisions import FLOAT
 from ..ir import QModel
-from ..summary import EIGHT_BIT
+from ..qtypes import EIGHT_BIT
 
 
 def silu_gates(model: QModel) -> dict[str, str]:

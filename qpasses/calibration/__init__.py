@@ -15,7 +15,8 @@
 from .collectors import (Histogram, TensorStats, entropy_range, finalise, minmax_range, mse_range,
                          percentile_range, pow2_range)
 from .data import CalibrationData, InputSpec, model_inputs, open_data, validate
-from .runner import calibrate_ranges, collect_stats
+from .ranges import calibrate_ranges
+from .runner import collect_stats
 
 __all__ = [
     "CalibrationData", "Histogram", "InputSpec", "TensorStats", "calibrate_ranges", "collect_stats",

@@ -18,8 +18,6 @@ order: the statistics are those of the sample-outer run.
 """
 from __future__ import annotations
 
-import math
-from functools import partial
 
 import numpy as np
 
@@ -27,7 +25,7 @@ from ..errors import CalibrationDataError
 from ..ir import QModel
 from . import segments
 from .augment import activation_tensors, augment, derived_ranges
-from .collectors import HISTOGRAM_METHODS, TensorStats, finalise, histogram_bins
+from .collectors import HISTOGRAM_METHODS, TensorStats, histogram_bins
 from .data import model_inputs, open_data
 from .kept import KeptSamples
 from .progress import Progress
@@ -184,7 +182,7 @@ def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int 
     measured (fewer model outputs also leave onnxruntime's fusions, e.g. Conv+Relu, intact).
     ``kept``: filled with the first feeds and the model's outputs on them, when one session runs
     the whole model (else left empty). ``shard_start``: the data is a shard of a larger set
-    starting at that sample (qpasses.executors.calibration): errors number samples from there and
+    starting at that sample (calibration/sharded.py): errors number samples from there and
     the statistics stay mergeable (``TensorStats.merge``; no tensor is dropped). ``collector``: a
     factory, called with each tensor's name, of objects with ``update(array)`` (and ``min``/``max``)
     fed every whole array instead of TensorStats (e.g. weightonly.hessian, round-weights)."""
@@ -310,34 +308,3 @@ def _update_ranges(stats, feed: dict | None, plan: _Plan, current: dict, names: 
             st.update_range(*current[name])
         else:
             st.samples += 1
-
-
-def calibrate_ranges(model: QModel, data, *, method: str = "minmax", percentile: float = 99.999,
-                     num_bins: int = 2048, bits: int = 8, symmetric: bool = False,
-                     moving_average: bool = False, averaging_constant: float = 0.01,
-                     max_samples: int = 0, progress_stream=None, only: set[str] | None = None,
-                     kept: KeptSamples | None = None, executor=None):
-    """Collect statistics and finalise them: returns (ranges, observed, samples), both dicts of
-    tensor name -> (float, float) in graph order (``kept``: see collect_stats). A parallel
-    ``executor`` (qpasses.executors) collects them over shards of the data, with the same result."""
-    collect = collect_stats
-    if executor is not None and executor.parallel:
-        from ..executors.calibration import sharded_stats
-
-        collect = partial(sharded_stats, executor)
-    stats, samples = collect(model, data, method=method, num_bins=num_bins,
-                                   averaging_constant=averaging_constant if moving_average else None,
-                                   max_samples=max_samples, progress_stream=progress_stream, only=only,
-                                   kept=kept)
-    ranges, observed = {}, {}
-    for name, st in stats.items():
-        lo, hi = finalise(method, st, percentile=percentile, num_bins=num_bins, bits=bits,
-                          symmetric=symmetric, moving_average=moving_average)
-        ranges[name] = (_finite(lo), _finite(hi))
-        observed[name] = tuple(float(v) for v in st.observed)
-    return ranges, observed, samples
-
-
-def _finite(value) -> float:
-    value = float(value)
-    return value if math.isfinite(value) else 0.0

@@ -9,11 +9,11 @@ An executor has ``workers`` (tasks that run at once), ``parallel`` (whether call
 their work), ``put(value)`` (a handle every task can read: Ray's object store holds the value once)
 and ``map(fn, items, shared)``: ``fn(item, shared)`` for every item, the results in item order.
 ``fn`` is a module-level function; an exception it raises is raised again by ``map``.
-Callers: ``executors.calibration`` (sharded statistics), ``executors.scoring`` (variant scores).
+Callers: ``calibration.sharded`` (sharded statistics), ``executors.scoring`` (variant scores).
 """
 from __future__ import annotations
 
-from ..errors import ConfigError
+from ..errors import ConfigError, portable  # noqa: F401  (portable: used through this package)
 
 KINDS = ("local", "ray")
 _cache: dict = {}
@@ -38,17 +38,6 @@ class LocalExecutor:
     def map(self, fn, items, shared=None):
         for item in items:
             yield fn(item, shared)
-
-
-def portable(exc: BaseException) -> BaseException:
-    """``exc`` if it can cross processes (pickle), else an exception of the same name and text."""
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return type(type(exc).__name__, (Exception,), {})(str(exc))
 
 
 def parse(spec) -> tuple[str, str | None]:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import QpassesError
-from . import portable
+from ..errors import QpassesError, portable
 
 INSTALL = "pip install 'qpasses[ray]'"
 

@@ -15,7 +15,7 @@ from ..dataflow import dataflow
 from ..graphutil import unique_name
 from ..ir import QModel
 from ..islands import unanchored
-from ..oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, WEIGHT, OpRule, float_output_bias, holds,
+from ..oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, OpRule, QDQ_OPS, WEIGHT, float_output_bias, holds,
                        multiplies_activations, rule_for, selected_op_types, weight_axis)
 from ..overrides import TensorOverride, validate
 from ..pipeline import Pass, PassResult
@@ -23,7 +23,6 @@ from ..qtypes import qtype
 from ..registry import register
 from ..targets import apply_target_rules, load_target
 
-_QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 _OWN_QPARAM_KEYS = {"quant_type", "scale", "zero_point", "symmetric", "rmin", "rmax"}
 
 
@@ -140,7 +139,7 @@ class TypePlanner:
         self.flow = dataflow(model)
         self.floats = float_tensors(model)
         self.scopes = scopes(model)
-        self.qdq_outputs = {t.name for n in all_nodes(model) if n.op in _QDQ_OPS for t in n.outputs}
+        self.qdq_outputs = {t.name for n in all_nodes(model) if n.op in QDQ_OPS for t in n.outputs}
         self.nodes = selected_nodes(model, config)
         self.entries: dict[str, TensorQuant] = {}
         self.kind: dict[str, str] = {}          # activation | act_const | weight | bias | shared

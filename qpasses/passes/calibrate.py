@@ -10,7 +10,7 @@ from ..analysis.ranges import tensors_needing_ranges
 from ..analysis.scopes import unobserved
 from ..calibration.data import open_data
 from ..calibration.kept import KeptSamples
-from ..calibration.runner import calibrate_ranges
+from ..calibration.ranges import calibrate_ranges
 from .. import executors
 from ..calibration.softmax import row_max_probes
 from ..config import CALIBRATION_METHODS, CalibrationConfig, QuantConfig, method_given
@@ -43,7 +43,7 @@ class Calibrate(Pass):
     only when one session runs the whole model), so select-by-snr and search-precision need no second
     float run.
     With ``config.executor`` ray, the samples run in shards as Ray tasks whose statistics merge
-    exactly (qpasses.executors.calibration): the same ranges.
+    exactly (qpasses.calibration.sharded): the same ranges.
     Invariants: the graph is not changed; memory does not grow with the number of samples.
     """
 

@@ -10,6 +10,7 @@ import numpy as np
 from ..calibration.data import open_data
 from ..calibration.softmax import ROW_MAX_SUFFIX
 from ..decisions import PRECISION_SEARCH
+from ..duels import Contender, duel
 from ..errors import CalibrationDataError, first_line
 from ..evaluate import MIN_FEEDS, Reference, rerun_skip_reason
 from ..ir import QModel
@@ -250,7 +251,7 @@ class SelectBySnr(Pass):
         executor = executors.from_config(ctx.config)
         fresh = model.copier()   # the model does not change until a variant is chosen
         if not executor.parallel or len(combos) < 2:
-            return lambda i: reference.contender(self._quantized(model, ctx, combos[i], fresh=fresh)[0],
+            return lambda i: Contender(reference, self._quantized(model, ctx, combos[i], fresh=fresh)[0],
                                                  optimize=fused, penalty=penalties[i], keep=KEEP_RUNS)
         models = []
         for combo in combos:
@@ -261,7 +262,7 @@ class SelectBySnr(Pass):
         return prescored(executor, reference, models, penalties, optimize=fused)
 
     def _duel(self, reference: Reference, best, challenger):
-        return reference.duel(best, challenger, min_samples=MIN_FEEDS, z=self.early_stop)
+        return duel(reference, best, challenger, min_samples=MIN_FEEDS, z=self.early_stop)
 
     def _bias_correction(self, model: QModel, ctx, chosen, reference: Reference, report: dict, fused: bool) -> bool:
         """Score the chosen variant with correct-bias against it (``chosen``: its Contender); keep
@@ -269,7 +270,7 @@ class SelectBySnr(Pass):
         what was decided (then the correct-bias pass does nothing more); returns whether it did."""
         try:
             proto, biases = self._quantized(model, ctx, (), with_correct_bias=True)
-            contender = reference.contender(proto, optimize=fused, penalty=chosen.penalty) if biases else None
+            contender = Contender(reference, proto, optimize=fused, penalty=chosen.penalty) if biases else None
             winner = self._duel(reference, chosen, contender) if contender else None
         except Exception as exc:   # scored like any variant: a failure is reported, not fatal
             error = f"{type(exc).__name__}: {first_line(exc)}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-LAYER_SAMPLES = 8    # feeds for the per-layer numbers (every quantized activation is fetched)
+LAYER_SAMPLES = 8    # feeds for the per-layer numbers (report, compare --per-layer): every quantized activation is fetched
 EVAL_SAMPLES = 32    # feeds for the output SNR and objective (as qpasses run)
 
 

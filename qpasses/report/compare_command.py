@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 from ..errors import QpassesError
+from . import LAYER_SAMPLES as SAMPLES
 
 PROVIDERS = ("ort-int8", "openvino")   # provider.PROVIDERS' keys
-SAMPLES = 8
 
 
 def add_arguments(parser) -> None:

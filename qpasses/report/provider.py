@@ -16,11 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import QpassesError
+from . import LAYER_SAMPLES as SAMPLES
 from .backends import INT_KERNELS, OpenVino, OrtInt8, with_outputs
 from .layers import upstream
 from .localise import lines as localised, localise
-
-from .compare_command import SAMPLES
 
 PROVIDERS = {"ort-int8": OrtInt8, "openvino": OpenVino}
 

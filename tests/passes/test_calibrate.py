@@ -8,7 +8,8 @@ from onnx import helper
 
 from qpasses.calibration.data import open_data
 from qpasses.calibration.augment import activation_tensors
-from qpasses.calibration.runner import calibrate_ranges, collect_stats
+from qpasses.calibration.ranges import calibrate_ranges
+from qpasses.calibration.runner import collect_stats
 from qpasses.config import QuantConfig, load_config
 from qpasses.errors import CalibrationDataError, ConfigError, PipelineError
 from qpasses.ir import from_proto

@@ -12,12 +12,11 @@ from __future__ import annotations
 import math
 import time
 
-from ..calibration.collectors import HISTOGRAM_METHODS
-from ..calibration.data import model_inputs, open_data
-from ..calibration.kept import KeptSamples
-from ..calibration.progress import Progress
-from ..calibration.runner import collect_stats, drop_unobserved
-from ..calibration.subgraphs import body_activations
+from .data import model_inputs, open_data
+from .kept import KeptSamples
+from .progress import Progress
+from .runner import collect_stats, drop_unobserved
+from .subgraphs import body_activations
 from ..errors import CalibrationDataError, ModelError
 from ..ir import QModel, constant_bytes, load
 
