@@ -215,12 +215,12 @@ def print_pipeline(passes) -> str:
 
 BASE_PIPELINE = "fold-constants,fold-batchnorm,cleanup"
 QUANTIZE_PIPELINE = (BASE_PIPELINE + ",smooth-quant,annotate-types,propagate-mixed-precision,calibrate,"
-                     "select-by-snr,search-precision,quantize-silu,compute-qparams,round-weights,correct-bias,fix-bias-scales,insert-qdq,insert-converts,cleanup")
+                     "select-by-snr,search-precision,quantize-silu,compute-qparams,round-weights,correct-bias,fix-bias-scales,insert-qdq,insert-converts,quantize-gathers,cleanup")
 
 
-WEIGHT_ONLY_PIPELINE = BASE_PIPELINE + ",quantize-weights,cleanup"
+WEIGHT_ONLY_PIPELINE = BASE_PIPELINE + ",quantize-weights,quantize-gathers,cleanup"
 # config ``mode`` -> its default pipeline, with or without data (``static``: QUANTIZE_PIPELINE with data)
-MODE_PIPELINES = {"weight_only": WEIGHT_ONLY_PIPELINE, "dynamic": BASE_PIPELINE + ",quantize-dynamic,cleanup"}
+MODE_PIPELINES = {"weight_only": WEIGHT_ONLY_PIPELINE, "dynamic": BASE_PIPELINE + ",quantize-dynamic,quantize-gathers,cleanup"}
 
 
 def default_pipeline(quantize: bool, mode: str = "static", format: str = "qdq") -> str:

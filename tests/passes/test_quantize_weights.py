@@ -176,7 +176,7 @@ def test_mode_chooses_the_pipeline_and_config_is_checked():
     assert default_pipeline(False, "weight_only") == default_pipeline(True, "weight_only") == WEIGHT_ONLY_PIPELINE
     proto, _ = mlp()
     _, _, records = quantized(proto)
-    assert [r.name for r in records][-2:] == ["quantize-weights", "cleanup"]
+    assert [r.name for r in records][-3:] == ["quantize-weights", "quantize-gathers", "cleanup"]
     cfg = load_config({"mode": "weight-only", "weight_only": {"algorithm": "DEFAULT", "quant_format": "QOperator",
                                                               "is_symmetric": False, "percdamp": 0.05}})
     assert (cfg.mode, cfg.weight_only.algorithm, cfg.weight_only.format) == ("weight_only", "rtn", "matmulnbits")
