@@ -222,11 +222,18 @@ def _child(tool: Tool, bm: BenchModel, n_calib: int | None, out_path: str, log_p
         if tool.kind == "ort":
             from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-            start = time.perf_counter()
-            quantize_static(str(bm.path), out_path, FeedReader(feeds), quant_format=QuantFormat.QDQ, per_channel=True,
-                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                            calibrate_method=CalibrationMethod.MinMax)
-            result["seconds"] = time.perf_counter() - start
+            for per_channel in (True, False):   # per tensor where the per-channel output does not load
+                start = time.perf_counter()
+                quantize_static(str(bm.path), out_path, FeedReader(feeds), quant_format=QuantFormat.QDQ,
+                                per_channel=per_channel, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                                calibrate_method=CalibrationMethod.MinMax)
+                result["seconds"] = time.perf_counter() - start
+                result["per_channel"] = per_channel
+                try:
+                    _session(out_path)
+                    break
+                except Exception as exc:
+                    result["per_channel_error"] = _one_line(exc)
         elif tool.kind == "nncf":
             import nncf
             import onnx
@@ -318,23 +325,27 @@ def output_snr(outs_f, outs_q) -> float:
     return min(vals) if vals else float("nan")
 
 
-def latency_ms(path, feed: dict, runs: int) -> float:
-    """Median wall time of ``runs`` inferences of ``feed`` (onnxruntime CPU, one thread, default
-    optimization; 5 warm-up runs first)."""
-    import onnxruntime as ort
+def time_row(draws_by_tool: dict[str, list[dict]], feed: dict, runs: int) -> None:
+    """Each produced model's latency (``latency_ms``, in place): the median of ``runs`` single-thread
+    runs of ``feed``, the runs of every model of the row interleaved (bench_vs_ort.latencies), so
+    that load from other processes falls on every tool alike."""
+    from bench_vs_ort import latencies   # tools/bench_vs_ort.py
 
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.intra_op_num_threads = opts.inter_op_num_threads = 1
-    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    for _ in range(5):
-        sess.run(None, feed)
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        sess.run(None, feed)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
+    timed = [d for draws in draws_by_tool.values() for d in draws
+             if d.get("ok") and not d.get("ort_load") and not d.get("run_error")]
+    for d, ms in zip(timed, latencies([Path(d["path"]) for d in timed], feed, runs)):
+        d["latency_ms"] = ms
+
+
+def model_mb(path) -> float:
+    """The model file's size in MB (with its external data files, if any)."""
+    import onnx
+
+    path = Path(path)
+    size = path.stat().st_size
+    model = onnx.load(str(path), load_external_data=False)
+    files = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
+    return (size + sum((path.parent / f).stat().st_size for f in files)) / 1e6
 
 
 def worst_component_snr(model_path, outs_f, outs_q) -> tuple[float | None, float | None]:
@@ -364,8 +375,8 @@ def jackknife_se(metric, outs_f, outs_q) -> float:
     return jackknife([metric(outs_f[:i] + outs_f[i + 1:], outs_q[:i] + outs_q[i + 1:]) for i in range(len(outs_f))])
 
 
-def measure(result: dict, bm: BenchModel, feeds: list[dict], outs_f, latency_runs: int = 0) -> None:
-    """Checks, weighted-op share, task metric, SNR (and latency) of a produced model (in place)."""
+def measure(result: dict, bm: BenchModel, feeds: list[dict], outs_f) -> None:
+    """Checks, size, weighted-op share, task metric and SNR of a produced model (in place)."""
     import onnx
 
     if not result.get("ok"):
@@ -376,6 +387,7 @@ def measure(result: dict, bm: BenchModel, feeds: list[dict], outs_f, latency_run
         onnx.checker.check_model(str(path), full_check=True)
     except Exception as exc:
         result["checker"] = _one_line(exc)
+    result["size_mb"] = model_mb(path)
     try:
         result["weighted_ops"], result["weighted_8bit"] = weighted_op_share(path)
     except Exception as exc:
@@ -395,8 +407,6 @@ def measure(result: dict, bm: BenchModel, feeds: list[dict], outs_f, latency_run
         result["snr"] = output_snr(outs_f, outs_q)
         result["snr_worst"], result["snr_worst_se"] = worst_component_snr(bm.path, outs_f, outs_q)
         result["task_se"] = jackknife_se(lambda f, q: bm.metric(f, q)[1], outs_f, outs_q)
-        if latency_runs:
-            result["latency_ms"] = latency_ms(path, feeds[0], latency_runs)
     except Exception as exc:
         result["run_error"] = _one_line(exc)
 
@@ -475,6 +485,19 @@ def cell(r: dict | None, key: str, digits=3) -> str:
     return _fmt(r.get(key), digits)
 
 
+def mean_over_draws(r: dict | None, key: str) -> float | None:
+    values = [d[key] for d in (r.get("draws") or [r]) if isinstance(d.get(key), float)] if r else []
+    return sum(values) / len(values) if values else None
+
+
+def versus(r: dict | None, ort: dict | None, key: str, digits: int) -> str:
+    """'12.345 (1.07x)': the mean over the draws and its ratio to onnxruntime's QDQ model's."""
+    mine, theirs = mean_over_draws(r, key), mean_over_draws(ort, key)
+    if mine is None:
+        return "—"
+    return f"{mine:.{digits}f}" + (f" ({mine / theirs:.2f}x)" if theirs and r is not ort else "")
+
+
 def spread_cell(r: dict | None) -> str:
     """The eval set's own noise: the jackknife standard errors of the task metric and of the worst
     component's dB (one standard error down), averaged over the draws."""
@@ -498,8 +521,8 @@ def tables(rows: list[dict], tools: list[Tool]) -> str:
                    + " | ".join(cell(res.get(n), "task") for n in names) + " |")
     timed = any("latency_ms" in r for row in rows for r in row["results"].values())
     out += ["", "| model | tool | task | SNR dB | worst component SNR dB | eval-set SE (task / dB) | 8-bit weighted ops | "
-            "run as integer kernels | quantize s | " + ("latency ms | " if timed else "") + "status |",
-            "|---|---|---|---|---|---|---|---|---|" + "---|" * (1 + timed)]
+            "run as integer kernels | quantize s | " + ("latency ms (x ort) | " if timed else "") + "size MB (x ort) | status |",
+            "|---|---|---|---|---|---|---|---|---|---|" + "---|" * (1 + timed)]
     for row in rows:
         for n in names:
             r = row["results"].get(n)
@@ -509,12 +532,16 @@ def tables(rows: list[dict], tools: list[Tool]) -> str:
             out.append(f"| {row['model']} | {n} | {cell(r, 'task')} | {cell(r, 'snr', 2)} | {cell(r, 'snr_worst', 2)} | "
                        f"{spread_cell(r)} | {cell(r, 'share')} | "
                        f"{cell(r, 'integer_kernels')} | {cell(r, 'seconds', 1)} | "
-                       + (f"{cell(r, 'latency_ms', 3)} | " if timed else "") + f"{'ok' if st is None else st[:90]} |")
+                       + (f"{versus(r, res.get('ort'), 'latency_ms', 3)} | " if timed else "")
+                       + f"{versus(r, res.get('ort'), 'size_mb', 2)} | {'ok' if st is None else st[:90]} |")
     out += ["", "| model | nodes | weighted ops | opset | outputs |", "|---|---|---|---|---|"]
     for row in rows:
         d = row.get("model_info", {})
         outs = ", ".join(f"{k} {v}" for k, v in d.get("outputs", {}).items())
         out.append(f"| {row['model']} | {d.get('nodes')} | {d.get('weighted_ops')} | {d.get('opset')} | {outs} |")
+    pt = [row["model"] for row in rows if row["results"].get("ort", {}).get("per_channel") is False]
+    if pt:
+        out += ["", f"ort is per tensor on {', '.join(pt)}: its per-channel output does not load in onnxruntime."]
     fails = [(row["model"], n, status(r)) for row in rows for n, r in row["results"].items() if status(r)]
     if fails:
         out += ["", "Failures (not fatal):"]
@@ -596,7 +623,8 @@ def main(argv=None) -> int:
                          "metric and SNR are shown as mean (min-max) over the draws, the 8-bit share as its range")
     ap.add_argument("--latency", type=int, default=0, metavar="N",
                     help="also time each produced model: median of N runs of the first eval sample (onnxruntime "
-                         "CPU, one thread), shown as mean (min-max) over the draws")
+                         "CPU, one thread, every model of a row interleaved run by run), mean over the draws, with "
+                         "its ratio to onnxruntime's QDQ model (ort)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -643,25 +671,29 @@ def main(argv=None) -> int:
         row["eval_samples"] = len(feeds)
         out_dir = args.out / name
         out_dir.mkdir(parents=True, exist_ok=True)
+        drawn: dict[str, list[dict]] = {}
         for tool in tools:
             if not tool.applies(name):
                 continue
-            draws = []
+            draws = drawn[tool.name] = []
             for k in range(max(1, args.draws)):
                 suffix = f".draw{k}" if args.draws > 1 else ""
                 d = run_child(tool, bm, n_calib, out_dir / f"{tool.name}{suffix}.onnx", args.timeout, qp_src,
                               (k, args.draws))
-                measure(d, bm, feeds, outs_f, args.latency)
+                measure(d, bm, feeds, outs_f)
                 draws.append(d)
+            print(f"{name:16s} {tool.name:10s} task {cell(draws[0], 'task'):>6s}  snr {cell(draws[0], 'snr', 2):>6s}  "
+                  f"8-bit {cell(draws[0], 'share'):>7s}  {cell(draws[0], 'seconds', 1):>6s} s  {status(draws[0]) or 'ok'}",
+                  file=sys.stderr, flush=True)
+        if args.latency:
+            time_row(drawn, feeds[0], args.latency)
+        for tool_name, draws in drawn.items():
             r = dict(draws[0])
             if args.draws > 1:
                 r["draws"] = [{k: d.get(k) for k in ("task", "snr", "snr_worst", "weighted_8bit", "seconds", "calib_samples",
-                                                     "latency_ms", "task_se", "snr_worst_se")}
+                                                     "latency_ms", "size_mb", "task_se", "snr_worst_se")}
                               for d in draws]
-            row["results"][tool.name] = r
-            print(f"{name:16s} {tool.name:10s} task {cell(r, 'task'):>6s}  snr {cell(r, 'snr', 2):>6s}  "
-                  f"8-bit {cell(r, 'share'):>7s}  {cell(r, 'seconds', 1):>6s} s  {status(r) or 'ok'}",
-                  file=sys.stderr, flush=True)
+            row["results"][tool_name] = r
     meta["total_seconds"] = round(time.time() - started, 1)
     text = tables(rows, tools)
     print(f"\nqpasses {meta['qpasses_commit']} ({meta['qpasses_source']}"
