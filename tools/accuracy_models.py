@@ -1036,6 +1036,36 @@ def _subgraph(model: onnx.ModelProto, prefix: str, outer: set[str], outputs: lis
     return g
 
 
+def vad_frames(model, n: int, seed: int, truth_hits: list | None = None) -> dict:
+    """n frames from float streaming runs of the vad_if ``model`` (state fed back), 3/4 at 16 kHz,
+    1/4 at 8 kHz; per stream half at random positions, half at speech onsets/offsets (where
+    decisions flip). ``truth_hits`` collects, per chunk run, whether the float decision is right."""
+    rng = np.random.default_rng(seed)
+    sess = _session(model)
+    out = {"input": [], "state": [], "sr": []}
+    per_stream = 8
+    for s in range(n // per_stream):
+        sr = 8000 if s % 4 == 3 else 16000
+        sig, lab = speech_like(rng, 6.0, sr)
+        m = len(sig) // VAD_CHUNK
+        chunks = sig[: m * VAD_CHUNK].reshape(m, VAD_CHUNK)
+        speech = lab[: m * VAD_CHUNK].reshape(m, VAD_CHUNK).mean(1) > 0.5
+        edges = [i + d for i in np.nonzero(np.diff(speech))[0] for d in (0, 1) if 8 <= i + d < m]
+        pick = set(rng.choice(edges, min(len(edges), per_stream // 2), replace=False).tolist()) if edges else set()
+        rest = np.setdiff1d(np.arange(8, m), list(pick))
+        pick |= set(rng.choice(rest, per_stream - len(pick), replace=False).tolist())
+        state = np.zeros((2, 1, VAD_HIDDEN), np.float32)
+        for i, c in enumerate(chunks):
+            feed = {"input": c[None], "state": state, "sr": np.array([sr], np.int64)}
+            if i in pick:
+                for k, v in feed.items():
+                    out[k].append(v)
+            p, state = sess.run(None, feed)
+            if truth_hits is not None:
+                truth_hits.append(bool(p.ravel()[0] > 0.5) == bool(speech[i]))
+    return {k: np.stack(v) for k, v in out.items()}
+
+
 def build_vad_if(train_seconds: float = 90.0):
     torch = _torch(0)
     from onnx import TensorProto, helper
@@ -1064,36 +1094,8 @@ def build_vad_if(train_seconds: float = 90.0):
     model.ir_version = 8
     onnx.checker.check_model(model, full_check=True)
 
-    truth_hits = []
-
-    def frames(n, seed):
-        """n frames from float streaming runs (state fed back), 3/4 at 16 kHz, 1/4 at 8 kHz; per
-        stream half at random positions, half at speech onsets/offsets (where decisions flip)."""
-        rng = np.random.default_rng(seed)
-        sess = _session(model)
-        out = {"input": [], "state": [], "sr": []}
-        per_stream = 8
-        for s in range(n // per_stream):
-            sr = 8000 if s % 4 == 3 else 16000
-            sig, lab = speech_like(rng, 6.0, sr)
-            m = len(sig) // VAD_CHUNK
-            chunks = sig[: m * VAD_CHUNK].reshape(m, VAD_CHUNK)
-            speech = lab[: m * VAD_CHUNK].reshape(m, VAD_CHUNK).mean(1) > 0.5
-            edges = [i + d for i in np.nonzero(np.diff(speech))[0] for d in (0, 1) if 8 <= i + d < m]
-            pick = set(rng.choice(edges, min(len(edges), per_stream // 2), replace=False).tolist()) if edges else set()
-            rest = np.setdiff1d(np.arange(8, m), list(pick))
-            pick |= set(rng.choice(rest, per_stream - len(pick), replace=False).tolist())
-            state = np.zeros((2, 1, VAD_HIDDEN), np.float32)
-            for i, c in enumerate(chunks):
-                feed = {"input": c[None], "state": state, "sr": np.array([sr], np.int64)}
-                if i in pick:
-                    for k, v in feed.items():
-                        out[k].append(v)
-                p, state = sess.run(None, feed)
-                truth_hits.append(bool(p.ravel()[0] > 0.5) == bool(speech[i]))
-        return {k: np.stack(v) for k, v in out.items()}
-
-    calib, evald = frames(N_CALIB, 40), frames(N_EVAL, 41)
+    truth_hits: list[bool] = []
+    calib, evald = vad_frames(model, N_CALIB, 40, truth_hits), vad_frames(model, N_EVAL, 41, truth_hits)
     return model, calib, evald, {"train_steps": {"16k": steps16, "8k": steps8},
                                  "float_accuracy_all_stream_frames": round(float(np.mean(truth_hits)), 3)}
 

@@ -498,6 +498,12 @@ def versus(r: dict | None, ort: dict | None, key: str, digits: int) -> str:
     return f"{mine:.{digits}f}" + (f" ({mine / theirs:.2f}x)" if theirs and r is not ort else "")
 
 
+def task_cell(r: dict | None) -> str:
+    """The task metric with its eval-set standard error: '0.969 ± 0.031'."""
+    se = mean_over_draws(r, "task_se")
+    return cell(r, "task") + (f" ± {_fmt(se)}" if se is not None else "")
+
+
 def spread_cell(r: dict | None) -> str:
     """The eval set's own noise: the jackknife standard errors of the task metric and of the worst
     component's dB (one standard error down), averaged over the draws."""
@@ -514,18 +520,20 @@ def spread_cell(r: dict | None) -> str:
 
 def tables(rows: list[dict], tools: list[Tool]) -> str:
     names = [t.name for t in tools]
-    out = ["| model | metric | chance | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
+    out = ["| model | metric | chance | " + " | ".join(f"{n} (± eval-set SE)" for n in names) + " |",
+           "|---|---|---|" + "---|" * len(names)]
     for row in rows:
         res = row["results"]
         out.append(f"| {row['model']} | {row['metric']} | {_fmt(row.get('chance'))} | "
-                   + " | ".join(cell(res.get(n), "task") for n in names) + " |")
+                   + " | ".join(task_cell(res.get(n)) for n in names) + " |")
     timed = any("latency_ms" in r for row in rows for r in row["results"].values())
     out += ["", "| model | tool | task | SNR dB | worst component SNR dB | eval-set SE (task / dB) | 8-bit weighted ops | "
             "run as integer kernels | quantize s | " + ("latency ms (x ort) | " if timed else "") + "size MB (x ort) | status |",
             "|---|---|---|---|---|---|---|---|---|---|" + "---|" * (1 + timed)]
     for row in rows:
+        res = row["results"]
         for n in names:
-            r = row["results"].get(n)
+            r = res.get(n)
             if r is None:
                 continue
             st = status(r)
@@ -614,6 +622,9 @@ def main(argv=None) -> int:
     ap.add_argument("--qpasses-src", help="import qpasses from this directory (default: the installed one)")
     ap.add_argument("--qpasses-rev", help="import qpasses from this git revision (exported to a temp dir)")
     ap.add_argument("--no-nncf", action="store_true")
+    ap.add_argument("--eval-dir", type=Path, metavar="DIR",
+                    help="eval sets DIR/<model>.npz instead of the models' own (tools/build_eval_sets.py: 128 "
+                         "held-out samples each)")
     ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     ap.add_argument("--cache", type=Path, default=acc.DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="quantized models and child logs")
@@ -647,6 +658,7 @@ def main(argv=None) -> int:
             "versions": {m: _version(m) for m in ("onnxruntime", "onnx", "nncf", "torch", "numpy")},
             "python": platform.python_version(), "cpus": os.cpu_count(),
             "calib_samples": n_calib or "all", "eval_samples": n_eval or "all", "draws": args.draws,
+            "eval_dir": str(args.eval_dir) if args.eval_dir else None,
             "tools": [t.__dict__ for t in tools]}
     print(json.dumps(meta), file=sys.stderr)
 
@@ -662,6 +674,14 @@ def main(argv=None) -> int:
             row["error"] = _one_line(exc)
             print(f"{name}: skipped ({row['error']})", file=sys.stderr)
             continue
+        if args.eval_dir:
+            larger = args.eval_dir / f"{name}.npz"
+            if larger.is_file():
+                bm.eval = larger
+            else:
+                print(f"{name}: no {larger} (python tools/build_eval_sets.py {name}): its own eval set is used",
+                      file=sys.stderr)
+        row["eval_set"] = str(bm.eval)
         row["model_info"] = describe_model(bm)
         feeds = bm.feeds("eval", n_eval)
         sess = _session(bm.path)
