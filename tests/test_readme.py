@@ -1,12 +1,17 @@
-"""Every README code block runs as written.
+"""Every code block of README.md and docs/ runs or is checked as written.
 
 - ```python blocks run, each in its own subprocess (a block may register a pass), in a fresh folder
-  holding the bundled example as `qpasses example` writes it: model.onnx, calib.npz, eval.npz. So a
-  README example names those files and nothing else.
+  holding the bundled example as `qpasses example` writes it: model.onnx, calib.npz, eval.npz. So an
+  example names those files and nothing else.
 - ```bash blocks: every `qpasses ...` command in them parses with the CLI's argparse parser
-  (synopsis notation is read as written: `[...]` optional, `a|b` the first choice); the first
+  (synopsis notation is read as written: `[...]` optional, `a|b` the first choice); README's first
   block is exactly the two setup lines (install and run the example; run the tests).
+- ```json and ```yaml blocks are configs: each loads with qpasses.load_config.
+- ```text blocks show output or layouts and are not run; a block without one of these tags fails.
+- Relative links point at files that exist, and docs/architecture.md's package layout names every
+  top-level module and sub-package of qpasses/ and nothing else.
 """
+import json
 import os
 import re
 import shlex
@@ -16,12 +21,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from qpasses.cli import _parser
+from qpasses.config import load_config
 from qpasses.examples import write_example
 
 ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+LANGUAGES = ("python", "bash", "json", "yaml", "text")
 SETUP = [
     "python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[test]' && qpasses example demo"
     " && qpasses run demo/model.onnx -o demo/model.qdq.onnx --calib demo/calib.npz --eval demo/eval.npz"
@@ -30,8 +40,18 @@ SETUP = [
 ]
 
 
-def blocks(lang: str) -> list[str]:
-    return [m.group(2) for m in FENCE.finditer((ROOT / "README.md").read_text()) if m.group(1) == lang]
+def fenced(path: Path) -> list[tuple[str, str]]:
+    """(language, text) of every fenced block of a markdown file."""
+    return [(m.group(1), m.group(2)) for m in FENCE.finditer(path.read_text())]
+
+
+def blocks(lang: str, paths=DOCS) -> list[tuple[str, str]]:
+    """(where, text) of every ``lang`` block of ``paths``; where is 'file:n' (n counts that file's blocks)."""
+    out = []
+    for path in paths:
+        found = [text for kind, text in fenced(path) if kind == lang]
+        out += [(f"{path.relative_to(ROOT)}:{i}", text) for i, text in enumerate(found)]
+    return out
 
 
 def qpasses_commands(block: str) -> list[list[str]]:
@@ -72,34 +92,74 @@ def example_folder(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("index", range(len(blocks("python"))))
-def test_python_block_runs(index, example_folder, tmp_path):
-    code = blocks("python")[index]
+PYTHON = blocks("python")
+
+
+@pytest.mark.parametrize("where,code", PYTHON, ids=[w for w, _ in PYTHON])
+def test_python_block_runs(where, code, example_folder, tmp_path):
     for path in example_folder.iterdir():
         shutil.copy(path, tmp_path / path.name)
-    (tmp_path / "readme_block.py").write_text(code)
+    (tmp_path / "doc_block.py").write_text(code)
     env = dict(os.environ, PYTHONPATH=str(ROOT), QPASSES_NO_PROGRESS="1")
-    done = subprocess.run([sys.executable, "readme_block.py"], cwd=tmp_path, env=env,
+    done = subprocess.run([sys.executable, "doc_block.py"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"README python block {index} failed:\n{code}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"python block {where} failed:\n{code}\n{done.stderr[-3000:]}"
 
 
 def test_readme_has_python_and_bash_blocks():
-    assert blocks("python") and blocks("bash")
+    assert blocks("python", [README]) and blocks("bash", [README])
 
 
 def test_first_block_is_the_setup():
-    first = FENCE.search((ROOT / "README.md").read_text())
+    first = FENCE.search(README.read_text())
     assert first.group(1) == "bash" and first.group(2).splitlines() == SETUP
 
 
-@pytest.mark.parametrize("argv", [c for block in blocks("bash") for c in qpasses_commands(block)], ids=" ".join)
-def test_bash_qpasses_command_parses(argv, capsys):
+COMMANDS = [(where, c) for where, block in blocks("bash") for c in qpasses_commands(block)]
+
+
+@pytest.mark.parametrize("where,argv", COMMANDS, ids=[f"{w} {' '.join(c)}" for w, c in COMMANDS])
+def test_bash_qpasses_command_parses(where, argv, capsys):
     try:
         args = _parser().parse_args(_synopsis_to_argv(argv))
     except SystemExit:
-        pytest.fail(f"README command does not parse: qpasses {shlex.join(argv)}\n{capsys.readouterr().err}")
+        pytest.fail(f"{where}: command does not parse: qpasses {shlex.join(argv)}\n{capsys.readouterr().err}")
     assert args.command
+
+
+CONFIGS = [(w, "json", t) for w, t in blocks("json")] + [(w, "yaml", t) for w, t in blocks("yaml")]
+
+
+@pytest.mark.parametrize("where,kind,text", CONFIGS, ids=[w for w, _, _ in CONFIGS])
+def test_config_block_loads(where, kind, text):
+    data = json.loads(text) if kind == "json" else yaml.safe_load(text)
+    assert isinstance(data, dict) and data, where
+    load_config(data)   # a ConfigError names every problem
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
+def test_every_block_has_a_known_language(path):
+    unknown = [kind or "(none)" for kind, _ in fenced(path) if kind not in LANGUAGES]
+    assert not unknown, f"{path.name}: blocks tagged {unknown}; use one of {LANGUAGES}"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
+def test_relative_links_exist(path):
+    text = FENCE.sub("", path.read_text())
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    missing = [t for t in targets if "://" not in t and not (path.parent / t).exists()]
+    assert not missing, f"{path.name} links to missing files: {missing}"
+
+
+def test_architecture_layout_matches_the_tree():
+    layout = next(text for kind, text in fenced(ROOT / "docs" / "architecture.md")
+                  if kind == "text" and "qpasses/__init__.py" in text)
+    listed = {line.split()[0].rstrip("/") for line in layout.splitlines() if line.startswith("qpasses/")}
+    package = ROOT / "qpasses"
+    on_disk = {f"qpasses/{p.name}" for p in package.glob("*.py")} | {
+        f"qpasses/{p.name}" for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert not on_disk - listed, f"add a line for each to docs/architecture.md's layout: {sorted(on_disk - listed)}"
+    assert not listed - on_disk, f"docs/architecture.md's layout names what is gone: {sorted(listed - on_disk)}"
 
 
 def test_synopsis_reading():
