@@ -110,6 +110,11 @@ def test_readme_has_python_and_bash_blocks():
     assert blocks("python", [README]) and blocks("bash", [README])
 
 
+def test_readme_stays_short():
+    """What it is, the set-up, the commands and pointers; the reference lives in docs/."""
+    assert len(README.read_text().splitlines()) <= 200
+
+
 def test_first_block_is_the_setup():
     first = FENCE.search(README.read_text())
     assert first.group(1) == "bash" and first.group(2).splitlines() == SETUP

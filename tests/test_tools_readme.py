@@ -1,4 +1,6 @@
-"""tools/README.md names no machine-specific paths: the README's venv and ../shared/corpus instead."""
+"""tools/README.md says how to run every script of tools/, in the README's venv with ../shared/corpus
+(no machine-specific paths), and stays a how-to: the numbers go to tools/RESULTS.md, what they decided
+to docs/decisions/."""
 import re
 from pathlib import Path
 
@@ -25,3 +27,16 @@ def test_every_tools_command_names_an_existing_script():
 @pytest.mark.skipif(not (ROOT.parent / "shared" / "corpus").is_dir(), reason="no shared corpus folder beside the checkout")
 def test_corpus_script_is_where_the_readme_says():
     assert (ROOT.parent / "shared" / "corpus" / "make_corpus.sh").is_file()
+
+
+def test_every_tools_script_is_described():
+    scripts = sorted(p.name for p in (ROOT / "tools").glob("*.py"))
+    missing = [name for name in scripts if name not in TEXT]
+    assert not missing, f"tools/README.md has no section naming {missing}"
+
+
+def test_stays_a_how_to():
+    """A page of how to run each benchmark, not a lab notebook: the journal it replaced had grown to
+    2,699 lines of dated runs that hid how to run anything."""
+    assert len(TEXT.splitlines()) <= 300
+    assert "RESULTS.md" in TEXT and (ROOT / "tools" / "RESULTS.md").is_file()
