@@ -155,11 +155,12 @@ def cmd_run(args) -> int:
     from .api import run_pipeline
     from .context import RunContext
     from .decisions import float_reasons
-    from .evaluate import compare
+    from .evaluate import compare, eval_reference
     from .instruments import DumpAfter, Reproducer, TimePasses
     from .ir import load
     from .objective import parse_metric
-    from .outputs import Staging, check_loads, ort_source, save_staged, strict_json, write_text
+    from .kernels import worth_counting
+    from .outputs import PREFIX, Staging, check_loads, ort_source, save_staged, strict_json, write_text
     from .summary import shortfall
     from .paths import escape, guard_run
     from .pipeline import default_pipeline, parse_pipeline
@@ -182,7 +183,9 @@ def cmd_run(args) -> int:
     dump = DumpAfter(staging.folder(args.dump_after, "--dump-after")) if args.dump_after else None
     repro = Reproducer(args.reproducer, write_to=staging.folder(args.reproducer, "--reproducer"),
                        announce=False) if args.reproducer else None
-    eval_data = _checked_eval_data(args.eval, src) if args.eval else None
+    # --eval: the float model's outputs on the samples the SNR line uses, computed now (the data is
+    # checked before any work, and the float model needs no second session)
+    eval_data, reference = _eval_reference(args.eval, src) if args.eval else (None, None)
     ctx = RunContext(args.config, args.calib)
     if args.target:
         _apply_target(ctx, args.target)
@@ -210,8 +213,12 @@ def cmd_run(args) -> int:
             raise TargetNotMet(f"{line} (--require-target: nothing written)")
         say(f"qpasses: warning: {line}")
     staged = staging.file(out, "-o")
-    save_staged(model, staged, out)
-    check_loads(staged, out, src)   # onnxruntime loads it (default optimizations), or nothing is written
+    proto = model.to_proto()   # exported once: saved, summarised
+    # the graph onnxruntime optimizes, for the summary's kernel count (a staging name: never committed)
+    optimized = staged.parent / f"{PREFIX}optimized.onnx" if worth_counting(proto) else None
+    save_staged(proto, staged, out)
+    # onnxruntime loads it (default optimizations), or nothing is written; the SNR line runs in this session
+    session = check_loads(staged, out, src, optimized_to=optimized)
     report = {"input": str(src), "output": str(out),
               "pipeline": ",".join(r.text for r in records),
               "passes": [{"pass": r.text, "modified": r.modified, "seconds": round(r.seconds, 4),
@@ -228,20 +235,23 @@ def cmd_run(args) -> int:
         say(f"qpasses: select-by-snr chose {selected['chosen']} ({scores}; {total} calibration samples)")
     data = eval_data or ctx.calibration_data
     if data is not None and ("qdq-inserted" in model.facts or ctx.config.mode != "static"):
+        if reference is None:   # the calibration data: its float outputs calibrate kept, if it did
+            reference = eval_reference(ort_source(src), data, _EVAL_SAMPLES, _kept_float_outputs(ctx, records))
         # a failing user metric is a user error: nothing is committed (as for every failure)
-        report["accuracy"] = compare(ort_source(src), ort_source(staged), data, max_samples=_EVAL_SAMPLES,
-                                     objective=objective)
+        report["accuracy"] = compare(ort_source(src), session or ort_source(staged), data, objective=objective,
+                                     reference=reference)
         spread = objective.spread_note(report["accuracy"])
         report["objective"] = report["accuracy"].pop("objective", None)
         say(f"qpasses: output SNR vs float: {_fmt_db(report['accuracy']['snr_db'])} over "
-            f"{report['accuracy']['samples']} samples{spread}")
+            f"{_samples_text(report['accuracy']['samples'], data)}{spread}")
         for line in _objective_lines(objective, report["accuracy"], report["objective"], always=False):
             say(f"qpasses: {line}")
     if "types-annotated" in model.facts or "qdq-inserted" in model.facts:
         from .summary import run_summary
 
-        report["summary"], report["integer_kernels"] = run_summary(model, float_reasons(model))
+        report["summary"], report["integer_kernels"] = run_summary(model, float_reasons(model), proto, optimized)
         say(f"qpasses: {report['summary']}")
+    del session, proto
     if args.time_passes:
         say(timer.table())
     if args.html:   # the per-layer page, on the data the SNR line used
@@ -299,19 +309,38 @@ def _objective_lines(objective, accuracy: dict, summary: dict | None, *, always:
     return lines + [overall]
 
 
-def _checked_eval_data(source, model_path):
-    """Open --eval data and check the samples the report uses (against the inputs onnxruntime's
-    session of the float model takes, as compare does), before anything is written."""
+def _eval_reference(source, model_path):
+    """Open --eval data and run the float model on the samples the report uses (checked against
+    the inputs its onnxruntime session takes, as compare does), before anything is written:
+    (the data, the evaluate.Reference)."""
     from .calibration.data import open_data
-    from .evaluate import checked_feeds
+    from .evaluate import Reference, session
     from .outputs import ort_source
 
     data = open_data(source)
-    checked_feeds(ort_source(model_path), data, _EVAL_SAMPLES)
-    return data
+    return data, Reference.run(session(ort_source(model_path)), data, _EVAL_SAMPLES)
 
 
-_EVAL_SAMPLES = 32
+def _kept_float_outputs(ctx, records):
+    """The float outputs calibrate kept (KeptSamples) when they are the input model's on the first
+    calibration samples: kept from ``ctx.calibration_data``, after passes that each keep the float
+    model's outputs (evaluate.FLOAT_EXACT_PASSES); else None."""
+    from .evaluate import FLOAT_EXACT_PASSES
+
+    kept = ctx.cache.get("kept_samples")
+    if kept is None or kept.source is not ctx.calibration_data:
+        return None
+    before = [r.name for r in records[:next((i for i, r in enumerate(records) if r.name == "calibrate"), 0)]]
+    return kept if all(name in FLOAT_EXACT_PASSES for name in before) else None
+
+
+def _samples_text(samples: int, data) -> str:
+    """'32 samples', or '32 of 64 samples' when the evaluation stopped at _EVAL_SAMPLES."""
+    count = getattr(data, "count", None)
+    return f"{samples} of {count} samples" if count and count > samples else f"{samples} samples"
+
+
+_EVAL_SAMPLES = 32   # the SNR line's samples at most (the first ones of the data)
 
 
 def _fmt_db(value: float) -> str:

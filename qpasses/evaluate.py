@@ -225,8 +225,14 @@ class Reference:
         """Run the reference model on ``feeds`` (at most ``max_samples``; stop after ``min_samples``
         once the outputs hold ``enough_values`` values). A QModel with more than CHUNK_NODES nodes
         or IN_MEMORY_BYTES of weights runs through the segmented executor (a chain of sessions,
-        weights handed over as arrays: no serialised copy, and no 2 GB limit)."""
-        if _segmented(reference_model):
+        weights handed over as arrays: no serialised copy, and no 2 GB limit). An onnxruntime
+        session is run as it is."""
+        if is_session(reference_model):
+            ref_sess = reference_model
+            names = [o.name for o in ref_sess.get_outputs()]
+            specs = session_inputs(ref_sess)
+            inputs = [i.name for i in ref_sess.get_inputs()]
+        elif _segmented(reference_model):
             ref_sess = segments.SegmentedSession(reference_model, refused="onnxruntime cannot run the reference model")
             names, specs = ref_sess.output_names, ref_sess.specs
             inputs = [s.name for s in specs if not s.optional]
@@ -284,7 +290,8 @@ class Reference:
 
     def runs_of(self, test_model, *, optimize: bool = True, reuse: ScoredRuns | None = None) -> list[list]:
         """``test_model``'s outputs ``names`` on every kept feed; taken from ``reuse`` when it holds
-        this very model's (same bytes, session options, feeds and outputs), else run here."""
+        this very model's (same bytes, session options, feeds and outputs), else run here (in
+        ``test_model`` itself when it is an onnxruntime session)."""
         if reuse is not None:
             data = test_model if isinstance(test_model, bytes) else None
             runs = reuse.runs_for(data, optimize, self) if data is not None else None
@@ -292,7 +299,7 @@ class Reference:
                 _check_signature(self.inputs, self.names, *reuse.io)
                 _check_finite(self)
                 return runs
-        test_sess = session(test_model, optimize=optimize)
+        test_sess = test_model if is_session(test_model) else session(test_model, optimize=optimize)
         _check_same_signature(self.inputs, self.names, test_sess)
         _check_comparable(self, test_sess)   # inputs it takes, finite reference outputs
         return [test_sess.run(self.names, feed) for feed in self.feeds]
@@ -346,14 +353,44 @@ def _kept_usable(kept, model: QModel) -> bool:
     return kept is not None and not changed and bool(kept.feeds)
 
 
-def compare(reference_model, test_model, feeds, max_samples: int | None = None, *, objective=None) -> dict:
+def compare(reference_model, test_model, feeds, max_samples: int | None = None, *, objective=None,
+            reference: Reference | None = None) -> dict:
     """Run both models on every feed; per output: SNR over all samples and max abs error. With an
     ``objective`` (qpasses.objective.Objective; its output components are taken from
     ``reference_model`` unless it has them), also per-component SNR and the objective (see
-    Reference.score)."""
+    Reference.score). ``reference``: the reference model's outputs on the feeds, already known
+    (``feeds`` and ``max_samples`` are then not read); ``test_model`` may be an open session."""
     if objective is not None and objective.components is None:
         objective = objective.for_model(reference_model)
-    return Reference.run(reference_model, feeds, max_samples).score(test_model, objective=objective)
+    if reference is None:
+        reference = Reference.run(reference_model, feeds, max_samples)
+    return reference.score(test_model, objective=objective)
+
+
+def is_session(model) -> bool:
+    """Whether ``model`` is an open onnxruntime session (rather than a model to open one for)."""
+    return callable(getattr(model, "run", None)) and callable(getattr(model, "get_outputs", None))
+
+
+# passes whose output model computes what their input computed (in float, up to rounding): float
+# outputs measured after them are the input model's (KeptSamples as the CLI's SNR reference)
+FLOAT_EXACT_PASSES = frozenset({"fold-constants", "fold-batchnorm", "cleanup", "smooth-quant", "annotate-types",
+                                "propagate-mixed-precision", "equalize-cross-layer"})
+
+
+def eval_reference(model, data, max_samples: int, kept=None) -> Reference:
+    """The float ``model``'s outputs on the first ``max_samples`` feeds of ``data``: those of them
+    calibrate kept (``kept``, KeptSamples of this very data on a model computing what ``model``
+    computes: see FLOAT_EXACT_PASSES), then the rest run here (no session when none is left)."""
+    from .calibration.data import open_data
+
+    if kept is None or not kept.feeds:
+        return Reference.run(model, open_data(data), max_samples)
+    found = Reference._kept(kept, 0, max_samples)
+    missing = max_samples - len(found.feeds)
+    rest = itertools.islice(open_data(data), len(found.feeds), max_samples) if missing > 0 else iter(())
+    first = next(rest, None)
+    return found if first is None else found.plus(Reference.run(model, itertools.chain([first], rest), missing))
 
 
 def _check_comparable(reference: Reference, test_sess) -> None:

@@ -14,19 +14,20 @@ import onnx
 INTEGER_KERNELS = {"QLinearConv": 3, "QLinearMatMul": 3, "QGemm": 3, "MatMulIntegerToFloat": 1,
                    "ConvInteger": 1, "MatMulInteger": 1, "DynamicQuantizeMatMul": 1}
 MAX_NODES = 5000   # above this the optimized copy is not worth its time for a summary line
+MAX_BYTES = 1 << 30   # ... nor above this many bytes of weights
 
 
 def integer_kernels(proto: onnx.ModelProto) -> int | None:
     """How many integer kernels with a constant weight onnxruntime's CPU provider runs for
     ``proto`` at its default optimization level (If/Loop/Scan bodies included); None when the
     model is too big to check here, holds external data, or onnxruntime refuses it."""
-    if len(proto.graph.node) > MAX_NODES:
+    if not worth_counting(proto):
         return None
     try:
         data = proto.SerializeToString()
     except Exception:   # past 2 GB protobuf refuses
         return None
-    if len(data) > (1 << 30):
+    if len(data) > MAX_BYTES:
         return None
     import onnxruntime as ort
 
@@ -36,9 +37,25 @@ def integer_kernels(proto: onnx.ModelProto) -> int | None:
         opts.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
         try:
             ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
-            optimized = onnx.load(opts.optimized_model_filepath)
         except Exception:   # the summary stays DQ-based; loading the model is checked elsewhere
             return None
+        return optimized_kernels(opts.optimized_model_filepath)
+
+
+def worth_counting(proto: onnx.ModelProto) -> bool:
+    """Whether the optimized copy ``integer_kernels`` reads is worth its time for a summary line."""
+    from .ir import tensor_bytes
+
+    return len(proto.graph.node) <= MAX_NODES and tensor_bytes(proto) <= MAX_BYTES
+
+
+def optimized_kernels(path) -> int | None:
+    """``integer_kernels`` read off the optimized model onnxruntime wrote to ``path`` (a session's
+    ``optimized_model_filepath``); None when there is none."""
+    try:
+        optimized = onnx.load(str(path))
+    except Exception:
+        return None
     return _count(optimized.graph, set())
 
 

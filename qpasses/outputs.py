@@ -243,31 +243,35 @@ def write_text(path: Path, text: str, target: Path) -> None:
 
 
 # -- the output model loads in onnxruntime -------------------------------------------------------------
-def check_loads(path: Path, target: Path, source: Path | None = None) -> None:
+def check_loads(path: Path, target: Path, source: Path | None = None, *, optimized_to: Path | None = None):
     """Load the staged model ``path`` in onnxruntime at its default optimization level; a model it
     refuses is an internal error (exit 1) naming the ``target`` and onnxruntime's reason, unless
     onnxruntime cannot load the ``source`` model either (custom ops, types without a CPU kernel:
-    a folding pipeline's output is then as loadable as its input was)."""
+    a folding pipeline's output is then as loadable as its input was). Returns the session (to run
+    the output model in), None when neither loads. ``optimized_to``: where onnxruntime writes the
+    graph it optimized (qpasses.kernels.optimized_kernels reads it)."""
     from .errors import first_line
 
     try:
-        _ort_load(path)
+        return _ort_load(path, optimized_to)
     except Exception as exc:   # onnxruntime raises its own exception types
         reason = first_line(exc).split(" : ")[-1]
         if source is not None:
             try:
                 _ort_load(source)
             except Exception:
-                return
+                return None
         raise OutputRefused(f"{target}: onnxruntime cannot load the output model ({reason}); "
                             f"nothing was written") from None
 
 
-def _ort_load(path: Path):
+def _ort_load(path: Path, optimized_to: Path | None = None):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 4
+    if optimized_to is not None:
+        opts.optimized_model_filepath = str(optimized_to)
     return ort.InferenceSession(ort_source(path), opts, providers=["CPUExecutionProvider"])
 
 

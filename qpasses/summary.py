@@ -89,13 +89,16 @@ def summary_line(proto: onnx.ModelProto, floats: dict, kernels: int | None = Non
     return f"8-bit: {share}{kept}"
 
 
-def run_summary(model, floats: dict) -> tuple[str, int | None]:
+def run_summary(model, floats: dict, proto=None, optimized=None) -> tuple[str, int | None]:
     """(summary_line, integer kernels onnxruntime runs) of a model after a run (kernels: only once
-    Q/DQ are inserted, else None)."""
-    from .kernels import integer_kernels
+    Q/DQ are inserted, else None). ``proto``: the model exported, if it is; ``optimized``: the path
+    of the graph onnxruntime optimized from it, if a session wrote one."""
+    from .kernels import integer_kernels, optimized_kernels
 
-    proto = model.to_proto(metadata=False)
-    kernels = integer_kernels(proto) if "qdq-inserted" in model.facts else None
+    proto = proto if proto is not None else model.to_proto(metadata=False)
+    kernels = None
+    if "qdq-inserted" in model.facts:
+        kernels = optimized_kernels(optimized) if optimized is not None else integer_kernels(proto)
     return summary_line(proto, floats, kernels), kernels
 
 

@@ -197,7 +197,10 @@ def test_one_session_keeps_the_first_feeds_and_float_outputs(monkeypatch):
     small = KeptSamples(3, max_bytes=1)   # over the byte budget: nothing kept
     runner.collect_stats(from_proto(proto), feeds, kept=small)
     assert small.feeds == [] and small.full
-    monkeypatch.setattr(segments, "CHUNK_NODES", 2)   # several sessions: the outputs are not at hand
+    monkeypatch.setattr(segments, "CHUNK_NODES", 2)   # several sessions: each returns the outputs it computes
     chunked = KeptSamples(3)
     runner.collect_stats(from_proto(proto), feeds, kept=chunked)
-    assert chunked.feeds == [] and chunked.names == []
+    assert chunked.names == names and len(chunked.feeds) == 3
+    for got, want in zip(chunked.outputs, kept.outputs):
+        for have, value in zip(got, want):
+            np.testing.assert_allclose(have, value, rtol=1e-5, atol=1e-6)

@@ -213,7 +213,8 @@ class TensorStats:
         self.min, self.max = math.inf, -math.inf
         self.avg: list[float] | None = None
         self.averaging_constant = averaging_constant
-        self.hist = Histogram(histogram_bins) if histogram_bins else None
+        self._hist = Histogram(histogram_bins) if histogram_bins else None
+        self._pending: list[np.ndarray] = []   # values ``defer`` left for the histogram to count
         # mergeable: the moving average depends on the order of samples, so a shard keeps its
         # per-sample (min, max) for ``merge`` to replay after the shards before it
         self.ranges: list | None = [] if mergeable and averaging_constant is not None else None
@@ -229,9 +230,33 @@ class TensorStats:
         if x.size == 0 or lo is None:
             self.samples += 1
             return
-        if self.hist is not None:
-            self.hist.add(x, lo, hi)
+        if self._hist is not None:
+            self._hist.add(x, lo, hi)
         self.update_range(lo, hi)
+
+    def defer(self, x: np.ndarray, lo: float, hi: float) -> int:
+        """``update`` with ``x``'s min and max known, the histogram's counting left for later (it
+        counts a batch of samples' values at once; the counts are the same, see Histogram.merge);
+        returns the bytes held until then (0: counted now)."""
+        if self._hist is None or not (math.isfinite(lo) and math.isfinite(hi)):
+            self.update(x, lo, hi)
+            return 0
+        self._pending.append(np.array(x, dtype=np.float32 if x.dtype != np.float64 else x.dtype).reshape(-1))
+        self.update_range(lo, hi)
+        return self._pending[-1].nbytes
+
+    def flush(self) -> None:
+        """Count the values ``defer`` held."""
+        if self._pending:
+            values = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+            self._pending = []
+            self._hist.add(values)
+
+    @property
+    def hist(self) -> Histogram | None:
+        """The histogram of every value added (None without histogram bins)."""
+        self.flush()
+        return self._hist
 
     def update_range(self, lo: float, hi: float) -> None:
         """Add one sample known only by its min and max (ignored when not finite)."""
@@ -257,7 +282,7 @@ class TensorStats:
         the result is the one of a single run over both, in that order."""
         self.samples += other.samples
         self.min, self.max = min(self.min, other.min), max(self.max, other.max)
-        if self.hist is not None and other.hist is not None:
+        if self._hist is not None and other.hist is not None:
             self.hist.merge(other.hist)
         if self.averaging_constant is not None:
             for lo, hi in other.ranges or ():
@@ -400,7 +425,8 @@ class _Moments:
     def __init__(self, centres: np.ndarray, counts: np.ndarray):
         n = counts.astype(np.float64)
         self.centres = centres
-        self.sums = [np.concatenate([[0.0], np.cumsum(n * centres**k)]) for k in range(3)]
+        self.sums = np.zeros((3, n.size + 1))
+        np.cumsum(np.stack([n, n * centres, n * centres**2]), axis=1, out=self.sums[:, 1:])
 
     def between(self, lo, hi, *ks: int):
         """Sum of n*v^k over lo <= v < hi (arrays broadcast), one array per k (a single k: the array)."""
@@ -409,23 +435,27 @@ class _Moments:
         out = [self.sums[k][j] - self.sums[k][i] for k in ks]
         return out[0] if len(out) == 1 else out
 
-    def below(self, cut, k: int):
-        return self.between(-np.inf, cut, k)
+    def below(self, cut, *ks: int):
+        """Sums of n*v^k over v < cut, as ``between``."""
+        return self.between(-np.inf, cut, *ks)
 
-    def above(self, cut, k: int):
+    def above(self, cut, *ks: int):
+        """Sums of n*v^k over v > cut, as ``between``."""
         j = np.searchsorted(self.centres, cut, "right")
-        return self.sums[k][-1] - self.sums[k][j]
+        out = [self.sums[k][-1] - self.sums[k][j] for k in ks]
+        return out[0] if len(out) == 1 else out
 
 
 def _expected_mse(m: _Moments, lo, hi, step) -> np.ndarray:
     """Expected squared error of quantising to a grid of ``step`` through 0, clipped to [lo, hi]:
     clipped values lose (x - bound)^2; values within half a step of 0 round to 0 and lose x^2;
     every other value loses step^2/12 on average."""
-    clip = (lo**2 * m.below(lo, 0) - 2 * lo * m.below(lo, 1) + m.below(lo, 2)
-            + hi**2 * m.above(hi, 0) - 2 * hi * m.above(hi, 1) + m.above(hi, 2))
+    below, above = m.below(lo, 0, 1, 2), m.above(hi, 0, 1, 2)
+    clip = (lo**2 * below[0] - 2 * lo * below[1] + below[2]
+            + hi**2 * above[0] - 2 * hi * above[1] + above[2])
     near_lo, near_hi = np.maximum(lo, -step / 2), np.minimum(hi, step / 2)
     near_n, near_sq = m.between(near_lo, near_hi, 0, 2)
-    inside = m.sums[0][-1] - m.below(lo, 0) - m.above(hi, 0)
+    inside = m.sums[0][-1] - below[0] - above[0]
     return np.maximum(clip, 0.0) + near_sq + (inside - near_n) * step**2 / 12
 
 

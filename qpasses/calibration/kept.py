@@ -1,5 +1,6 @@
 """KeptSamples: the first calibration feeds and the float model's outputs on them, kept by the
-calibration run so select-by-snr can score variants without running the float model again."""
+calibration run so select-by-snr, search-precision and the CLI's SNR line need not run the float
+model again."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,10 +9,11 @@ import numpy as np
 class KeptSamples:
     """The first ``limit`` validated feeds and the float model's outputs (``names``) on them, at
     most ``max_bytes`` in all: what select-by-snr scores variants against, without a second run.
-    ``full``: a feed was left out for lack of room."""
+    ``full``: a feed was left out for lack of room; ``source``: the data the feeds came from."""
 
-    def __init__(self, limit: int, max_bytes: int = 64 * 2**20):
+    def __init__(self, limit: int, max_bytes: int = 64 * 2**20, source=None):
         self.limit, self.max_bytes, self.bytes, self.full = limit, max_bytes, 0, False
+        self.source = source
         self.names: list[str] = []
         self.feeds: list[dict] = []
         self.outputs: list[list[np.ndarray]] = []

@@ -38,7 +38,9 @@ SEGMENT_BYTES = 2**30  # constants from this size on: calibrate segment-outer (a
 SEGMENT_MIN_WEIGHTS = 256 * 2**20  # weight bytes per segment: at most the larger of this
 SEGMENT_PARTS = 8                  # ... and this fraction of all weights
 SMALL_TENSOR = 4096  # min/max mode: tensors of at most this many elements (static shape) are fetched
-                     # and reduced in numpy (creating a ReduceMin/ReduceMax pair costs more)
+                     # and reduced in numpy (creating a ReduceMin/ReduceMax pair costs more);
+                     # histograms: their values are counted a batch of samples at a time
+DEFERRED_BYTES = 32 * 2**20   # ... at most this many bytes of them held
 REFUSED = "onnxruntime cannot run the model, so it cannot be calibrated"
 
 
@@ -111,6 +113,7 @@ class _Plan:
         self.raw = {n for n, _ in self.inner
                     if n not in self.body and (use_hist or 0 <= sizes.get(n, -1) <= SMALL_TENSOR)}
         self.minmax = not use_hist
+        self.deferred = 0   # bytes of small tensors' values held for their histograms
         self.budget = 0
         big = seg.weights is not None and seg.weight_bytes >= SEGMENT_BYTES
         if len(proto.graph.node) > segments.CHUNK_NODES or big:
@@ -123,10 +126,14 @@ class _Plan:
                 else:
                     self.budget = saved
         spans = seg.spans
-        # one session over the whole model: it can also return the graph outputs (kept for a few samples)
-        self.capture = [o.name for o in proto.graph.output] if capture and spans == [None] else []
         where = {} if spans == [None] else {o: k for k, span in enumerate(spans) for i in span
                                              for o in proto.graph.node[i].output}
+        # the graph outputs (kept for a few samples), each returned by the part computing it; none
+        # when one comes from no node (an input or constant) or parts run one at a time (budget)
+        outputs = [o.name for o in proto.graph.output]
+        whole = spans == [None] or all(o in where for o in outputs)
+        self.capture = outputs if capture and whole and not self.budget else []
+        self.capture_in = [[o for o in self.capture if spans == [None] or where[o] == k] for k in range(len(spans))]
         measured: list[list] = [[] for _ in spans]     # (name, elem) each part measures, graph order
         holder = {} if spans == [None] else {i: k for k, span in enumerate(spans) for i in span}
         for t in self.inner:
@@ -159,7 +166,7 @@ class _Plan:
             body.update(thread_out(proto, [n for n, _ in inner if n in self.body], reduce=self.minmax))
             return raw + fetch_red + [o for outputs in body.values() for o in outputs]
 
-        capture = self.capture if span is None else []   # only with a session built anyway
+        capture = self.capture_in[k]   # only with a session built anyway
         part = self.seg.build(k, measure, capture, refused=REFUSED)
         return None if part is None else _Segment(part, raw, reduced, self.minmax, capture, body)
 
@@ -208,6 +215,7 @@ def collect_stats(model: QModel, data, *, method: str = "minmax", num_bins: int 
                                    f"on it ({exc})") from None
     if count == 0 and not shard:
         raise CalibrationDataError(f"{data.source}: no samples")
+    flush(stats)
     drop_unobserved(stats, [] if shard else plan.body)
     return stats, count
 
@@ -226,7 +234,8 @@ def _sample_outer(plan: _Plan, feeds, stats: dict, progress, total, count: int =
     for index, feed in feeds:
         _measure(plan, plan.segments, index, dict(feed), feed, stats)
         if kept is not None and plan.segments:
-            kept.add(feed, plan.segments[0].captured)
+            captured = {n: v for segment in plan.segments for n, v in zip(segment.capture, segment.captured)}
+            kept.add(feed, [captured[n] for n in plan.capture])
         count += 1
         bar.update(count)
     bar.close()
@@ -279,19 +288,38 @@ def _measure(plan: _Plan, segments, index: int, env: dict, feed: dict | None, st
     if use_hist and feed is not None:
         for name in plan.inputs:
             stats[name].update(feed[name])
-    current = {}
+    current, small = {}, []
     try:
         for segment in segments:
             for name, value in segment.run(env):   # one segment's values at a time
-                if use_hist:
-                    stats[name].update(value)
-                else:
+                if not use_hist:
                     current[name] = value
+                elif np.size(value) <= SMALL_TENSOR and hasattr(stats[name], "defer"):
+                    small.append((name, value))
+                else:
+                    stats[name].update(value)
     except RunError as exc:
         exc.index = index
         raise
     if not use_hist:
         _update_ranges(stats, feed, plan, current, names)
+        return
+    # small tensors: min/max in a few numpy calls, counted in the histograms by the batch
+    values = dict(small)
+    for name, (lo, hi) in _batch_minmax(small):
+        plan.deferred += stats[name].defer(values.pop(name), float(lo), float(hi))
+    for name, value in values.items():   # empty
+        stats[name].update(value)
+    if plan.deferred > DEFERRED_BYTES:
+        flush(stats)
+        plan.deferred = 0
+
+
+def flush(stats: dict) -> None:
+    """Count the values the statistics deferred (TensorStats.defer)."""
+    for st in stats.values():
+        if hasattr(st, "flush"):
+            st.flush()
 
 
 def _update_ranges(stats, feed: dict | None, plan: _Plan, current: dict, names: list[str] | None = None) -> None:

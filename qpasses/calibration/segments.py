@@ -249,16 +249,19 @@ class SegmentedModel:
               refused: str = "onnxruntime cannot run the model") -> Part | None:
         """The session of part ``k``, its model extended by ``extend`` (whose returned names it
         fetches), also returning ``capture`` (names of tensors it computes anyway); None when it
-        fetches nothing and passes nothing on. ``refused``: the error's first words when
+        fetches, captures and passes on nothing. ``refused``: the error's first words when
         onnxruntime cannot load it (a ModelError)."""
         import onnxruntime as ort
 
         proto, inputs, live_out, done = self.part_model(k)
         fetch = extend(proto) if extend is not None else []
         outputs = list(dict.fromkeys(live_out + fetch))
-        if not outputs:
+        if not outputs and not capture:
             return None
         outputs = list(dict.fromkeys(outputs + list(capture)))
+        listed = {o.name for o in proto.graph.output}   # a part's own graph outputs are not all listed
+        proto.graph.output.extend(helper.make_tensor_value_info(n, self.inferred[0][n], None)
+                                  for n in capture if n not in listed)
         opts, keep = session_options(proto, self.weights, prepacking=self.prepacking)
         if not self.optimize:
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

@@ -40,8 +40,8 @@ class Calibrate(Pass):
     another tensor's qparams (MaxPool outputs are measured), are fixed or have a user range), which keeps onnxruntime's fusions
     (Conv+Relu, ...) in the calibration run and makes it faster.
     Also ``ctx.cache["kept_samples"]``: the first 32 feeds and the float outputs on them (at most 64 MB;
-    only when one session runs the whole model), so select-by-snr and search-precision need no second
-    float run.
+    not when the parts of a big model run one at a time), so select-by-snr, search-precision and the
+    CLI's SNR line need no second float run.
     With ``config.executor`` ray, the samples run in shards as Ray tasks whose statistics merge
     exactly (qpasses.calibration.sharded): the same ranges.
     Invariants: the graph is not changed; memory does not grow with the number of samples.
@@ -89,7 +89,7 @@ class Calibrate(Pass):
         only = tensors_needing_ranges(model)
         candidates = only if only is not None else [
             name for name, t in model.tensors().items() if isinstance(t, gs.Variable)]
-        kept = KeptSamples(KEEP_SAMPLES)
+        kept = KeptSamples(KEEP_SAMPLES, source=source)
         data, limit, held_out_from = open_data(source), int(self.max_samples), None
         if self.hold_out > 0 and not self.data and (data.count or 0) >= 4 * self.hold_out:
             held_out_from = data.count - self.hold_out

@@ -150,7 +150,7 @@ class SearchPrecision(Pass):
             ctx.findings.set(NAME, {"skipped": skip or "nothing quantized to promote"})
             return PassResult(model, False, {"promoted": 0})
         try:
-            kept = ctx.cache.pop("kept_samples", None)
+            kept = ctx.cache.get("kept_samples")
             check, held_out = Reference.for_check(model, ctx.calibration_data, kept, self.samples, self.output_values)
         except CalibrationDataError as exc:
             ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
