@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Collection, Iterable, Mapping
 
-import networkx as nx
-
 from . import oprules
 from .dataflow import Dataflow
 from .errors import ConfigError
@@ -208,6 +206,8 @@ def _tie_groups(ix: _Index, rules: Mapping[str, list], sharing: Collection[str],
                 ties: Iterable[tuple[str, str]]) -> dict[int, list[int]]:
     """Sites tied by op rules, as connected components: site -> every site of its group (sorted;
     the members of a group share one list)."""
+    import networkx as nx   # only when mixed precision is asked for: its import is 0.1 s
+
     tied = nx.Graph()
 
     def tie(a: int | None, b: int | None) -> None:
