@@ -8,7 +8,7 @@ from .instruments import DumpAfter, Instrument, Reproducer, TimePasses, VerifyEa
 from .ir import QModel, load
 from .pipeline import PassManager, default_pipeline
 from .prechecks import LoadableTypes, QuantizableValues
-from .upgrade import quantizes, upgrade_opset
+from .upgrade import prepare_opset, quantizes
 
 
 def run_pipeline(model, passes: str | list | None = None, *, config=None, calibration_data=None,
@@ -45,10 +45,9 @@ def run_pipeline(model, passes: str | list | None = None, *, config=None, calibr
     names = [p.name for p in manager.passes]
     if quantizes(names):   # refuse up front what would give a broken model (prechecks.py)
         manager.instruments[:0] = [QuantizableValues(), LoadableTypes(names)]
-    # a quantizing pipeline upgrades opset < 10 to 11, as onnxruntime's quantizer does (upgrade.py)
-    upgraded = upgrade_opset(model) if quantizes(names) else None
-    if upgraded is not None:
-        model, notice = upgraded
+    # a quantizing pipeline upgrades opset < 10 to 11, as onnxruntime's quantizer does, and to 13 for
+    # per-channel weights (upgrade.py)
+    for notice in prepare_opset(model, ctx.config, names):
         (notify or (lambda line: print(line, file=sys.stderr)))(notice)
     records = manager.run(model, ctx)
     return model, records

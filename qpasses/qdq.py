@@ -20,6 +20,7 @@ from .analysis.dtypes import float_type_name
 from .errors import ModelError
 from .graphutil import unique_name
 from .ir import QModel, body_graphs, from_proto, model_tensor_map
+from .opset_convert import convert
 from .qparams import quantize
 from .qtypes import PER_AXIS_MIN_OPSET, QType, qtype
 
@@ -277,8 +278,6 @@ MEANING_CHANGED = {"Softmax": 13, "LogSoftmax": 13, "Hardmax": 13, "Resize": 11,
 # Forms of a node that a bump across this opset breaks although the op's signature is kept:
 # from 18 an equal Split (no 'split' input) needs the num_outputs attribute.
 BROKEN_FORMS = {"Split": (18, lambda node: len(node.inputs) < 2 or not node.inputs[1].name)}
-# Changes onnx.version_converter gets wrong (measured): refuse rather than convert.
-NOT_CONVERTIBLE = {"Resize": 11}   # 10 -> 11 keeps 'asymmetric' coordinates only implicitly
 
 
 def _schema(op: str, version: int):
@@ -355,8 +354,9 @@ def require_opset(model: QModel, opset: int) -> bool:
     """Raise the model's default opset to ``opset`` without changing what its nodes compute.
 
     A plain bump when every op keeps its signature and meaning; otherwise the graph is rewritten
-    with onnx.version_converter (Split/Squeeze/Reduce* attributes become inputs, Softmax axis, ...).
-    Either way, Resize's empty roi/scales become absent inputs when crossing opset 13.
+    (qpasses.opset_convert: onnx.version_converter turns Split/Squeeze/Reduce* attributes into inputs,
+    ...; qpasses keeps Resize-10's coordinates and Hardmax's axis). Either way, Resize's empty
+    roi/scales become absent inputs when crossing opset 13.
     Raises ModelError naming the op when that is impossible. Returns True if the opset changed.
     """
     old = model.opset
@@ -369,18 +369,10 @@ def require_opset(model: QModel, opset: int) -> bool:
             _absent_resize_inputs(model)
         return True
     where = ", ".join(f"'{n}' ({op})" for op, n in sorted(risky.items()))
-    for op, since in NOT_CONVERTIBLE.items():
-        if op in risky and old < since <= opset:
-            raise ModelError(f"cannot raise opset {old} -> {opset} for quantization: node '{risky[op]}' "
-                             f"({op}) changes meaning at opset {since}; upgrade the model first")
-    from onnx import version_converter
-
     try:
-        converted = version_converter.convert_version(model.to_proto(), opset)
-    except Exception as exc:  # the converter raises assorted C++ errors
-        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ModelError(f"cannot raise opset {old} -> {opset} for quantization: onnx.version_converter "
-                         f"failed on {where} ({text})") from None
+        converted = convert(model.to_proto(), opset)
+    except ModelError as exc:
+        raise ModelError(f"cannot raise opset {old} -> {opset} for quantization (rewriting {where}): {exc}") from None
     graph = from_proto(converted).graph
     names = model_tensor_map(graph)
     lost = [t for t in model.quant if t in model.tensors() and t not in names]

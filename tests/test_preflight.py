@@ -62,7 +62,7 @@ def test_dynamic_dims_opset_raise_and_inputs(tmp_path, capsys):
     code, out, _ = _check(capsys, _save(tmp_path, parse(CONV, opset=12)))
     assert code == 0
     assert "input: x float32 ['N', 3, 8, 8] (dynamic" in out
-    assert "opset: raised from 12 to 13 when Q/DQ are inserted (for int8 per-channel 'w')" in out
+    assert "opset: model raised from opset 12 to 13 for per-channel weights\n" in out
     assert "Sigmoid x1: Sigmoid stays float by default" in out
 
 

@@ -22,6 +22,7 @@ from ..pipeline import Pass, PassResult
 from ..qtypes import qtype
 from ..registry import register
 from ..targets import apply_target_rules, load_target
+from ..upgrade import PER_TENSOR
 
 _OWN_QPARAM_KEYS = {"quant_type", "scale", "zero_point", "symmetric", "rmin", "rmax"}
 
@@ -311,10 +312,14 @@ class TypePlanner:
         axis = None
         if cfg.per_channel:
             axis = weight_axis(slot, node.attrs, len(t.shape), cfg.per_channel_axes.get(node.op))
+        blocked = self.model.decisions.get(PER_TENSOR) if axis is not None and self.model.opset < 13 else None
+        axis = None if blocked else axis
         line = f"{self.source['weight_type']} weight_type={cfg.weight_type} ({where}"
         line += f", per-channel axis {axis})" if axis is not None else ")"
         tq = TensorQuant(cfg.weight_type, "weight", symmetric=self.weight_symmetric(cfg.weight_type, axis),
                          axis=axis, reduce_range=cfg.reduce_range, why=[line])
+        if blocked:
+            tq.because(f"per-tensor: per-channel weights need opset 13: {blocked}")
         if axis is not None and not (cfg.weight_symmetric if "weight_symmetric" in cfg.given
                                      else qtype(cfg.weight_type).signed):
             tq.because("symmetric: per-channel weights are symmetric (as onnxruntime)")

@@ -490,15 +490,32 @@ def test_plain_bump_when_no_op_changes_meaning():
     assert [n.name for n in model.graph.nodes if n.op == "Conv"] == nodes
 
 
-def test_opset10_resize_is_refused_with_the_node_named():
-    model = model_from_text("""
+def test_opset10_resize_is_rewritten_keeping_its_coordinates():
+    body = """
 g (float[1,1,2,2] x) => (float[1,1,4,4] y) {
   sc = Constant<value=float[4] {1.0, 1.0, 2.0, 2.0}>()
   [up] y = Resize<mode="linear">(x, sc)
+}"""
+    ref, model = model_from_text(body, opset=10), model_from_text(body, opset=10)
+    model.quant["x"] = act_entry(-4, 4, "int16")
+    model.facts.add("qparams-computed")
+    insert(model)
+    assert model.opset == 21
+    (resize,) = [n for n in model.graph.nodes if n.op == "Resize"]
+    assert resize.attrs["coordinate_transformation_mode"] == "asymmetric"
+    for feed in feeds_for(model):
+        np.testing.assert_allclose(run(model, feed)[0], run(ref, feed)[0], atol=8 / 65535)
+
+
+def test_opset10_resize_without_an_opset11_form_is_refused_with_the_node_named():
+    model = model_from_text("""
+g (float[1,1,2,2] x) => (float[1,1,4,1] y) {
+  sc = Constant<value=float[4] {1.0, 1.0, 2.0, 0.5}>()
+  [up] y = Resize<mode="nearest">(x, sc)
 }""", opset=10)
     model.quant["x"] = act_entry(-1, 1, "int16")
     model.facts.add("qparams-computed")
-    with pytest.raises(ModelError, match=r"'up' \(Resize\)"):
+    with pytest.raises(ModelError, match=r"'up' \(Resize, nearest\) enlarges some axes and shrinks others"):
         insert(model)
 
 
