@@ -116,6 +116,7 @@ class QuantConfig:
     op_types_to_exclude_output_quantization: list[str] = field(default_factory=list)
     per_channel_axes: dict = field(default_factory=dict)  # op type -> weight channel axis
     force_quantize_no_input_check: bool = False   # quantize data-movement ops outside quantized regions
+    smooth_quant: bool = True                     # false: smooth-quant does nothing (onnxruntime's SmoothQuant default)
     executor: str = "local"                       # local | ray | ray:ADDRESS (qpasses.executors)
     weight_only: object = field(default_factory=lambda: _weight_only({}))  # weightonly.config.WeightOnlyConfig
 
@@ -204,7 +205,7 @@ def _qtype_name(problems: list, key: str, value):
 
 _BOOL_KEYS = ("per_channel", "activation_symmetric", "activation_restricted_asymmetric", "reduce_range",
               "quantize_bias", "fix_bias_scales", "keep_removable_activations",
-              "force_quantize_no_input_check")
+              "force_quantize_no_input_check", "smooth_quant")
 _LIST_KEYS = ("op_types_to_quantize", "nodes_to_quantize", "nodes_to_exclude",
               "op_types_to_exclude_output_quantization")
 

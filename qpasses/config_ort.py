@@ -29,6 +29,7 @@ ORT_NAMES = {
     "QDQOpTypePerChannelSupportToAxis": "per_channel_axes",
     "UseQDQContribOps": None,
     "EnableSubgraph": None,
+    "SmoothQuant": "smooth_quant",
     "calibrate_method": "calibration.method",
     "CalibMovingAverage": "calibration.moving_average",
     "CalibMovingAverageConstant": "calibration.averaging_constant",
@@ -38,7 +39,7 @@ ORT_NAMES = {
 }
 _INVERTED = {"QDQDisableWeightAdjustForInt32Bias": "fix_bias_scales"}
 # onnxruntime options that change the result when set (truthy) and that qpasses does not implement
-_UNSUPPORTED = ("SmoothQuant", "BlockSize")
+_UNSUPPORTED = ("BlockSize",)
 _IGNORED = ("SmoothQuantAlpha", "SmoothQuantFolding", "MatMulConstBOnly")  # no effect without the above / on QDQ
 
 

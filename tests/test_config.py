@@ -46,6 +46,7 @@ def test_onnxruntime_config_loads():
     assert (cfg.activation_symmetric, cfg.weight_symmetric, cfg.activation_restricted_asymmetric) == (True, False, True)
     assert (cfg.minimum_real_range, cfg.quantize_bias, cfg.fix_bias_scales) == (0.0001, False, False)
     assert (cfg.keep_removable_activations, cfg.force_quantize_no_input_check) == (True, True)
+    assert cfg.smooth_quant is False   # onnxruntime's SmoothQuant, off: smooth-quant does nothing
     assert cfg.op_types_to_exclude_output_quantization == ["Conv"] and cfg.per_channel_axes == {"MatMul": 1}
     assert cfg.nodes_to_exclude == [] and cfg.op_types_to_quantize is None
     cal = cfg.calibration
@@ -77,7 +78,7 @@ def test_calibration_method_spellings(method, name):
     ({"scale_type": "float64"}, "scale_type: 'float64' is not float32 or float16"),
     ({"tensor_overrides": []}, "tensor_overrides: expected a mapping"),
     ({"calibrate_method": "median"}, "calibration.method: unknown method 'median'"),
-    ({"extra_options": {"SmoothQuant": True}}, "onnxruntime option 'SmoothQuant' is not supported"),
+    ({"extra_options": {"SmoothQuant": "yes"}}, "smooth_quant: expected true or false"),
     ({"extra_options": {"BlockSize": 32}}, "onnxruntime option 'BlockSize' is not supported"),
     ({"quant_format": "QLinear"}, "format: 'qlinear' is not one of qdq, qoperator"),
     ({"format": "onnx"}, "format: 'onnx' is not one of qdq, qoperator"),

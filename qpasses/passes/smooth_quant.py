@@ -280,6 +280,9 @@ class SmoothQuant(Pass):
     def run(self, model: QModel, ctx) -> PassResult:
         if DECISION in model.decisions:
             return PassResult(model, False, {"examined": 0, "layers": 0})
+        if not ctx.config.smooth_quant:
+            ctx.findings.set(NAME, {"skipped": "smooth_quant is false in the config"})
+            return PassResult(model, False, {"examined": 0, "layers": 0})
         groups = find_groups(model)
         if not groups:
             return PassResult(model, False, {"examined": 0, "layers": 0})

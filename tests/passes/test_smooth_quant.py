@@ -276,3 +276,15 @@ def test_stop_after_it_and_resume_gives_the_same_bytes():
     resumed, records = run_pipeline(from_proto(part.to_proto()), QUANTIZE_PIPELINE, ctx=RunContext(None, feeds(16)))
     assert not next(r for r in records if r.name == "smooth-quant").modified
     assert resumed.to_proto().SerializeToString() == whole.to_proto().SerializeToString()
+
+
+def test_off_in_the_config_it_does_nothing():
+    """``smooth_quant: false`` (onnxruntime's ``SmoothQuant: False``, its default) is honoured: no
+    float run, the graph unchanged, the reason in the findings."""
+    m = from_proto(ln_matmul())
+    ctx = RunContext({"extra_options": {"SmoothQuant": False}}, feeds())
+    before = m.to_proto(metadata=False).SerializeToString()
+    result = run_pass(SmoothQuant(), m, ctx=ctx)
+    assert not result.modified and m.to_proto(metadata=False).SerializeToString() == before
+    assert ctx.findings.as_dict()["smooth-quant"] == {"skipped": "smooth_quant is false in the config"}
+    assert run_pass(SmoothQuant(), from_proto(ln_matmul()), ctx=RunContext(None, feeds())).modified   # on by default
