@@ -1,8 +1,10 @@
-"""The facts a model can carry, each with the checker `--verify-each` runs.
+"""The facts a model can carry, each with the checker `--verify-each` and the end of a pipeline run.
 
 A fact says that a decision in the saved model holds for the graph as it is now. Facts have a safe
 default (pipeline.PassManager): a pass that changes the model keeps only those it ``preserves``.
-Only facts some pass ``requires`` exist: a fact nothing reads would be bookkeeping without effect.
+A fact exists because some pass ``requires`` it, or because it is a claim: the rewrite a pass
+reports (weights quantized, converts inserted), registered with ``claim`` by the pass that makes
+it, so that a reported rewrite missing from the graph fails the run instead of passing as done.
 """
 from __future__ import annotations
 
@@ -73,12 +75,33 @@ CHECKERS = {
     "qparams-computed": _qparams_computed,
     "qdq-inserted": _qdq_inserted,
 }
+CLAIMS: set[str] = {"qdq-inserted"}   # facts that say a rewrite is in the graph (insert-qdq's Q/DQ pairs)
 
 
-def check_facts(model: QModel) -> None:
-    """Run the checker of every fact the model carries; a ModelError names the first failing ones."""
+def claim(fact: str):
+    """Decorator: register ``checker(model) -> [problem, ...]`` for the rewrite a pass claims with ``fact``."""
+    def register(checker):
+        CHECKERS[fact] = checker
+        CLAIMS.add(fact)
+        return checker
+    return register
+
+
+def fact_problems(model: QModel) -> tuple[str, str] | None:
+    """(fact, one line) for the first carried fact that does not hold, else None."""
+    from .registry import all_passes
+
+    all_passes()   # the passes register the checkers of their claims
     for fact in sorted(model.facts & CHECKERS.keys()):   # others (older saves) are read by no pass
         problems = CHECKERS[fact](model)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise ModelError(f"fact '{fact}' does not hold: {problems[0]}{more}")
+            return fact, f"fact '{fact}' does not hold: {problems[0]}{more}"
+    return None
+
+
+def check_facts(model: QModel) -> None:
+    """Run the checker of every fact the model carries; a ModelError names the first failing ones."""
+    failed = fact_problems(model)
+    if failed:
+        raise ModelError(failed[1])

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import ModelError
+from .errors import ModelError, PassFailure
 from .ir import QModel, save
 from .verify import verify
 
@@ -56,13 +56,17 @@ class VerifyEach(Instrument):
         self.level = level
 
     def after(self, index, p, model, record, ctx):
-        from .facts import check_facts
+        from .facts import fact_problems
 
         try:
             verify(model, "structure" if self.level == "reload" else self.level)
-            check_facts(model)
         except ModelError as exc:
             raise ModelError(f"after pass '{p.name}': {exc}") from None
+        failed = fact_problems(model)
+        if failed:   # the pass broke what it claims or keeps (an unchanged model: the input's own)
+            fact, text = failed
+            error = PassFailure if record.modified or fact in p.establishes else ModelError
+            raise error(f"after pass '{p.name}': {text}")
         if self.level == "reload":
             model.reload()
 

@@ -8,7 +8,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .errors import PassFailure, PipelineError, PreconditionError, QpassesError
+from .errors import ModelError, PassFailure, PipelineError, PreconditionError, QpassesError
 from .context import RunContext
 from .ir import QModel, constant_bytes, relaxed_gc
 from .registry import all_passes, establishers, get_pass
@@ -295,6 +295,8 @@ class PassManager:
             records.append(record)
             for inst in instruments:
                 inst.after(index, p, model, record, ctx)
+        if ctx.depth == 0:
+            check_claims(model, records)
         return records
 
     def _check_requires(self, p: Pass, model: QModel, records) -> None:
@@ -309,6 +311,23 @@ class PassManager:
     def _failed(self, instruments, index, p, model, ctx) -> None:
         for inst in instruments:
             inst.failed(index, p, model, self.passes[index:], ctx)
+
+
+def check_claims(model: QModel, records: list[PassRecord]) -> None:
+    """The end of a run: every fact the model carries holds. A broken one is an internal error of
+    the last pass that established it or changed the model keeping it; ModelError when it came with
+    the input model untouched."""
+    from .facts import fact_problems
+
+    failed = fact_problems(model)
+    if failed is None:
+        return
+    fact, text = failed
+    for r in reversed(records):
+        cls = get_pass(r.name)
+        if fact in cls.establishes or (r.modified and fact in cls.preserves):
+            raise PassFailure(f"pass '{r.name}' reported what the graph does not hold: {text}")
+    raise ModelError(f"the model's saved decisions do not match its graph: {text}")
 
 
 def run_nested(passes, model: QModel, ctx: RunContext) -> list[PassRecord]:

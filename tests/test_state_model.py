@@ -10,9 +10,9 @@ import pytest
 from qpasses.api import run_pipeline
 from qpasses.config import CalibrationConfig
 from qpasses.context import RunContext
-from qpasses.errors import ModelError, PipelineError, PreconditionError
+from qpasses.errors import ModelError, PassFailure, PipelineError, PreconditionError
 from qpasses.examples import example_model
-from qpasses.facts import CHECKERS, check_facts
+from qpasses.facts import CHECKERS, CLAIMS, check_facts
 from qpasses.ir import from_proto, load, save
 from qpasses.pipeline import QUANTIZE_PIPELINE, PassManager, parse_pipeline, print_pipeline
 from qpasses.registry import all_passes
@@ -95,13 +95,15 @@ def test_decisions_are_saved_and_correct_bias_runs_once():
 
 
 # -- facts -----------------------------------------------------------------------------------
-def test_every_fact_has_a_checker_and_is_read_by_a_pass():
+def test_every_fact_has_a_checker_and_is_read_by_a_pass_or_checks_a_claim():
     passes = all_passes().values()
     named = set().union(*(p.requires | p.establishes | p.preserves for p in passes))
     assert named <= CHECKERS.keys()
     required = set().union(*(p.requires for p in passes))
     established = set().union(*(p.establishes for p in passes))
-    assert established <= required, f"facts nothing reads: {established - required}"
+    assert established <= required | CLAIMS, f"facts nothing reads: {established - required - CLAIMS}"
+    # every pass whose rewrite is a claim establishes it
+    assert {"weights-quantized", "converts-inserted", "qdq-inserted"} <= CLAIMS <= established
 
 
 def test_a_modifying_pass_drops_the_facts_it_does_not_preserve():
@@ -144,7 +146,7 @@ def test_verify_each_names_the_pass_that_broke_a_fact():
 
     try:
         model = from_proto(example_model())
-        with pytest.raises(ModelError, match="after pass 'break-table': fact 'types-annotated'"):
+        with pytest.raises(PassFailure, match="after pass 'break-table': fact 'types-annotated'"):
             run_pipeline(model, "fold-batchnorm,annotate-types,break-table", verify_each="structure")
     finally:
         unregister("break-table")

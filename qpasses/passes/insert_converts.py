@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import onnx_graphsurgeon as gs
 
-from ..errors import ModelError
+from ..errors import ModelError, QpassesError
+from ..facts import claim
 from ..ir import QModel, relaxed_gc
 from ..pipeline import Pass, PassResult
 from ..qdq import (Placement, QParams, dequantizer, float_dtype, make_dq, make_q, min_opset,
@@ -15,6 +16,7 @@ from ..qdq import (Placement, QParams, dequantizer, float_dtype, make_dq, make_q
 from ..registry import register
 
 NAME = "insert-converts"
+FACT = "converts-inserted"
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,17 @@ def apply_converts(model: QModel, steps: list[ConvertStep], facts: dict[str, Con
     return counts
 
 
+@claim(FACT)
+def converts_in_graph(model: QModel) -> list[str]:
+    """No convert of the table is left to insert: its receiving readers read the converted value."""
+    try:
+        steps = plan_converts(model.quant, analyse(model))
+    except QpassesError as exc:
+        return [str(exc)]
+    return [f"tensor '{s.tensor}' has a convert to {s.qparams.qtype.name} that node '{s.recv[0]}' does not read"
+            for s in steps]
+
+
 @register
 class InsertConverts(Pass):
     """Re-quantize tensors with a `convert` to the second type for their receiving readers.
@@ -117,6 +130,7 @@ class InsertConverts(Pass):
 
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"qdq-inserted"})
+    establishes: ClassVar[frozenset] = frozenset({FACT})
     preserves: ClassVar[frozenset] = frozenset({"calibrated", "qparams-computed", "qdq-inserted"})
     example: ClassVar[str] = """
 g (float[1,4] x) => (float[1,4] y, float[1,4] z)

@@ -8,12 +8,13 @@ import numpy as np
 
 from ..decisions import leave_float
 from ..errors import CalibrationDataError
+from ..facts import claim
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
 from ..qdq import new_namer, require_opset
 from ..registry import register
 from ..weightonly import awq
-from ..weightonly.emit import QDQ_OPSET, drop_dead_nodes, output_arrays, to_dequantize, to_matmulnbits
+from ..weightonly.emit import QDQ_OPSET, drop_dead_nodes, is_rewrite, output_arrays, to_dequantize, to_matmulnbits
 from ..weightonly.gptq import quantize_gptq, quantize_gptq_shared
 from ..weightonly.hessian import input_stats
 from ..weightonly.hqq import quantize_hqq
@@ -25,6 +26,7 @@ from ..weightonly.targets import find_targets
 
 NAME = "quantize-weights"
 DECISIONS = "weight_only"
+FACT = "weights-quantized"
 # arithmetic per weight value against RTN's, for the thread pool's threshold (parallel.MIN_VALUES):
 # HQQ's updates took 26 ms where RTN took 3 on encoder_block's 0.79 M values
 WORK = {"hqq": 8}
@@ -34,6 +36,24 @@ g (float[2,32] x) => (float[2,2] y) <float[32,2] w = {%s}>
   y = MatMul(x, w)
 }
 """ % ", ".join(f"{((i * 37) % 101 - 50) / 40:g}" for i in range(32 * 2))
+
+
+@claim(FACT)
+def weights_in_graph(model: QModel) -> list[str]:
+    """Every weight ``decisions["weight_only"]`` names is read as float by no node, and the graph
+    holds a rewrite (MatMulNBits or block-wise DequantizeLinear) for each."""
+    claimed = model.decisions.get(DECISIONS, {})
+    readers, rewrites = {}, 0
+    for node in model.graph.nodes:
+        rewrites += is_rewrite(node)
+        for t in node.inputs:
+            readers.setdefault(t.name, node)
+    problems = [f"weight '{w}' is reported quantized but node '{readers[w].name}' ({readers[w].op}) "
+                f"reads it as float" for w in claimed if w in readers]
+    if rewrites < len(claimed):
+        problems.append(f"{len(claimed)} weights are reported quantized; the graph holds {rewrites} "
+                        f"(MatMulNBits or block-wise DequantizeLinear)")
+    return problems
 
 
 @register
@@ -57,6 +77,7 @@ class QuantizeWeights(Pass):
     """
 
     name: ClassVar[str] = NAME
+    establishes: ClassVar[frozenset] = frozenset({FACT})
     example: ClassVar[str] = EXAMPLE
     example_config: ClassVar[dict] = {"mode": "weight_only", "weight_only": {"block_size": 16}}
 
@@ -68,9 +89,9 @@ class QuantizeWeights(Pass):
         leave_float(model, news, NAME)
         if not targets:
             return PassResult(model, bool(news), {"quantized": 0, "left_float": len(skipped)})
+        if cfg.format == "qdq" and require_opset(model, QDQ_OPSET):   # the converter may give a new graph
+            targets, _ = find_targets(model.graph, cfg.exclude)
         stats = self._statistics(model, ctx, targets) if cfg.algorithm in ("gptq", "awq") else {}
-        if cfg.format == "qdq":
-            require_opset(model, QDQ_OPSET)
         namer = new_namer(model)
         prepared = self._awq(model, targets, stats, cfg, namer) if cfg.algorithm == "awq" else {}
         replaced, added = {}, {}

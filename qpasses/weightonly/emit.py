@@ -57,6 +57,16 @@ def to_dequantize(target: Target, w: Blocked | MXBlocked, namer, arrays: dict | 
     return dq
 
 
+def is_rewrite(node: gs.Node) -> bool:
+    """The node is one ``to_matmulnbits`` or ``to_dequantize`` wrote (a DequantizeLinear with a
+    block_size whose output a MatMul/Gemm reads as its weight)."""
+    if node.op == "MatMulNBits":
+        return True
+    return node.op == "DequantizeLinear" and "block_size" in node.attrs and any(
+        r.op in ("MatMul", "Gemm") and len(r.inputs) > 1 and r.inputs[1] is node.outputs[0]
+        for r in node.outputs[0].outputs)
+
+
 def drop_dead_nodes(graph: gs.Graph) -> None:
     """gs's cleanup (nodes that no graph output needs go), skipped when a scan by name shows every
     node has an output some node or the graph reads: then, the graph being acyclic, every node leads

@@ -138,3 +138,18 @@ def test_convert_without_qdq_is_a_one_line_error():
     model.facts |= {"qdq-inserted"}
     with pytest.raises(ModelError, match="tensor 'a'.*insert-qdq"):
         converts(model)
+
+
+def test_converts_claim_is_checked_on_the_graph():
+    from qpasses.facts import check_facts, fact_problems
+
+    _, model, _ = with_convert(MIXED, ["t"])
+    PassManager("insert-converts").run(model)   # checks the claim at the end of the run
+    assert "converts-inserted" in model.facts
+    check_facts(model)
+    dq = model.tensors()["a_convert_dequantized"]
+    tanh = next(n for n in dq.outputs if n.name == "t")
+    tanh.inputs[0] = model.tensors()["a_dequantized"]   # the receiving reader back on the original
+    fact, text = fact_problems(model)
+    assert fact == "converts-inserted"
+    assert "tensor 'a' has a convert to uint16 that node 't' does not read" in text
