@@ -43,6 +43,17 @@ def all_passes() -> dict[str, type]:
 def get_pass(name: str) -> type:
     from .errors import PipelineError
 
+    if name in _PASSES:
+        return _PASSES[name]
+    module = name.replace("-", "_")
+    if module.isidentifier():   # a built-in pass lives in qpasses/passes/<name>.py: import only that one
+        try:
+            importlib.import_module(f"{__package__}.passes.{module}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}.passes.{module}":
+                raise
+        if name in _PASSES:
+            return _PASSES[name]
     passes = all_passes()
     if name not in passes:
         import difflib
