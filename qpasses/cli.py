@@ -6,7 +6,6 @@ stdout early (`qpasses passes | head -1`) ends the command quietly (exit 0).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -242,9 +241,9 @@ def cmd_run(args) -> int:
                                      reference=reference)
         spread = objective.spread_note(report["accuracy"])
         report["objective"] = report["accuracy"].pop("objective", None)
-        say(f"qpasses: output SNR vs float: {_fmt_db(report['accuracy']['snr_db'])} over "
-            f"{_samples_text(report['accuracy']['samples'], data)}{spread}")
-        for line in _objective_lines(objective, report["accuracy"], report["objective"], always=False):
+        over = f" over {_samples_text(report['accuracy']['samples'], data)}"
+        say(f"qpasses: {objective.headline(report['accuracy'] | {'objective': report['objective']}, over)}{spread}")
+        for line in _objective_lines(objective, report["accuracy"], report["objective"], always=False, overall=False):
             say(f"qpasses: {line}")
     if "types-annotated" in model.facts or "qdq-inserted" in model.facts:
         from .summary import run_summary
@@ -286,11 +285,12 @@ def _apply_target(ctx, text: str) -> None:
     ctx.config._given = ctx.config.given | {"accuracy"}
 
 
-def _objective_lines(objective, accuracy: dict, summary: dict | None, *, always: bool) -> list[str]:
+def _objective_lines(objective, accuracy: dict, summary: dict | None, *, always: bool,
+                     overall: bool = True) -> list[str]:
     """One line per output component (in the objective's metric; for a user metric, the SNR of
-    split outputs), then the overall objective. The component lines appear when an output is split
-    or the metric is not snr (otherwise the per-output SNR says it all); the overall line then, for
-    a user metric, or ``always``."""
+    split outputs), then the overall objective (unless not ``overall``: run's headline says it).
+    The component lines appear when an output is split or the metric is not snr (otherwise the
+    per-output SNR says it all); the overall line then, for a user metric, or ``always``."""
     if not summary:
         return []
     split = any(len(names) > 1 for names in summary["outputs"].values())
@@ -303,10 +303,12 @@ def _objective_lines(objective, accuracy: dict, summary: dict | None, *, always:
     for name, value in scores.items() if per_component else ():
         where = summary["slices"].get(name)
         lines.append(f"  {name}: {show.format(value)}" + (f" ({where})" if where else ""))
-    overall = f"objective: {objective.format(summary['overall'])}"
+    if not overall:
+        return lines
+    line = f"objective: {objective.format(summary['overall'])}"
     if objective.builtin and scores:
-        overall += f" (worst component {min(scores, key=scores.get)})"
-    return lines + [overall]
+        line += f" (worst component {min(scores, key=scores.get)})"
+    return lines + [line]
 
 
 def _eval_reference(source, model_path):
@@ -344,7 +346,9 @@ _EVAL_SAMPLES = 32   # the SNR line's samples at most (the first ones of the dat
 
 
 def _fmt_db(value: float) -> str:
-    return "inf dB (identical)" if math.isinf(value) and value > 0 else f"{value:.2f} dB"
+    from .objective import format_db
+
+    return format_db(value)
 
 
 def cmd_check(args) -> int:

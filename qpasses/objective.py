@@ -50,6 +50,8 @@ API
         ``{metric, overall, components, outputs: {output: [component names]}, slices}`` (the
         report's ``objective`` section).
     ``Objective.format(value) -> str``   e.g. "SNR 31.20 dB", "cosine 0.999812", "top1 0.984375".
+    ``Objective.headline(result) -> str``   what ``qpasses run`` and the report say first of a
+        compared model: the objective (the worst component) and, with several, which one.
     ``output_components(model) -> dict[str, list[Component]]``   the static analysis alone.
     ``parse_metric(spec) -> Objective``   "snr" | "cosine" | "top1" | "module:function"; a bad
         spec raises MetricError (a QpassesError, one line) before anything runs.
@@ -175,7 +177,7 @@ class Objective:
     def format(self, value: float) -> str:
         """A score as printed: "SNR 31.20 dB", "cosine 0.999812", "top1 0.984375", "<name> 0.93"."""
         if self.metric == "snr":
-            return "SNR " + ("inf dB (identical)" if math.isinf(value) and value > 0 else f"{value:.2f} dB")
+            return "SNR " + format_db(value)
         if self.metric in ("cosine", "top1"):
             return f"{self.metric} {value:.6f}"
         return f"{self.metric} {value:.6g}"
@@ -267,6 +269,23 @@ class Objective:
             return jackknife([_worst_ratio(total - row) for row in stats])
         return jackknife(self._left_out_sums(stats))
 
+    def headline(self, result: dict, over: str = "") -> str:
+        """The first thing a user reads of a compared model (evaluate.compare with this objective):
+        the objective -- the worst output component -- then ``over`` (" over 32 samples"), and which
+        component is the worst when there are several; a metric other than snr adds the worst SNR."""
+        summary = result.get("objective")
+        if not summary:
+            return f"output SNR vs float: {format_db(result['snr_db'])}{over}"
+        snr = self.builtin and self.metric == "snr"
+        text = (f"output SNR vs float: {format_db(summary['overall'])}" if snr else
+                f"objective: {self.format(summary['overall'])}") + over
+        scores = summary["components"]
+        if self.builtin and len(scores) > 1:
+            text += f", worst of {len(scores)} output components: {min(scores, key=scores.get)}"
+        if not snr and "snr_db" in result:
+            text += f"; output SNR vs float: {format_db(min(result.get('components', {}).values(), default=result['snr_db']))}"
+        return text
+
     def spread_note(self, result: dict) -> str:
         """For a compared model (evaluate.compare with this objective): its worst component one
         standard error down, as the samples spread, in words; for snr with a finite, non-zero error."""
@@ -287,6 +306,11 @@ class Objective:
         ratio = 10 ** (-score / 10) if math.isfinite(score) else (0.0 if score > 0 else math.inf)
         worse = ratio + z * error
         return -10 * math.log10(worse) if worse > 0 else math.inf
+
+
+def format_db(value: float) -> str:
+    """An SNR as printed: "31.20 dB", "inf dB (identical)"."""
+    return "inf dB (identical)" if math.isinf(value) and value > 0 else f"{value:.2f} dB"
 
 
 def jackknife(left_out: list[float]) -> float:

@@ -178,18 +178,25 @@ def test_run_prints_and_reports_the_components(tmp_path, quantized_detector, cap
     np.savez(tmp_path / "calib.npz", x=np.stack([f["x"] for f in feeds(16, seed=2)]))
     (tmp_path / "config.json").write_text(json.dumps(ONE_GRID))
     code = main(["run", str(src), "-o", str(out), "--calib", str(tmp_path / "calib.npz"), "--report", str(report),
-                 "--config", str(tmp_path / "config.json")])
+                 "--config", str(tmp_path / "config.json"), "--html", str(tmp_path / "r.html")])
     err = capsys.readouterr().err
     assert code == 0, err
     lines = err.splitlines()
     snr_line = next(i for i, line in enumerate(lines) if "output SNR vs float" in line)
     assert lines[snr_line + 1].startswith("qpasses:   output[boxes]: SNR ")
     assert lines[snr_line + 2].startswith("qpasses:   output[scores]: SNR ")
-    assert lines[snr_line + 3].startswith("qpasses: objective: SNR ") and "worst component output[scores]" in err
+    assert "objective:" not in err   # the first line is the objective
     data = json.loads(report.read_text())
     objective = data["objective"]
     assert objective["metric"] == "snr" and set(objective["components"]) == {"output[boxes]", "output[scores]"}
     assert objective["overall"] == min(objective["components"].values()) < 15 < data["accuracy"]["snr_db"]
+    # the headline is the worst component (the class scores), not the whole output the boxes dominate
+    assert re.match(rf"qpasses: output SNR vs float: {objective['overall']:.2f} dB over 16 samples, worst of 2 "
+                    r"output components: output\[scores\]", lines[snr_line]), lines[snr_line]
+    page = (tmp_path / "r.html").read_text()   # the report's first line says the same
+    headline = page.index(f'<p class="headline"><b>output SNR vs float: {objective["overall"]:.2f} dB over 16 '
+                          f'samples, worst of 2 output components: output[scores]</b>')
+    assert headline < page.index("<table")
     assert data["accuracy"]["components"] == objective["components"]
 
 
@@ -361,7 +368,9 @@ def test_user_metric_through_the_cli(cli_files):
     report = json.loads((d / "report.json").read_text())
     value = report["objective"]["overall"]
     assert report["objective"]["metric"] == "detmetric:class_agreement" and 0 <= value <= 1
-    assert line == f"qpasses: objective: detmetric:class_agreement {value:.6g}"
+    worst = min(report["accuracy"]["components"].values())   # the SNR beside: the worst component's
+    assert line == (f"qpasses: objective: detmetric:class_agreement {value:.6g} over 6 samples; "
+                    f"output SNR vs float: {worst:.2f} dB")
 
     proc = _cli(d, "compare", d / "det.onnx", d / "q.onnx", "--data", d / "eval.npz", "--metric", "detmetric:class_agreement")
     assert proc.returncode == 0, proc.stderr

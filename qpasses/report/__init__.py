@@ -39,7 +39,8 @@ def build(float_model, qdq_model, data, *, objective=None, run_report: dict | No
     rows = layers.layers(fmodel, qmodel, feeds[:layer_samples])
     info = {"model": Path(names[1]).name, "float": names[0], "quantized": names[1],
             "data": str(getattr(data, "source", "") or "data"), "accuracy": accuracy,
-            "objective": accuracy.get("objective"), "layer_samples": min(layer_samples, len(feeds)),
+            "objective": accuracy.get("objective"), "headline": objective.headline(accuracy, f" over {accuracy['samples']} samples"),
+            "layer_samples": min(layer_samples, len(feeds)),
             "summary": summary_line(qproto, float_reasons(qmodel)), "decisions": qmodel.decisions,
             "floats": float_reasons(qmodel), "passes": (run_report or {}).get("passes"),
             "spread": objective.spread_note(accuracy)}

@@ -112,6 +112,10 @@ def _table(headers: list[str], rows: list[list], *, sortable: bool = False, nume
 
 def _summary(info: dict) -> list[str]:
     out = ["<h2>Summary</h2>", f"<p>{escape(info['summary'])}</p>"]
+    out = ["<h2>Summary</h2>"]
+    if info.get("headline"):   # the objective (the worst output component) first
+        out.append(f'<p class="headline"><b>{escape(info["headline"])}</b>{escape(info.get("spread", ""))}</p>')
+    out.append(f"<p>{escape(info['summary'])}</p>")
     acc = info["accuracy"]
     out.append(f"<p>Measured on {acc['samples']} samples of <code>{escape(info['data'])}</code>; "
                f"the per-layer numbers on the first {info['layer_samples']}.</p>")
@@ -123,8 +127,7 @@ def _summary(info: dict) -> list[str]:
         comps = [[name, f"{value:.4g}", objective.get("slices", {}).get(name, "")]
                  for name, value in objective.get("components", {}).items()]
         overall = objective.get("overall", math.nan)
-        out.append(f"<p>Objective ({escape(str(metric))}, worst component): <b>{overall:.4g}</b>"
-                   f"{escape(info.get('spread', ''))}</p>")
+        out.append(f"<p>Objective ({escape(str(metric))}, worst component): <b>{overall:.4g}</b></p>")
         out.append(_table(["component", str(metric), "where"], comps, numeric=(1,)))
     passes = info.get("passes")
     if passes:
