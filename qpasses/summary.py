@@ -69,8 +69,26 @@ def _commonest_reason(floats: dict) -> str:
     return f"; most often ({count} of {len(reasons)} float tensors): {example}"
 
 
+def kept_float(proto: onnx.ModelProto, floats: dict) -> dict:
+    """The entries of ``floats`` (tensor -> why it stays float) that are computed at run time: graph
+    inputs and outputs of nodes other than Constant, not weights, biases, shapes or other constants
+    (nor tensors a later pass removed), in graph order."""
+    graphs = list(_graphs(proto.graph))
+    position = {}
+    for g in graphs:
+        for t in g.input:
+            position.setdefault(t.name, len(position))
+        for node in g.node:
+            if node.op_type != "Constant":
+                for out in node.output:
+                    position.setdefault(out, len(position))
+    constant = {t.name for g in graphs for t in g.initializer}
+    return {n: floats[n] for n in sorted((n for n in floats if n in position and n not in constant), key=position.get)}
+
+
 def summary_line(proto: onnx.ModelProto, floats: dict, kernels: int | None = None) -> str:
-    """'8-bit: 94 % of weighted ops (47 of 50); kept float: 6 tensors (a, b, c, ...)', or, when no
+    """'8-bit: 94 % of weighted ops (47 of 50); kept float: 6 tensors (a, b, c, ...)' (compute
+    tensors: ``kept_float``), or, when no
     tensor is quantized, 'nothing quantized: 0 of N compute nodes (...)' with the commonest reason.
     ``kernels``: how many of them onnxruntime runs as integer kernels (qpasses.kernels), said when
     it differs."""
@@ -83,7 +101,7 @@ def summary_line(proto: onnx.ModelProto, floats: dict, kernels: int | None = Non
         inside = sum(compute[1:])
         where = f" ({inside} of them inside If/Loop/Scan bodies)" if inside else ""
         return f"nothing quantized: 0 of {sum(compute)} compute nodes{where}{_commonest_reason(floats)}"
-    names = list(floats)
+    names = list(kept_float(proto, floats))
     listed = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     kept = f"; kept float: {len(names)} tensors ({listed})" if names else "; nothing kept float"
     return f"8-bit: {share}{kept}"

@@ -20,7 +20,7 @@ def build(float_model, qdq_model, data, *, objective=None, run_report: dict | No
     from ..evaluate import Reference
     from ..ir import load
     from ..objective import parse_metric
-    from ..summary import summary_line
+    from ..summary import kept_float, summary_line
     from . import html, layers
 
     names = [str(m) if isinstance(m, (str, Path)) else "(in memory)" for m in (float_model, qdq_model)]
@@ -42,6 +42,7 @@ def build(float_model, qdq_model, data, *, objective=None, run_report: dict | No
             "objective": accuracy.get("objective"), "headline": objective.headline(accuracy, f" over {accuracy['samples']} samples"),
             "layer_samples": min(layer_samples, len(feeds)),
             "summary": summary_line(qproto, float_reasons(qmodel)), "decisions": qmodel.decisions,
-            "floats": float_reasons(qmodel), "passes": (run_report or {}).get("passes"),
+            "floats": kept_float(qproto, float_reasons(qmodel)), "floats_recorded": len(float_reasons(qmodel)),
+            "passes": (run_report or {}).get("passes"),
             "spread": objective.spread_note(accuracy)}
     return html.page(info, rows, layers.precision_cells(qproto))

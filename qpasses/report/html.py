@@ -111,12 +111,11 @@ def _table(headers: list[str], rows: list[list], *, sortable: bool = False, nume
 
 
 def _summary(info: dict) -> list[str]:
-    out = ["<h2>Summary</h2>", f"<p>{escape(info['summary'])}</p>"]
+    acc = info["accuracy"]
     out = ["<h2>Summary</h2>"]
     if info.get("headline"):   # the objective (the worst output component) first
         out.append(f'<p class="headline"><b>{escape(info["headline"])}</b>{escape(info.get("spread", ""))}</p>')
     out.append(f"<p>{escape(info['summary'])}</p>")
-    acc = info["accuracy"]
     out.append(f"<p>Measured on {acc['samples']} samples of <code>{escape(info['data'])}</code>; "
                f"the per-layer numbers on the first {info['layer_samples']}.</p>")
     rows = [[name, (_db(r["snr_db"]), r["snr_db"]), f"{r['max_abs_error']:.4g}"] for name, r in acc["outputs"].items()]
@@ -152,7 +151,10 @@ def _summary(info: dict) -> list[str]:
                       if search.get("blocking") else "") + "</p>")
     floats = info.get("floats", {})
     rows = [[name, row.get("pass", ""), row.get("reason", "")] for name, row in floats.items()]
-    out.append(f"<details><summary>{len(rows)} tensors left float, and why</summary>"
+    constants = info.get("floats_recorded", len(rows)) - len(rows)
+    also = (f" (and {constants} constant{'s' if constants > 1 else ''}: weights, biases, shapes, parameters)"
+            if constants > 0 else "")
+    out.append(f"<details><summary>{len(rows)} tensors left float, and why{also}</summary>"
                f"{_table(['tensor', 'pass', 'reason'], rows, sortable=True, cap=CAP)}</details>")
     return out
 
