@@ -21,30 +21,48 @@ class Instrument:
 
 
 class TimePasses(Instrument):
-    """Collects per-pass wall time; ``table()`` formats it (nested passes indented, not in the total)."""
+    """Collects per-pass wall time; ``table()`` formats it (nested passes indented, not in the total;
+    a pass a parent ran several times is one row: its runs counted, their seconds added)."""
 
     def __init__(self):
-        self.rows: list[tuple[str, float, bool, dict, int]] = []
-        self._pending: list[list] = []   # nested rows wait for their parent's row
+        self.rows: list[tuple[str, float, bool, dict, int, int]] = []   # text, seconds, modified, stats, depth, runs
+        self._pending: list[tuple] = []   # nested rows wait for their parent's row
 
     def after(self, index, p, model, record, ctx):
         row = (record.text, record.seconds, record.modified, record.stats, ctx.depth)
         if ctx.depth:
             self._pending.append(row)
             return
-        self.rows.append(row)
-        self.rows.extend(self._pending)
+        self.rows.append(row + (1,))
+        self.rows.extend(_aggregated(self._pending))
         self._pending = []
 
     def table(self) -> str:
         total = sum(r[1] for r in self.rows if not r[4]) or 1e-9
         lines = [f"{'seconds':>9} {'%':>5}  pass"]
-        for text, sec, modified, stats, depth in self.rows:
+        for text, sec, modified, stats, depth, runs in self.rows:
             extra = " ".join(f"{k}={v}" for k, v in stats.items() if not isinstance(v, (dict, list)))
             lines.append(f"{sec:9.3f} {100 * sec / total:5.1f}  {'  ' * depth}{'└ ' if depth else ''}{text}"
-                         f"{'' if modified else ' (no change)'}{'  ' + extra if extra else ''}")
+                         f"{f' x{runs}' if runs > 1 else ''}{'' if modified else ' (no change)'}"
+                         f"{'  ' + extra if extra else ''}")
         lines.append(f"{total:9.3f} 100.0  total")
         return "\n".join(lines)
+
+
+def _aggregated(rows: list[tuple]) -> list[tuple]:
+    """One row per nested pass (text and depth), in the order first run: seconds added, modified if
+    any run was, the stats all runs agree on."""
+    merged: dict[tuple, list] = {}
+    for text, sec, modified, stats, depth in rows:
+        row = merged.get((text, depth))
+        if row is None:
+            merged[(text, depth)] = [text, sec, modified, dict(stats), depth, 1]
+            continue
+        row[1] += sec
+        row[2] = row[2] or modified
+        row[3] = {k: v for k, v in row[3].items() if stats.get(k) == v}
+        row[5] += 1
+    return [tuple(r) for r in merged.values()]
 
 
 class VerifyEach(Instrument):

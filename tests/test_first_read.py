@@ -59,3 +59,24 @@ def test_kept_float_names_compute_tensors_not_constants(det_files, tmp_path, cap
     assert names == "b0, boxes, s0, s1, scores, ..."   # graph order, no constant
     text = page.read_text()
     assert "6 tensors left float, and why (and 1 constant: weights, biases, shapes, parameters)" in text
+
+
+def test_time_passes_prints_each_nested_pass_once(det_files, tmp_path, capsys):
+    code, err = _run(capsys, "run", det_files / "det.onnx", "-o", tmp_path / "q.onnx", "--calib",
+                     det_files / "calib.npz", "--time-passes")
+    assert code == 0, err
+    table = err[err.index("  seconds"):].splitlines()[1:-2]
+    rows = [re.match(r"\s*([0-9.]+)\s+[0-9.]+\s+(\s*(?:└ )?)(\S+)( x\d+)?", line).groups() for line in table]
+    parents = []
+    for seconds, indent, name, runs in rows:
+        if not indent:
+            parents.append([name, float(seconds), []])
+        else:
+            parents[-1][2].append((name, runs, float(seconds)))
+    nested = {name: children for name, _, children in parents if children}
+    assert nested["select-by-snr"], table   # two variants scored: each nested pass ran twice
+    for parent, children in nested.items():
+        names = [c[0] for c in children]
+        assert len(names) == len(set(names)), f"{parent}: {names}"   # one row each
+    assert [c[1] for c in nested["select-by-snr"]] == [" x2"] * len(nested["select-by-snr"])
+    assert err.strip().splitlines()[-1].startswith("qpasses: wrote")
