@@ -20,8 +20,15 @@ def subgraphs(node: gs.Node) -> Iterator[gs.Graph]:
     for value in node.attrs.values():
         if isinstance(value, gs.Graph):
             yield value
-        elif isinstance(value, (list, tuple)):
-            yield from (v for v in value if isinstance(v, gs.Graph))
+        elif holds_graph(value):
+            yield from value
+
+
+def holds_graph(value) -> bool:
+    """Whether an attribute value is a subgraph or a list of them (an ONNX attribute list holds one
+    kind of value: its first element says which; pads and shapes are lists too)."""
+    return isinstance(value, gs.Graph) or (isinstance(value, (list, tuple)) and bool(value)
+                                           and isinstance(value[0], gs.Graph))
 
 
 def outer_reads(graph: gs.Graph) -> list[str]:
@@ -42,11 +49,9 @@ def node_reads(node: gs.Node) -> list[str]:
     Constant tensors read inside a subgraph count too (they may be outer-scope initializers).
     """
     names = [t.name for t in node.inputs if t.name]
-    for value in node.attrs.values():
-        if isinstance(value, (gs.Graph, list, tuple)):  # cheap test first: most nodes have none
-            for sub in subgraphs(node):
-                names.extend(outer_reads(sub))
-            break
+    if any(holds_graph(v) for v in node.attrs.values()):   # most nodes have none
+        for sub in subgraphs(node):
+            names.extend(outer_reads(sub))
     return names
 
 

@@ -22,7 +22,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from .annotations import QuantTable
 from .errors import ModelError, first_line
-from .graphutil import subgraphs, toposort, unique_name
+from .graphutil import holds_graph, subgraphs, toposort, unique_name
 from .metadata import read_saved
 from .validate import max_ort_ir_version, validate_proto
 
@@ -583,7 +583,7 @@ def body_graphs(graph: gs.Graph) -> list[gs.Graph]:
     bodies inside it)."""
     out: list[gs.Graph] = []
     for node in graph.nodes:
-        if any(isinstance(v, (gs.Graph, list, tuple)) for v in node.attrs.values()):  # cheap test first
+        if any(holds_graph(v) for v in node.attrs.values()):  # cheap test first
             for sub in subgraphs(node):
                 out.append(sub)
                 out.extend(body_graphs(sub))

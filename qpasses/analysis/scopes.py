@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..graphutil import subgraphs
+from ..graphutil import holds_graph
 from ..ir import QModel, body_graphs
 
 
@@ -151,8 +151,7 @@ def _same_constant(a: gs.Tensor, b: gs.Tensor) -> bool:
 
 def has_bodies(graph: gs.Graph) -> bool:
     """Whether any node of ``graph`` holds a subgraph (cheap: no scope analysis)."""
-    return any(next(subgraphs(node), None) is not None for node in graph.nodes
-               if any(isinstance(v, (gs.Graph, list, tuple)) for v in node.attrs.values()))
+    return any(holds_graph(v) for node in graph.nodes for v in node.attrs.values())
 
 
 
