@@ -139,7 +139,8 @@ def _types(out: Preflight, model, ctx) -> None:
     if not any(quantized.values()):
         out.problems.append("no op would be quantized under this config (op_types_to_quantize: all, "
                             "or a list of op types, selects more)")
-    out.lines.append("quantized (annotate-types on a copy" + (", with the config)" if ctx.config.given else ")"))
+    out.lines.append("quantized (annotate-types on a copy" + (", with the config" if ctx.config.given else "")
+                     + "; run's accuracy search may keep some float to meet its target)")
     for op, names in sorted(quantized.items()):
         if names:
             types = Counter(model.quant[n].qtype for n in names)
@@ -147,9 +148,10 @@ def _types(out: Preflight, model, ctx) -> None:
     if floats:
         out.lines.append("stays float")
     for op, reasons in sorted(floats.items()):
-        reason, count = reasons.most_common(1)[0]
+        (_, example), count = reasons.most_common(1)[0]
+        first = f" (the first of {count})" if count > 1 and "'" in example else ""
         more = f" (and {sum(reasons.values()) - count} for other reasons)" if len(reasons) > 1 else ""
-        out.lines.append(f"  {op} x{sum(reasons.values())}: {reason}{more}")
+        out.lines.append(f"  {op} x{sum(reasons.values())}: {example}{first}{more}")
 
 
 def _opset_line(out: Preflight, model) -> None:
@@ -170,25 +172,32 @@ def _opset_line(out: Preflight, model) -> None:
 
 
 def _node_states(model, config) -> tuple[dict[str, list[str]], dict[str, Counter]]:
-    """Per op type: the table entries its quantized nodes write (a node the config selects whose
-    output has an entry), and for the other nodes a count of their reasons (the saved reason that
-    names the node, else why a node of its kind is left float)."""
+    """Per op type: the table entries of its quantized nodes (a node the config selects whose
+    quantized output has an entry; a weighted op: whose data input and weight have one, as run's
+    summary counts it), and for the other nodes a count of their reasons (the saved reason that
+    names the node, else why a node of its kind is left float), each reason once as its shape
+    (quoted names aside) with the first node's own words."""
     from .analysis.dtypes import float_tensors
     from .analysis.scopes import all_nodes
     from .decisions import float_reasons
-    from .oprules import rule_for
+    from .oprules import WEIGHTED_OPS, rule_for
     from .passes.annotate_types import selected_nodes   # the selection annotate-types made
+    from .summary import reason_shape
 
     reasons, floats_t = float_reasons(model), float_tensors(model)
     selected = {id(node) for node, _ in selected_nodes(model, config)}
     quantized: dict[str, list[str]] = defaultdict(list)
     floats: dict[str, Counter] = defaultdict(Counter)
+    examples: dict[tuple, str] = {}
     for node in all_nodes(model):
         if node.op in ("QuantizeLinear", "DequantizeLinear", "Constant"):
             continue
         rule = rule_for(node.op, model.opset)
-        outs = [t.name for i, t in enumerate(node.outputs) if rule and (rule.outputs is None or i in rule.outputs)]
-        hit = next((n for n in outs if n in model.quant), None)
+        if node.op in WEIGHTED_OPS and len(node.inputs) > 1:   # integer kernels read Q/DQ inputs, whatever the output
+            hit = node.inputs[0].name if all(t.name in model.quant for t in node.inputs[:2]) else None
+        else:
+            outs = [t.name for i, t in enumerate(node.outputs) if rule and (rule.outputs is None or i in rule.outputs)]
+            hit = next((n for n in outs if n in model.quant), None)
         if hit is not None and id(node) in selected:
             quantized[node.op].append(hit)
             continue
@@ -202,12 +211,7 @@ def _node_states(model, config) -> tuple[dict[str, list[str]], dict[str, Counter
         elif why is None:
             why = ("not selected by the config (op_types_to_quantize, nodes_to_quantize, nodes_to_exclude)"
                    if id(node) not in selected else "quantized only when its input is, and its input stays float")
-        floats[node.op][_generic(why, node.name)] += 1
+        own = why.replace(f" '{node.name}'", "")
+        shape = reason_shape(own)
+        floats[node.op][(shape, examples.setdefault((node.op, shape), own))] += 1
     return quantized, floats
-
-
-def _generic(reason: str, node: str) -> str:
-    """A reason without the names it quotes (so that the reasons of one op type group)."""
-    import re
-
-    return re.sub(r"'[^']*'", "'…'", reason.replace(f" '{node}'", ""))

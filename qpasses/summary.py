@@ -58,14 +58,19 @@ def weighted_ops(proto: onnx.ModelProto) -> tuple[int, int]:
     return quantized, total
 
 
+def reason_shape(reason: str) -> str:
+    """A reason without the names it quotes: the reasons of one kind compare equal."""
+    return re.sub(r"'[^']*'", "'*'", reason)
+
+
 def _commonest_reason(floats: dict) -> str:
-    """'; most often (3 of 5 float tensors): <reason>', the reasons compared without the names they quote."""
+    """'; most often (3 of 5 float tensors): <reason>', the reasons compared by ``reason_shape``."""
     reasons = [row.get("reason", "") if isinstance(row, dict) else str(row) for row in floats.values()]
     if not reasons:
         return ""
-    shapes = Counter(re.sub(r"'[^']*'", "'*'", r) for r in reasons)
+    shapes = Counter(reason_shape(r) for r in reasons)
     shape, count = shapes.most_common(1)[0]
-    example = next(r for r in reasons if re.sub(r"'[^']*'", "'*'", r) == shape)
+    example = next(r for r in reasons if reason_shape(r) == shape)
     return f"; most often ({count} of {len(reasons)} float tensors): {example}"
 
 

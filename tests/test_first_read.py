@@ -80,3 +80,58 @@ def test_time_passes_prints_each_nested_pass_once(det_files, tmp_path, capsys):
         assert len(names) == len(set(names)), f"{parent}: {names}"   # one row each
     assert [c[1] for c in nested["select-by-snr"]] == [" x2"] * len(nested["select-by-snr"])
     assert err.strip().splitlines()[-1].startswith("qpasses: wrote")
+
+
+def _run_quantized_weighted_ops(path) -> dict[str, int]:
+    """Per op type, the weighted ops of a QDQ model whose data input and weight both come from a DequantizeLinear."""
+    from collections import Counter
+
+    graph = onnx.load(path).graph
+    producer = {o: n.op_type for n in graph.node for o in n.output}
+    return dict(Counter(n.op_type for n in graph.node if n.op_type in ("Conv", "ConvTranspose", "Gemm", "MatMul")
+                        and all(producer.get(t) == "DequantizeLinear" for t in n.input[:2])))
+
+
+@pytest.mark.parametrize("which", ["encoder", "detector"])
+def test_check_counts_the_weighted_ops_run_quantizes(det_files, tmp_path, capsys, which):
+    """MiniLM-class MatMuls whose output is read as float (a bias Add follows) are quantized: check
+    says so, as run does (the accuracy search off: a target any model meets)."""
+    from test_claims import VOCAB, encoder
+
+    from qpasses.preflight import check
+
+    if which == "encoder":
+        path, calib = tmp_path / "enc.onnx", tmp_path / "calib.npz"
+        onnx.save(encoder(), path)
+        np.savez(calib, input_ids=np.random.default_rng(1).integers(0, VOCAB, (8, 1, 16)).astype(np.int64))
+    else:
+        path, calib = det_files / "det.onnx", det_files / "calib.npz"
+    report = check(path)
+    predicted = {op: len(entries) for op, entries in report.quantized.items()
+                 if op in ("Conv", "ConvTranspose", "Gemm", "MatMul")}
+    code, err = _run(capsys, "run", path, "-o", tmp_path / "q.onnx", "--calib", calib, "--target", "snr=-100")
+    assert code == 0, err
+    assert predicted == _run_quantized_weighted_ops(tmp_path / "q.onnx") != {}
+    assert not any("…" in line for line in report.lines)
+    if which == "encoder":
+        assert predicted == {"MatMul": 15}
+        line = next(x for x in report.lines if x.startswith("  MatMul x4:"))   # the attention MatMuls
+        assert "multiplies two computed tensors" in line
+
+
+def test_check_reasons_name_the_tensor_not_an_ellipsis(tmp_path):
+    from qpasses.preflight import check
+    from qpasses.testing import parse
+
+    text = """
+    g (float[1, 3, 8, 8] x) => (float[1, 4, 8, 8] y, float[1, 3, 16, 16] z) <float[4, 3, 1, 1] w = {1,2,3,4,5,6,7,8,9,10,11,12},
+                                                                           float[4] s = {1, 1, 2, 2}> {
+      y = Conv (x, w)
+      a = Add (x, x)
+      r = Resize <mode="nearest"> (a, "", s)
+      z = Sigmoid (r)
+    }"""
+    onnx.save(parse(text), tmp_path / "m.onnx")
+    lines = check(tmp_path / "m.onnx").lines
+    assert "  Resize x1: Resize is quantized only when its input is, and 'a' stays float" in lines
+    assert not any("…" in line for line in lines)
