@@ -186,12 +186,11 @@ class SearchPrecision(Pass):
             how = f"taken over the {search.aimed}" if search.aimed in ORDERS else search.aimed
             goal = (f"target {target:g}" + (f", {needed:g} on feeds the ranges came from" if needed > target else "")
                     + (f", aim {aim:g} with {keep:.0%} of the weighted ops 8-bit: {how}" if "aimed" in decision else ""))
+            gain = (f"keeping {len(chosen)} of {total} tensors {fallback} takes the worst output component's "
+                    f"{metric} from {unpromoted:.4g}{first} to {search.raw[frozenset(chosen)]:.4g}{now} ({goal}"
+                    f"{_margin(self.confidence, search.scores[frozenset(chosen)])})")
             promote(model, [groups[name] for name in chosen], fallback, {
-                name: (f"{NAME}: kept {fallback}: local quantization error {search.local_db[name]:+.1f} dB "
-                       f"of its typical value; with {len(chosen)} of {total} tensors kept {fallback} the "
-                       f"worst output component's {metric} goes from {unpromoted:.4g}{first} to "
-                       f"{search.raw[frozenset(chosen)]:.4g}{now} ({goal}"
-                       f"{_margin(self.confidence, search.scores[frozenset(chosen)])})")
+                name: f"{NAME}: kept {fallback}: {gain}; this one {_chosen_because(search, name, len(chosen))}"
                 for name in chosen})
         met = reached >= target and decision.get("confirmed", {}).get("met") is not False
         decision |= {"promoted": chosen, "evaluations": search.evaluations, "met": met}
@@ -211,6 +210,15 @@ class SearchPrecision(Pass):
                                       self.confirm_samples)
         except CalibrationDataError as exc:
             return {"skipped": first_line(exc)}
+
+
+def _chosen_because(search, name: str, promoted: int) -> str:
+    """Why the search took this tensor: its rank by local quantization error among those it ranked,
+    or, past the head of that ranking, the graph order the aim walked."""
+    rank = search.ranking.index(name) + 1
+    ranked = (f"ranks {rank} of {len(search.ranking)} by local quantization error "
+              f"({search.local_db[name]:+.1f} dB of its typical value)")
+    return ranked if rank <= promoted else f"was taken in graph order, the inputs' end first; it {ranked}"
 
 
 def _margin(confidence: float, bound: float) -> str:

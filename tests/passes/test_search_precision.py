@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -91,6 +92,11 @@ def test_promotes_the_stretched_input_and_meets_the_target_on_new_data():
     assert decision["met"] and decision["held_out"] and decision["quantized"] < 10
     assert decision["promoted"] == ["x"] and "x" not in model.quant and "y" in model.quant
     assert "search-precision" in float_reasons(model)["x"]["pass"]
+    # the why-line leads with what made it float (the output gain), then why this tensor
+    reason = float_reasons(model)["x"]["reason"]
+    assert re.match(r"kept float: keeping 1 of \d+ tensors float takes the worst output component's snr from "
+                    r"[-0-9.]+.* to [0-9.]+.*; this one ranks 1 of \d+ by local quantization error "
+                    r"\([-+][0-9.]+ dB of its typical value\)$", reason), reason
     assert record.modified and 1 < decision["evaluations"] <= 2 * math.log2(4) + 16
     assert _snr(model, ctx) >= 25
 
@@ -308,6 +314,8 @@ def test_without_a_target_it_aims_higher_within_the_8_bit_share(options):
     assert total == 5 and eight >= 4
     reason = float_reasons(model)[decision["promoted"][0]]["reason"]
     assert f"aim 25 with 80% of the weighted ops 8-bit: taken over the {decision['aimed']}" in reason
+    ranked = [float_reasons(model)[name]["reason"] for name in decision["promoted"]]
+    assert all(("; this one ranks " in r) != ("; this one was taken in graph order" in r) for r in ranked), ranked
 
 
 def test_a_given_target_is_cleared_with_room_on_the_feeds_the_ranges_came_from():
