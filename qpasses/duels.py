@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from .evaluate import Reference, _check_same_signature, io_names, session
+from .evaluate import Reference, _check_same_signature, io_names, judging_session
 from .scored_runs import ScoredRuns, model_bytes
 
 
@@ -34,20 +34,19 @@ def duel(reference: Reference, best: "Contender", challenger: "Contender", *, mi
 
 
 class Contender:
-    """A test model scored against a Reference feed by feed, resumable: ``advance(m)`` runs it on
-    the kept feeds up to the m-th; its score is its worst output SNR (of a component, after
+    """A test model scored against a Reference feed by feed (in evaluate.judging_session), resumable:
+    ``advance(m)`` runs it on the kept feeds up to the m-th; its score is its worst output SNR (of a component, after
     Reference.split) over the feeds it ran minus ``penalty``; ``errors``: per feed and column
     (Reference.sums), the sum of squared errors. ``keep``: its outputs
     on the first ``keep`` feeds are kept (``kept``, a ScoredRuns) for a later check of the same model."""
 
-    def __init__(self, reference: Reference, test_model, *, penalty: float = 0.0, optimize: bool = True,
-                 keep: int = 0):
+    def __init__(self, reference: Reference, test_model, *, penalty: float = 0.0, keep: int = 0):
         self.reference, self.penalty, self.dropped = reference, penalty, False
         self.kept = None
         if keep > 0:   # its first outputs are kept (ScoredRuns): the model is identified by its bytes
             test_model = model_bytes(test_model)
-            self.kept = ScoredRuns(test_model, optimize, keep)
-        self.session = session(test_model, optimize=optimize)
+            self.kept = ScoredRuns(test_model, keep)
+        self.session = judging_session(test_model)
         if self.kept is not None:
             self.kept.io = io_names(self.session)
         _check_same_signature(reference.inputs, reference.names, self.session)

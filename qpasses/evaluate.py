@@ -17,7 +17,8 @@ from .scored_runs import ScoredRuns
 
 def session(model, *, optimize: bool = True):
     """An onnxruntime CPU session for a QModel, ModelProto, bytes or path (``optimize=False``: no
-    graph optimizations, so Q/DQ pairs run as written instead of as fused integer kernels)."""
+    graph optimizations, so Q/DQ pairs run as written instead of as fused integer kernels; a
+    quantized model is judged in ``judging_session``)."""
     import onnxruntime as ort
 
     if isinstance(model, QModel):
@@ -39,6 +40,15 @@ def session(model, *, optimize: bool = True):
             raise
         load_external_data(proto, Path(model).parent)
         return session(load(proto), optimize=optimize)
+
+
+def judging_session(model):
+    """The session every judgement of a quantized model runs in (select-by-snr's variants,
+    search-precision's checks, quantize-silu, round-weights): onnxruntime without graph
+    optimizations, each Q/DQ as written and every other op in float. onnxruntime's fused integer
+    kernels differ by CPU (without VNNI, U8S8 pair sums saturate in int16); this simulation does
+    not, so the same model, data and config give the same decisions on every machine."""
+    return session(model, optimize=False)
 
 
 def rerun_skip_reason(model: QModel, data, max_nodes: int, max_weight_mb: float) -> str | None:
@@ -254,7 +264,7 @@ class Reference:
                 break
         return cls(names, inputs, kept, outs)
 
-    def score(self, test_model, *, optimize: bool = True, objective=None, per_output: bool = True,
+    def score(self, test_model, *, judged: bool = False, objective=None, per_output: bool = True,
               reuse: ScoredRuns | None = None) -> dict:
         """Run ``test_model`` on the kept feeds: per output SNR and max abs error, and the worst SNR.
 
@@ -263,8 +273,8 @@ class Reference:
         summary: metric, overall, per-component scores) and ``standard_error`` (the overall score's,
         jackknife over the feeds; a user metric's only with ``per_output=False``); ``per_output=False``:
         only these (no ``outputs``, ``snr_db`` or ``components``: what a search's check reads).
-        ``reuse``: see ``runs_of``."""
-        runs = self.runs_of(test_model, optimize=optimize, reuse=reuse)
+        ``judged``, ``reuse``: see ``runs_of``."""
+        runs = self.runs_of(test_model, judged=judged, reuse=reuse)
         _check_output_shapes(self, runs)
         scored = {}
         if objective is not None:
@@ -288,18 +298,19 @@ class Reference:
                                     objective.with_metric("snr").scores_from_runs(self.runs(), runs, self.names))
         return result
 
-    def runs_of(self, test_model, *, optimize: bool = True, reuse: ScoredRuns | None = None) -> list[list]:
-        """``test_model``'s outputs ``names`` on every kept feed; taken from ``reuse`` when it holds
-        this very model's (same bytes, session options, feeds and outputs), else run here (in
-        ``test_model`` itself when it is an onnxruntime session)."""
-        if reuse is not None:
+    def runs_of(self, test_model, *, judged: bool = False, reuse: ScoredRuns | None = None) -> list[list]:
+        """``test_model``'s outputs ``names`` on every kept feed: in ``judging_session`` when
+        ``judged`` (taken from ``reuse`` when it holds this very model's judged outputs on these
+        feeds), else as this CPU runs it (in ``test_model`` itself when it is an onnxruntime session)."""
+        if reuse is not None and judged:
             data = test_model if isinstance(test_model, bytes) else None
-            runs = reuse.runs_for(data, optimize, self) if data is not None else None
+            runs = reuse.runs_for(data, self) if data is not None else None
             if runs is not None:   # the checks below, on what the session it ran in said
                 _check_signature(self.inputs, self.names, *reuse.io)
                 _check_finite(self)
                 return runs
-        test_sess = test_model if is_session(test_model) else session(test_model, optimize=optimize)
+        test_sess = (test_model if is_session(test_model) else
+                     judging_session(test_model) if judged else session(test_model))
         _check_same_signature(self.inputs, self.names, test_sess)
         _check_comparable(self, test_sess)   # inputs it takes, finite reference outputs
         return [test_sess.run(self.names, feed) for feed in self.feeds]

@@ -1,5 +1,5 @@
-"""Outputs of a model already run on some feeds, reused by a later check of the same model
-(same bytes, session options and feeds): onnxruntime computes the same values again."""
+"""Outputs of a model already judged on some feeds, reused by a later check of the same model
+(same bytes and feeds): onnxruntime computes the same values again."""
 from __future__ import annotations
 
 import hashlib
@@ -10,16 +10,17 @@ from .ir import QModel
 
 
 class ScoredRuns:
-    """A test model's outputs on its first ``keep`` feeds (at most ``max_bytes``), kept so a later
-    check of the very same model on the same feeds takes them instead of running it again
+    """A test model's outputs in evaluate.judging_session on its first ``keep`` feeds (at most
+    ``max_bytes``), kept so a later check of the very same model on the same feeds takes them instead
+    of running it again
     (select-by-snr's chosen variant is search-precision's first check, through ``ctx.cache``).
     The model (``data``: its bytes) is known by its size and digest."""
 
     CACHE_KEY = "scored_runs"
 
-    def __init__(self, data: bytes, optimize: bool, keep: int, max_bytes: int = 64 * 2**20):
+    def __init__(self, data: bytes, keep: int, max_bytes: int = 64 * 2**20):
         self.digest, self.size = _digest(data), len(data)
-        self.optimize, self.keep, self.max_bytes, self.bytes = optimize, keep, max_bytes, 0
+        self.keep, self.max_bytes, self.bytes = keep, max_bytes, 0
         self.feeds: list[dict] = []
         self.outputs: list[dict] = []
         self.io: tuple[list[str], list[str]] = ([], [])   # its session's input and output names
@@ -35,11 +36,11 @@ class ScoredRuns:
         self.feeds.append(reference.feeds[index])
         self.outputs.append(dict(zip(reference.names, values)))
 
-    def runs_for(self, data: bytes, optimize: bool, reference) -> list | None:
-        """The outputs ``reference.names`` on ``reference.feeds`` if this is the same model (bytes),
-        session options and feeds (values, types and shapes), else None."""
+    def runs_for(self, data: bytes, reference) -> list | None:
+        """The outputs ``reference.names`` on ``reference.feeds`` if this is the same model (bytes)
+        and feeds (values, types and shapes), else None."""
         feeds = reference.feeds
-        if (optimize != self.optimize or len(feeds) > len(self.feeds) or len(data) != self.size
+        if (len(feeds) > len(self.feeds) or len(data) != self.size
                 or _digest(data) != self.digest):
             return None
         for mine, theirs in zip(self.feeds, feeds):

@@ -96,7 +96,7 @@ def test_cheaper_trials_give_the_same_bytes(case, passes, reuses, monkeypatch):
     assert fast == plain and reused == reuses
 
 
-def test_reuse_needs_the_same_model_and_feeds():
+def test_reuse_needs_the_same_model_and_feeds(monkeypatch):
     float_model = from_proto(example_model())
     feeds = _example_feeds()
     quantized, _ = run_pipeline(from_proto(example_model()), None, config=U8S8, calibration_data=feeds)
@@ -105,13 +105,16 @@ def test_reuse_needs_the_same_model_and_feeds():
     contender = Contender(reference, data, keep=8)
     contender.advance(8)
     kept = contender.kept
-    runs = kept.runs_for(data, True, reference)
+    runs = kept.runs_for(data, reference)
     again = [contender.session.run(reference.names, f) for f in reference.feeds]
     assert len(runs) == 8 and all(np.array_equal(a, b) for r, g in zip(runs, again) for a, b in zip(r, g))
-    assert kept.runs_for(data, False, reference) is None                       # other session options
-    assert kept.runs_for(data[:-1] + bytes([data[-1] ^ 1]), True, reference) is None   # other bytes
-    assert kept.runs_for(data, True, Reference.run(float_model, feeds[1:], 8)) is None  # other feeds
-    assert kept.runs_for(data, True, Reference.run(float_model, feeds, 9)) is None     # more feeds
+    taken = reference.runs_of(data, judged=True, reuse=kept)
+    assert len(taken) == 8 and all(a is b for r, t in zip(runs, taken) for a, b in zip(r, t))
+    assert kept.runs_for(data[:-1] + bytes([data[-1] ^ 1]), reference) is None   # other bytes
+    assert kept.runs_for(data, Reference.run(float_model, feeds[1:], 8)) is None  # other feeds
+    assert kept.runs_for(data, Reference.run(float_model, feeds, 9)) is None     # more feeds
+    monkeypatch.setattr(ScoredRuns, "runs_for", lambda *a: pytest.fail("kept judged runs taken for a local run"))
+    reference.runs_of(data, reuse=kept)   # as this CPU runs it: the judged runs are not its outputs
 
 
 def test_copier_copies_as_copy_does():

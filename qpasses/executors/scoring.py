@@ -16,11 +16,11 @@ from . import portable
 def errors_task(model, shared) -> dict:
     """Runs on a worker: ``model`` (ONNX bytes, or the exception that stopped building it) run on
     every feed of the shared reference; ``done`` feeds ran before ``failure`` (-1: no session)."""
-    reference, optimize = shared
+    reference = shared
     if isinstance(model, BaseException):
         return {"errors": None, "done": -1, "failure": model}
     try:
-        contender = Contender(reference, model, optimize=optimize)
+        contender = Contender(reference, model)
     except Exception as exc:
         return {"errors": None, "done": -1, "failure": portable(exc)}
     failure = None
@@ -52,11 +52,11 @@ class Replayed(Contender):
         self.ran = max(self.ran, upto)
 
 
-def prescored(executor, reference: Reference, models: list, penalties: list[float], *, optimize: bool = True):
+def prescored(executor, reference: Reference, models: list, penalties: list[float]):
     """Score ``models`` (ONNX bytes, or the exception that stopped building one) as tasks of
     ``executor``; returns ``contender(i)``: model i's Replayed contender (raises what its
     build or session raised)."""
-    shared = executor.put((reference, optimize))
+    shared = executor.put(reference)
     results = list(executor.map(errors_task, models, shared))
     return lambda i: Replayed(reference, results[i], penalty=penalties[i])
 
@@ -67,7 +67,7 @@ def objective_score(reference: Reference, model, objective, reuse=None) -> dict:
     (search-precision's check, in process or as a task). ``reuse``: outputs of a model already
     run (Reference.runs_of)."""
     try:
-        scored = reference.score(model, objective=objective, per_output=False, reuse=reuse)
+        scored = reference.score(model, judged=True, objective=objective, per_output=False, reuse=reuse)
         return {"score": float(scored["objective"]["overall"]), "standard_error": scored["standard_error"],
                 "failed": None}
     except Exception as exc:

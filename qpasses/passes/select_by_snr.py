@@ -116,9 +116,9 @@ class SelectBySnr(Pass):
     (per-tensor weights symmetric or asymmetric; only when ``weight_symmetric`` was not given).
     Each combination runs ``then`` on a copy of the model and is scored by the lowest SNR of an
     output component over the feeds (an output built by Concat judged piece by piece: probabilities
-    beside boxes), minus penalties: ``fitted_penalty_db`` for the calibrated ranges, which were
-    fitted to these feeds (their clipping is tuned to the tails seen here, and new data has
-    others); ``asymmetric_penalty_db`` trades accuracy for onnxruntime's faster symmetric kernels
+    beside boxes; Q/DQ run as written, the same on every CPU: evaluate.judging_session), minus
+    penalties: ``fitted_penalty_db`` for the calibrated ranges, which were fitted to these feeds
+    (their clipping is tuned to the tails seen here, and new data has others); ``asymmetric_penalty_db`` trades accuracy for onnxruntime's faster symmetric kernels
     (by default it only settles ties); then the first wins (calibrated ranges, asymmetric weights).
     After search-precision, a variant below its SNR target is not chosen over one that meets it.
     Variants are scored in that order, each against the best so far on the same feeds, the best a
@@ -167,9 +167,6 @@ class SelectBySnr(Pass):
     max_nodes: int = field(default=2000, metadata={
         "help": "do nothing for graphs with more nodes than this (each variant costs a quantization "
                 "and an onnxruntime session)"})
-    fused_nodes: int = field(default=1000, metadata={
-        "help": "score with onnxruntime's fused integer kernels up to this many nodes; above, the "
-                "Q/DQ nodes run as written (fusing a 3,200-Conv QDQ graph takes onnxruntime 8 s)"})
     early_stop: float = field(default=3.0, metadata={
         "help": "stop scoring two variants once one trails the other by this many standard errors "
                 "(jackknife over the feeds both scored, from 8 on; 0: every variant scores every feed)"})
@@ -197,11 +194,10 @@ class SelectBySnr(Pass):
         if reference is None:
             ctx.findings.set(NAME, {"skipped": "the calibration data cannot be read again"})
             return PassResult(model, False, {"variants": 0})
-        fused = len(model.graph.nodes) <= self.fused_nodes   # the float graph's size, before Q/DQ
         scored, failed, best = [], [], None   # best: (combo, Contender) of the best variant so far
         combos = list(itertools.product(*axes))   # the order is the preference: the first wins ties
         bar = progress(ctx, NAME, len(combos), unit="variants")
-        contender_of = self._contenders(model, ctx, reference, combos, fused)
+        contender_of = self._contenders(model, ctx, reference, combos)
         for i, combo in enumerate(combos):
             bar.update(len(scored) + len(failed))
             try:
@@ -235,7 +231,7 @@ class SelectBySnr(Pass):
                    "variants": [{"variant": _label(c) or "as configured", "snr_db": round(r.snr(), 2),
                                  "penalty_db": round(r.penalty, 2), "samples": r.ran}
                                 | ({"dropped": True} if r.dropped else {}) for c, r in scored]}
-        decided = self._bias_correction(model, ctx, best[1], reference, report, fused) if bias else False
+        decided = self._bias_correction(model, ctx, best[1], reference, report) if bias else False
         if getattr(best[1], "kept", None) is not None and best[1].session is not None:   # the next check may be it:
             best[1].advance(KEEP_RUNS)   # its runs on every feed it keeps (an early stop ran fewer)
             ctx.cache[ScoredRuns.CACHE_KEY] = best[1].kept
@@ -243,7 +239,7 @@ class SelectBySnr(Pass):
         ctx.findings.set(NAME, report)
         return PassResult(model, any(v.changes for v in best[0]) or decided, {"variants": len(scored)})
 
-    def _contenders(self, model: QModel, ctx, reference: Reference, combos: list, fused: bool):
+    def _contenders(self, model: QModel, ctx, reference: Reference, combos: list):
         """i -> the Contender of ``combos[i]``, quantized and given a session when asked; with a
         parallel executor (config ``executor``), all quantized now and scored as parallel tasks
         (qpasses.executors.scoring: the duels replay their per-feed errors, deciding as here)."""
@@ -252,25 +248,25 @@ class SelectBySnr(Pass):
         fresh = model.copier()   # the model does not change until a variant is chosen
         if not executor.parallel or len(combos) < 2:
             return lambda i: Contender(reference, self._quantized(model, ctx, combos[i], fresh=fresh)[0],
-                                                 optimize=fused, penalty=penalties[i], keep=KEEP_RUNS)
+                                       penalty=penalties[i], keep=KEEP_RUNS)
         models = []
         for combo in combos:
             try:
                 models.append(self._quantized(model, ctx, combo, fresh=fresh)[0].SerializeToString())
             except Exception as exc:   # raised when its turn comes, as above
                 models.append(portable(exc))
-        return prescored(executor, reference, models, penalties, optimize=fused)
+        return prescored(executor, reference, models, penalties)
 
     def _duel(self, reference: Reference, best, challenger):
         return duel(reference, best, challenger, min_samples=MIN_FEEDS, z=self.early_stop)
 
-    def _bias_correction(self, model: QModel, ctx, chosen, reference: Reference, report: dict, fused: bool) -> bool:
+    def _bias_correction(self, model: QModel, ctx, chosen, reference: Reference, report: dict) -> bool:
         """Score the chosen variant with correct-bias against it (``chosen``: its Contender); keep
         the corrected biases if they win. Either way ``model.decisions["bias_correction"]`` says
         what was decided (then the correct-bias pass does nothing more); returns whether it did."""
         try:
             proto, biases = self._quantized(model, ctx, (), with_correct_bias=True)
-            contender = Contender(reference, proto, optimize=fused, penalty=chosen.penalty) if biases else None
+            contender = Contender(reference, proto, penalty=chosen.penalty) if biases else None
             winner = self._duel(reference, chosen, contender) if contender else None
         except Exception as exc:   # scored like any variant: a failure is reported, not fatal
             error = f"{type(exc).__name__}: {first_line(exc)}"

@@ -174,15 +174,14 @@ def test_the_more_accurate_weight_grid_wins_by_default():
     config = {**PER_TENSOR, "activation_type": "uint16"}   # the weight grid dominates the error
     positive = (rng.random((64, 32)) + 0.5).astype(np.float32)   # a symmetric grid wastes half
     model, data = matmul_model(positive), normal_feeds()
-    # Q/DQ as written: onnxruntime 1.32's fused uint16 x int8 MatMul loses most of the difference
-    record, findings = select(model, data, config, "fused_nodes=0")
+    record, findings = select(model, data, config)
     scores = {v["variant"]: v["snr_db"] for v in findings[NAME]["variants"]}
     assert scores["weights asymmetric"] > scores["weights symmetric"] + 3
     assert findings[NAME]["chosen"] == "weights asymmetric" and not record.modified
     assert not model.quant["w"].symmetric
     signs = np.where(np.arange(64 * 32).reshape(64, 32) % 7 == 0, -1.0, 1.0).astype(np.float32)
     model = matmul_model(signs)   # +-1: on the symmetric grid exactly, not on the asymmetric one
-    record, findings = select(model, data, config, "fused_nodes=0")
+    record, findings = select(model, data, config)
     scores = {v["variant"]: v["snr_db"] for v in findings[NAME]["variants"]}
     assert scores["weights symmetric"] > scores["weights asymmetric"] + 20
     assert findings[NAME]["chosen"] == "weights symmetric" and record.modified and model.quant["w"].symmetric
@@ -229,16 +228,24 @@ def test_a_variant_that_fails_is_reported_not_fatal():
     assert model.ranges == model.calibrated_ranges != model.observed
 
 
-def test_big_graphs_are_scored_with_q_dq_as_written():
-    """Above fused_nodes the trial runs without onnxruntime's fusions: same choice, near scores."""
-    reports = []
-    for options in ("", "fused_nodes=0"):
-        model = model_from_text(SCALE)
-        _, findings = select(model, outlier_feeds(), options=options)
-        reports.append(findings[NAME])
-    assert reports[0]["chosen"] == reports[1]["chosen"] == "ranges minmax"
-    for fused, plain in zip(reports[0]["variants"], reports[1]["variants"]):
-        assert abs(fused["snr_db"] - plain["snr_db"]) < 1.0
+def test_variants_are_scored_with_q_dq_as_written():
+    """The score of the chosen variant is its output SNR in onnxruntime without graph optimizations
+    (the simulation, the same on every CPU), not in the fused integer kernels of this CPU: here they
+    differ (onnxruntime 1.32's fused uint16 x int8 MatMul loses most of what the grids tell apart)."""
+    from qpasses.evaluate import session, snr_db
+
+    config = {**PER_TENSOR, "activation_type": "uint16"}
+    positive = (np.random.default_rng(2).random((64, 32)) + 0.5).astype(np.float32)
+    model, data = matmul_model(positive), normal_feeds()
+    reference = model.to_proto(metadata=False)
+    _, findings = select(model, data, config, "early_stop=0")
+    report = findings[NAME]
+    run_pipeline(model, AFTER, config={**ALL, **config})
+    float_sess, simulated = session(reference), session(model.to_proto(metadata=False), optimize=False)
+    want = np.concatenate([float_sess.run(None, f)[0].ravel() for f in data])
+    got = np.concatenate([simulated.run(None, f)[0].ravel() for f in data])
+    chosen = next(v for v in report["variants"] if v["variant"] == report["chosen"])
+    assert chosen["samples"] == len(data) and chosen["snr_db"] == pytest.approx(snr_db(want, got), abs=0.01)
 
 
 def test_float_outputs_kept_by_calibrate_score_like_a_second_float_run():
@@ -277,7 +284,7 @@ def test_a_clearly_worse_variant_stops_scoring_early():
     samples = {}
     for stop in ("", "early_stop=0"):
         model = matmul_model(positive)
-        _, findings = select(model, normal_feeds(), config, ",".join(o for o in ("fused_nodes=0", stop) if o))
+        _, findings = select(model, normal_feeds(), config, stop)
         report = findings[NAME]
         assert report["chosen"] == "weights asymmetric" and report["samples"] == 16
         samples[stop] = [(v["samples"], v.get("dropped", False)) for v in report["variants"]]
