@@ -1,6 +1,6 @@
 """qpasses: a compiler-pass framework that turns float ONNX models into quantized QDQ models."""
 from .annotations import Convert, QuantTable, TensorQuant
-from .api import quantize, run_pipeline
+from .api import quantize, quantize_static, run_pipeline
 from .config import QuantConfig, load_config
 from .context import RunContext
 from .errors import (CalibrationDataError, ConfigError, ModelError, PassFailure, PipelineError,
@@ -14,5 +14,5 @@ __all__ = [
     "CalibrationDataError", "ConfigError", "Convert", "ModelError", "Pass", "PassFailure",
     "PassManager", "PassResult", "PipelineError", "PreconditionError", "QModel", "QpassesError",
     "QuantConfig", "QuantTable", "RunContext", "TensorQuant", "all_passes", "load", "load_config", "parse_pipeline",
-    "print_pipeline", "quantize", "register", "run_pipeline", "save",
+    "print_pipeline", "quantize", "quantize_static", "register", "run_pipeline", "save",
 ]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+
 from .context import RunContext
 from .instruments import DumpAfter, Instrument, Reproducer, TimePasses, VerifyEach
 from .ir import QModel, load
@@ -53,6 +55,94 @@ def run_pipeline(model, passes: str | list | None = None, *, config=None, calibr
     return model, records
 
 
+ONE_SHOT_BYTES = 2 * 2**30   # a one-shot source is read into memory up to this size, else refused
+
+
 def quantize(model, calibration_data, config=None, passes: str | None = None) -> QModel:
-    """Quantize a float model to QDQ with the default pipeline (or ``passes``)."""
-    return run_pipeline(model, passes, config=config, calibration_data=calibration_data)[0]
+    """Quantize a float model with the default pipeline of the config's mode (or ``passes``).
+
+    ``calibration_data`` as for ``run_pipeline``. Several passes read the data again after
+    calibrate (select-by-snr, search-precision's confirmation, round-weights): a one-shot source
+    (a generator, a reader without ``rewind()``) is read once into memory up front (refused
+    with the reason above ``ONE_SHOT_BYTES``). Quiet: ``model.summary`` holds what the command
+    line would print (the 8-bit share, the tensors kept float, a missed target, notices).
+    """
+    notices: list[str] = []
+    data = replayable(calibration_data)
+    model, _ = run_pipeline(model, passes, config=config, calibration_data=data, notify=notices.append)
+    model.summary = "\n".join(notices + run_summary_lines(model))
+    return model
+
+
+def quantize_static(model_input, model_output, calibration_data_reader, *, quant_format=None,
+                    op_types_to_quantize=None, per_channel=None, reduce_range=None, activation_type=None,
+                    weight_type=None, nodes_to_quantize=None, nodes_to_exclude=None,
+                    use_external_data_format: bool = False, calibrate_method=None, calibration_providers=None,
+                    extra_options=None, config=None) -> QModel:
+    """onnxruntime's ``quantize_static`` call, done by qpasses: reads ``model_input``, calibrates on
+    ``calibration_data_reader`` (a CalibrationDataReader: ``get_next()`` returns a feed dict, None
+    at the end; or any source ``quantize`` takes) and writes ``model_output``. The keywords take
+    onnxruntime's spellings and values (``QuantFormat.QDQ``, ``QuantType.QUInt8``,
+    ``CalibrationMethod.MinMax``, ``extra_options`` keys such as ``ActivationSymmetric``); one left
+    out keeps qpasses' default, not onnxruntime's. ``config``: more qpasses keys (a dict). Returns
+    the QModel (``summary`` as for ``quantize``)."""
+    from .errors import ConfigError
+    from .ir import save
+
+    if calibration_providers and any(p != "CPUExecutionProvider" for p in calibration_providers):
+        raise ConfigError("quantize_static: qpasses calibrates with onnxruntime's CPUExecutionProvider only "
+                          f"(calibration_providers={list(calibration_providers)})")
+    keywords = {k: v for k, v in {
+        "quant_format": quant_format, "op_types_to_quantize": op_types_to_quantize, "per_channel": per_channel,
+        "reduce_range": reduce_range, "activation_type": activation_type, "weight_type": weight_type,
+        "nodes_to_quantize": nodes_to_quantize, "nodes_to_exclude": nodes_to_exclude,
+        "calibrate_method": calibrate_method, "extra_options": extra_options}.items() if v is not None}
+    if keywords and config is not None and not isinstance(config, dict):
+        raise ConfigError("quantize_static: give onnxruntime's keywords with a config dict, not a path or QuantConfig")
+    if keywords or config is None:
+        config = {**(config or {}), **keywords}
+    model = quantize(model_input, calibration_data_reader, config)
+    save(model, model_output, external_data=True if use_external_data_format else None)
+    return model
+
+
+def replayable(source):
+    """``source`` if it can be read again (a path, a list, a reader with ``rewind()``); a one-shot
+    generator or reader read once into a list of feeds (arrays copied: a reader may reuse its
+    buffers); CalibrationDataError above ONE_SHOT_BYTES, with the reason."""
+    from .calibration.data import open_data
+    from .errors import CalibrationDataError
+
+    data = open_data(source) if source is not None else None
+    if data is None or data.rereadable:
+        return source
+    feeds, size = [], 0
+    for feed in data:
+        feeds.append({k: np.array(v) for k, v in feed.items()})
+        size += sum(a.nbytes for a in feeds[-1].values())
+        if size > ONE_SHOT_BYTES:
+            raise CalibrationDataError(
+                f"{data.source}: a one-shot source (a generator, or a reader without rewind()) is read into "
+                f"memory because several passes read the calibration data again, and it holds more than "
+                f"{ONE_SHOT_BYTES // 2**30} GB after {len(feeds)} samples: pass a path (.npz), a list, or a "
+                f"reader with rewind()")
+    return feeds
+
+
+def run_summary_lines(model: QModel) -> list[str]:
+    """What the command line prints about a quantized model without measuring it: the share of
+    weighted ops in 8 bits and the tensors kept float (or the weights a weight-only run quantized),
+    and a target the search missed."""
+    from .decisions import float_reasons
+    from .summary import shortfall, summary_line
+
+    lines = []
+    if "types-annotated" in model.facts or "qdq-inserted" in model.facts:
+        lines.append(summary_line(model.to_proto(metadata=False), float_reasons(model)))
+    elif model.decisions.get("weight_only"):
+        lines.append(f"weight-only: {len(model.decisions['weight_only'])} weights quantized, "
+                     f"{len(float_reasons(model))} left float")
+    search = model.decisions.get("precision_search", {})
+    if search and not search.get("met", True):
+        lines.append(f"warning: search-precision {shortfall(search)}")
+    return lines

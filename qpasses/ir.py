@@ -82,6 +82,7 @@ class QModel:
         self.base_dir = base_dir
         self.generation = 0
         self._cache: dict = {}
+        self.summary: str | None = None   # qpasses.quantize: what the command line would print
 
     # -- cached indexes ------------------------------------------------------------------
     def touch(self) -> None:

@@ -135,3 +135,71 @@ def test_check_reasons_name_the_tensor_not_an_ellipsis(tmp_path):
     lines = check(tmp_path / "m.onnx").lines
     assert "  Resize x1: Resize is quantized only when its input is, and 'a' stays float" in lines
     assert not any("…" in line for line in lines)
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    from qpasses.examples import write_example
+
+    return write_example(tmp_path_factory.mktemp("example"))
+
+
+def _feeds(calib):
+    return [{"input": x} for x in np.load(calib)["input"]]
+
+
+def test_a_generator_is_read_once_into_the_samples_every_pass_needs(example):
+    import qpasses
+
+    model, calib, _ = example
+    from_list = qpasses.quantize(model, _feeds(calib))
+    from_generator = qpasses.quantize(model, (f for f in _feeds(calib)))
+    # the same model: the search's confirmation and round-weights read the samples again
+    assert from_generator.to_proto().SerializeToString() == from_list.to_proto().SerializeToString()
+    assert from_generator.summary == "8-bit: 100 % of weighted ops (3 of 3); kept float: 2 tensors (res, relu2)"
+
+
+def test_a_generator_too_big_to_keep_is_refused_with_the_reason(example, monkeypatch):
+    import qpasses
+    from qpasses import api
+    from qpasses.errors import CalibrationDataError
+
+    monkeypatch.setattr(api, "ONE_SHOT_BYTES", 10_000)
+    model, calib, _ = example
+    with pytest.raises(CalibrationDataError, match="a one-shot source .* is read into memory because several "
+                                                   "passes read the calibration data again"):
+        qpasses.quantize(model, (f for f in _feeds(calib)))
+
+
+def test_quantize_static_takes_onnxruntimes_call(example, tmp_path):
+    import onnxruntime as ort
+    from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType
+
+    import qpasses
+    from qpasses.errors import ConfigError
+
+    class Reader(CalibrationDataReader):   # get_next() until None, no rewind()
+        def __init__(self, feeds):
+            self.feeds = iter(feeds)
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    model, calib, _ = example
+    out = tmp_path / "q.onnx"
+    q = qpasses.quantize_static(str(model), str(out), Reader(_feeds(calib)), quant_format=QuantFormat.QDQ,
+                                activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=False,
+                                calibrate_method=CalibrationMethod.MinMax, op_types_to_quantize=["Conv", "Gemm"],
+                                nodes_to_exclude=["fc"], extra_options={"WeightSymmetric": True})
+    saved = onnx.load(out)
+    ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    inits = {t.name: t for t in saved.graph.initializer}
+    weight_scales = [inits[n.input[1]] for n in saved.graph.node if n.op_type == "DequantizeLinear"
+                     and n.input[0] in inits and inits[n.input[0]].data_type == onnx.TensorProto.INT8]
+    assert len(weight_scales) == 2 and all(not s.dims or s.dims == [1] for s in weight_scales)   # per tensor
+    assert q.decisions["calibration"]["method"] == "minmax"
+    assert q.summary.startswith("8-bit: 67 % of weighted ops (2 of 3)")   # fc excluded
+    with pytest.raises(ConfigError, match="CPUExecutionProvider only"):
+        qpasses.quantize_static(str(model), str(tmp_path / "x.onnx"), Reader(_feeds(calib)),
+                                calibration_providers=["CUDAExecutionProvider"])
+    assert not (tmp_path / "x.onnx").exists()
