@@ -95,8 +95,11 @@ class Histogram:
         np.floor(t, out=t)
         index = t.astype(np.int64)
         if self._dense is None and self._keys.size + index.size <= 4 * SPARSE_BINS:
-            keys = np.concatenate([self._keys, np.clip(index, k_lo, k_hi)])
-            self._keys, self._vals = _merged(keys, np.concatenate([self._vals, np.ones(index.size, np.int64)]))
+            # counted over the window [k_lo, k_hi] (fewer than ``bins`` bins), the bins held added in
+            counts = np.bincount(np.clip(index, k_lo, k_hi) - k_lo, minlength=k_hi - k_lo + 1)
+            counts[self._keys - k_lo] += self._vals
+            occupied = np.flatnonzero(counts)
+            self._keys, self._vals = occupied + k_lo, counts[occupied]
             if self._keys.size > SPARSE_BINS:
                 self._densify()
             return
