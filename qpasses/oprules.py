@@ -26,6 +26,11 @@ from typing import Callable
 import numpy as np
 
 WEIGHTED_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})   # ops with a weight input
+# onnxruntime's WeightBiasQuantization gives a float initializer weight of these ops a per-tensor
+# int8 grid when their input comes from a DequantizeLinear: a weight kept float (by the search, an
+# override, an excluded node) would run 8-bit on a coarser grid than its own, so insert-qdq lets such
+# a reader read the float tensor instead.
+FLOAT_WEIGHT_OPS = frozenset({"Conv", "ConvTranspose", "Gemm"})
 QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 
 ACTIVATION, WEIGHT, BIAS, FLOAT = "activation", "weight", "bias", "float"
@@ -86,6 +91,7 @@ RULES: dict[str, OpRule] = {
     "MatMul": OpRule((W(), W(-1, min_rank=2))),   # a constant on either side is a weight
     "LayerNormalization": OpRule((A, W(), B)),     # scale per-tensor; bias from input x scale
     "InstanceNormalization": OpRule((A, W(), B)),
+    "BatchNormalization": OpRule((A, W(0), B, F, F)),   # one fold-batchnorm cannot fold; mean/var stay float
     # element-wise and n-ary ops: every data input is an activation
     "Add": OpRule((A, A)),
     "Sum": OpRule((), rest=A),    # n-ary Add (residuals of opset-9 ResNets): every input, like Add's
@@ -146,7 +152,7 @@ def rule_for(op_type: str, opset: int | None = None) -> OpRule | None:
 # speed on CPU (tools/README.md, "Default op selection").
 NOT_BY_DEFAULT = frozenset({
     "Add", "Sum", "Sub", "Mul", "Div", "PRelu", "Where", "Concat", "Sigmoid", "Tanh", "LeakyRelu",
-    "HardSigmoid", "HardSwish", "Softmax", "LayerNormalization", "InstanceNormalization"})
+    "HardSigmoid", "HardSwish", "Softmax", "LayerNormalization", "InstanceNormalization", "BatchNormalization"})
 DEFAULT_OP_TYPES = frozenset(RULES) - NOT_BY_DEFAULT
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from .analysis.requests import requests
 from .analysis.scopes import all_nodes
 from .errors import ConfigError
 from .oprules import BIAS, RULES, WEIGHT, quantizable_op_types
@@ -359,8 +360,9 @@ def parse_overrides(model, config) -> dict[str, TensorOverride]:
 
 
 def validate(model, config) -> dict[str, TensorOverride]:
-    """Check the overrides and the node lists of ``config`` against ``model`` (one ConfigError)."""
+    """Check the overrides, the node lists and every explicit request of ``config`` against ``model``
+    (qpasses.analysis.requests: what cannot be honoured); one ConfigError for all."""
     view = _View.of(model)
     parsed, problems = override_problems(config.tensor_overrides, model, config, view)
-    raise_problems(problems + node_list_problems(model, config, view))
+    raise_problems(problems + node_list_problems(model, config, view) + requests(model, config).problems)
     return parsed

@@ -94,6 +94,11 @@ def apply_target_defaults(config):
     return new
 
 
+def chosen(config) -> frozenset:
+    """Config keys set on purpose: written by the user or given by the target preset's defaults."""
+    return config.given | frozenset(load_target(config.target).defaults if config.target else ())
+
+
 # -- table rules -------------------------------------------------------------------------------
 def _user_keys(config, tensor: str) -> set[str]:
     entries = (config.tensor_overrides or {}).get(tensor) or [{}]

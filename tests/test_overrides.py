@@ -82,18 +82,21 @@ def test_each_problem_is_reported(model, overrides, fragment):
 def test_every_problem_is_listed_in_one_error(model):
     text = problems(model, {"cc": [{}], "c": [{"scal": 1}], "w": [{"axis": 9}]},
                     nodes_to_exclude=["rleu"], op_types_to_quantize=["Convv", "Erf"])
-    assert text.startswith("invalid quantization config (5 problems): ")
+    assert text.startswith("invalid quantization config (6 problems): ")
     for fragment in ("['cc']", "'scal'", "axis 9", "nodes_to_exclude: no node named 'rleu' (did you mean 'relu'?)",
-                     "op_types_to_quantize: 'Convv' is neither", "(did you mean 'Conv'?)"):
+                     "op_types_to_quantize: 'Convv' is neither", "(did you mean 'Conv'?)",
+                     "op_types_to_quantize: qpasses has no quantization rule for Erf (node 'erf')"):
         assert fragment in text
-    assert text.count("; ") == 4
+    assert text.count("; ") == 5
 
 
 def test_node_lists_are_checked(model):
     assert "nodes_to_quantize: no node named 'sigm' (did you mean 'sig'?)" in problems(
         model, {}, nodes_to_quantize=["conv", "sigm"])
-    # an op type of the model that qpasses keeps float is accepted (onnxruntime-generated lists name them)
-    assert validate(model, QuantConfig(op_types_to_quantize=["Conv", "Erf"], nodes_to_exclude=["erf"])) == {}
+    # an op type named that qpasses cannot quantize is refused, never left float in silence
+    assert "op_types_to_quantize: qpasses has no quantization rule for Erf (node 'erf'): remove it" in problems(
+        model, {}, op_types_to_quantize=["Conv", "Erf"])
+    assert validate(model, QuantConfig(op_types_to_quantize=["Conv", "Tanh"])) == {}   # a rule, no such node
 
 
 def test_parsed_form(model):

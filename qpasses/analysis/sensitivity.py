@@ -25,8 +25,9 @@ from .scopes import scopes
 from .walks import EightBitShare
 
 
-def promotion_groups(model: QModel) -> dict[str, list[str]]:
-    """Root -> the entries of its group (root first), for every quantized activation and weight."""
+def promotion_groups(model: QModel, pinned: frozenset | set = frozenset()) -> dict[str, list[str]]:
+    """Root -> the entries of its group (root first), for every quantized activation and weight; a
+    group holding a ``pinned`` entry (what the config asked for: qpasses.analysis.requests) is not one."""
     table = model.quant
     root_of: dict[str, str] = {}
 
@@ -45,7 +46,7 @@ def promotion_groups(model: QModel) -> dict[str, list[str]]:
         if tq.role != "bias" and not tq.fixed:
             groups.setdefault(root(name), []).append(name)
     return {r: sorted(members, key=lambda m: m != r) for r, members in sorted(groups.items())
-            if table[r].role != "bias" and not table[r].fixed}
+            if table[r].role != "bias" and not table[r].fixed and not pinned.intersection(members)}
 
 
 def promote(model: QModel, groups: list[list[str]], fallback: str, reasons: dict[str, str]) -> None:

@@ -7,6 +7,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..analysis.dtypes import FLOAT_DTYPES, float_tensors
+from ..analysis.requests import requests
 from ..analysis.scopes import all_nodes, scopes
 from ..annotations import Convert, TensorQuant
 from ..config import QuantConfig
@@ -17,11 +18,11 @@ from ..ir import QModel
 from ..islands import unanchored
 from ..oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, OpRule, QDQ_OPS, WEIGHT, float_output_bias, holds,
                        multiplies_activations, rule_for, selected_op_types, weight_axis)
-from ..overrides import TensorOverride, validate
+from ..overrides import TensorOverride, raise_problems, validate
 from ..pipeline import Pass, PassResult
 from ..qtypes import qtype
 from ..registry import register
-from ..targets import apply_target_rules, load_target
+from ..targets import apply_target_rules, chosen, load_target
 from ..upgrade import PER_TENSOR
 
 _OWN_QPARAM_KEYS = {"quant_type", "scale", "zero_point", "symmetric", "rmin", "rmax"}
@@ -79,17 +80,22 @@ class AnnotateTypes(Pass):
                           {k: v for k, v in stats.items() if v})
 
 
-def selected_nodes(model: QModel, config: QuantConfig) -> list[tuple[gs.Node, OpRule]]:
+def selected_nodes(model: QModel, config: QuantConfig, forced: set[str] | None = None
+                   ) -> list[tuple[gs.Node, OpRule]]:
     """(node, rule) of the nodes quantized under the config's op/node selection, in graph order
-    (the main graph's, then those of the If/Loop/Scan bodies, each body after its enclosing graph)."""
+    (the main graph's, then those of the If/Loop/Scan bodies, each body after its enclosing graph).
+    ``forced`` (default: the config's explicit requests, qpasses.analysis.requests) are selected
+    whatever their op type; with ``nodes_to_quantize`` nothing else is."""
     ops = selected_op_types(config.op_types_to_quantize)
-    only = set(config.nodes_to_quantize or ())
+    only = bool(config.nodes_to_quantize)
     excluded = set(config.nodes_to_exclude)
+    forced = requests(model, config).forced if forced is None else forced
     out = []
     for node in all_nodes(model):
         rule = rule_for(node.op, model.opset)
-        if (rule is not None and (not ops or node.op in ops) and (not only or node.name in only)
-                and node.name not in excluded and not _float_by_default(config, node)):
+        if rule is None or node.name in excluded:
+            continue
+        if node.name in forced or (not only and (not ops or node.op in ops) and not _float_by_default(config, node)):
             out.append((node, rule))
     return out
 
@@ -141,7 +147,9 @@ class TypePlanner:
         self.floats = float_tensors(model)
         self.scopes = scopes(model)
         self.qdq_outputs = {t.name for n in all_nodes(model) if n.op in QDQ_OPS for t in n.outputs}
-        self.nodes = selected_nodes(model, config)
+        self.requests = requests(model, config)
+        self.forced = set(self.requests.forced)
+        self.nodes = selected_nodes(model, config, self.forced)
         self.entries: dict[str, TensorQuant] = {}
         self.kind: dict[str, str] = {}          # activation | act_const | weight | bias | shared
         self.biases: list[tuple[gs.Node, OpRule, int]] = []
@@ -150,22 +158,19 @@ class TypePlanner:
         self.float_biases: dict[str, str] = {}
         self.float_outputs: dict[str, str] = {}  # weight MatMul outputs left float (and islands): why
         self.quantized: set[str] = set()        # names of the nodes quantize_node ran on
-        given = config.given
+        given, self.chosen = config.given, chosen(config)
         defaults = load_target(config.target).defaults if config.target else {}
         self.source = {key: f"target {config.target} default" if key in defaults and key not in given
                        else "config default" for key in ("activation_type", "weight_type")}
 
     # -- driver -----------------------------------------------------------------------------
     def plan(self) -> dict[str, TensorQuant]:
-        force = self.config.force_quantize_no_input_check
-        for node, rule in self.nodes:                       # ops that start quantized regions
-            if not rule.needs or (force and rule.removable_if is None):
-                self.quantize_node(node, rule)
-        selected = {node.name: rule for node, rule in self.nodes}
-        for node, rule in self.nodes:                       # ops quantized only inside regions
-            if rule.needs and not (force and rule.removable_if is None) and self.meets_needs(node, rule) \
-                    and (force or self.table_read_quantized(node, rule, selected)):
-                self.quantize_node(node, rule)
+        self.quantize_selected()
+        missing = {n for t, nodes in self.requests.carriers.items() if t not in self.entries for n in nodes}
+        if missing - self.forced:      # overridden tensors the selection leaves float: their carriers
+            self.forced |= missing
+            self.nodes = selected_nodes(self.model, self.config, self.forced)
+            self.quantize_selected()
         self.apply_overrides()
         self.drop_islands()
         self.resolve_shares()
@@ -174,6 +179,20 @@ class TypePlanner:
         self.merge_removable()
         self.stats["shared"] = sum(tq.shares is not None for tq in self.entries.values())
         return self.entries
+
+    def quantize_selected(self) -> None:
+        """Quantize the selected nodes not quantized yet: first those that start quantized regions (and
+        the forced ones), then those quantized only inside regions (rule ``needs``)."""
+        force = self.config.force_quantize_no_input_check
+        for node, rule in self.nodes:
+            if node.name not in self.quantized and (not rule.needs or node.name in self.forced
+                                                    or (force and rule.removable_if is None)):
+                self.quantize_node(node, rule)
+        selected = {node.name: rule for node, rule in self.nodes}
+        for node, rule in self.nodes:
+            if node.name not in self.quantized and rule.needs and self.meets_needs(node, rule) \
+                    and (force or self.table_read_quantized(node, rule, selected)):
+                self.quantize_node(node, rule)
 
     def left_float(self) -> dict[str, str]:
         """Why each float tensor read or written by a node has no entry (after ``plan``)."""
@@ -239,8 +258,9 @@ class TypePlanner:
         """A lookup in a constant table (an embedding Gather) joins a quantized region only when a
         quantized op reads what it selects, directly or through selected data-movement ops: otherwise
         quantizing the table only adds rounding (bert_encoder: the token table alone, 8-bit per tensor,
-        cost as much as all its weight MatMuls, 29.8 dB)."""
-        if not (rule.constant_meets_needs and isinstance(node.inputs[0], gs.Constant)
+        cost as much as all its weight MatMuls, 29.8 dB). Not for a target preset: its quantizer
+        quantizes every selected lookup (onnxruntime's its table and output)."""
+        if self.config.target or not (rule.constant_meets_needs and isinstance(node.inputs[0], gs.Constant)
                 and node.inputs[0].name not in self.entries):
             return True
         seen, stack = set(), [t for t in node.outputs]
@@ -320,10 +340,10 @@ class TypePlanner:
                          axis=axis, reduce_range=cfg.reduce_range, why=[line])
         if blocked:
             tq.because(f"per-tensor: per-channel weights need opset 13: {blocked}")
-        if axis is not None and not (cfg.weight_symmetric if "weight_symmetric" in cfg.given
+        if axis is not None and not (cfg.weight_symmetric if "weight_symmetric" in self.chosen
                                      else qtype(cfg.weight_type).signed):
             tq.because("symmetric: per-channel weights are symmetric (as onnxruntime)")
-        elif axis is None and "weight_symmetric" not in cfg.given and not tq.symmetric:
+        elif axis is None and "weight_symmetric" not in self.chosen and not tq.symmetric:
             tq.because("asymmetric: a per-tensor weight grid spans [min, max] (weight_symmetric not set; "
                        "per-tensor int8 symmetric lost 2-11 dB on the trained benchmark models; select-by-snr "
                        "may still choose symmetric)")
@@ -344,7 +364,7 @@ class TypePlanner:
         grid for the whole tensor: [min, max] wastes no levels when the values are not centred)."""
         if axis is not None:
             return True
-        return "weight_symmetric" in self.config.given and bool(self.config.weight_symmetric)
+        return "weight_symmetric" in self.chosen and bool(self.config.weight_symmetric)
 
     def restricted(self, tq: TensorQuant) -> bool:
         return (self.config.activation_restricted_asymmetric and tq.qtype == "uint8" and not tq.symmetric)
@@ -360,8 +380,10 @@ class TypePlanner:
             if ov.keys:
                 self.apply_override(name, ov)
                 self.stats["overrides"] += 1
-        if unused:
-            self.report["unused_overrides"] = unused
+        if unused:   # the checks found a carrier for each: one that still has no entry cannot be honoured
+            raise_problems([f"tensor_overrides['{name}']: cannot be quantized: "
+                            f"{'a QuantizeLinear or DequantizeLinear already writes it' if name in self.qdq_outputs else 'no quantized node reads or writes it'}"
+                            for name in unused])
 
     def apply_override(self, name: str, ov: TensorOverride) -> None:
         tq, kind = self.entries[name], self.kind[name]
@@ -427,7 +449,9 @@ class TypePlanner:
         nodes = [(rule.shares, [t.name for t in node.inputs], [t.name for t in node.outputs])
                  for node, rule in self.nodes if node.name in self.quantized]
         acts = {n for n, kind in self.kind.items() if kind in ("activation", "act_const", "shared")}
-        keep = set(self.overrides) | (set(self.entries) - acts)   # weights and biases feed integer kernels
+        keep = set(self.requests.tensors) | (set(self.entries) - acts)   # weights and biases feed integer kernels
+        keep |= {t.name for node, _ in self.nodes if node.name in self.forced
+                 for t in list(node.inputs) + list(node.outputs)}
         for name in sorted(unanchored(nodes, set(self.entries), keep) & acts):
             del self.entries[name], self.kind[name]
             self.float_outputs[name] = ("only data movement reads or writes it between float ops: no integer "
@@ -447,7 +471,7 @@ class TypePlanner:
             x, w, y = node.inputs[0], node.inputs[1], node.outputs[0]
             tx, tw, ty = (self.entries.get(t.name) for t in (x, w, y))
             if (tx is None or tw is None or ty is None or self.kind.get(w.name) != "weight"
-                    or self.kind.get(y.name) != "activation" or len(w.shape) != 2 or y.name in self.overrides
+                    or self.kind.get(y.name) != "activation" or len(w.shape) != 2 or y.name in self.requests.tensors
                     or ty.fixed or ty.convert is not None or ty.rmin is not None or ty.rmax is not None
                     or not _integer_pair(tx.qtype, tw.qtype) or not y.outputs or self.scopes.in_body(y.name)
                     or any(t is y for t in self.model.graph.outputs)
@@ -549,7 +573,7 @@ class TypePlanner:
                 and holds(rule.removable_if, node)
                 and writer is not None                            # produced by a node (not an input)
                 and consumers == 1                                # read only here, not a graph output
-                and inp not in self.overrides and self.kind.get(inp) == "activation"
+                and inp not in self.requests.tensors and self.kind.get(inp) == "activation"
                 and tin.shares is None and not tin.fixed and tin.rmin is None and tin.rmax is None
                 and tin.convert is None and tout.convert is None
                 and tin.qtype == tout.qtype and not tin.symmetric and not tout.symmetric

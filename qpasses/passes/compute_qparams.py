@@ -8,12 +8,14 @@ import numpy as np
 
 from ..analysis.derivations import Resolver, describe_options, qparams_key, qparams_options
 from ..analysis.mixed_ranges import mixed_range_concats
+from ..analysis.requests import named_tensors, pinned
 from ..analysis.ranges import entry_range, fmt as _fmt
 from ..analysis.scopes import UNOBSERVED
 from ..annotations import TensorQuant
 from ..config import QuantConfig
 from ..decisions import leave_float
 from ..ir import QModel
+from ..overrides import raise_problems
 from ..pipeline import Pass, PassResult
 from ..qparams import compute_qparams, is_finite_range
 from ..registry import register
@@ -27,6 +29,13 @@ class _Planner:
 
     def __init__(self, model: QModel, config: QuantConfig):
         self.model, self.table, self.config = model, model.quant, config
+        self._pinned: set[str] | None = None
+
+    def asked(self, name: str) -> bool:
+        """A tensor the config asks for (qpasses.analysis.requests) or a preset's: no policy leaves it float."""
+        if self._pinned is None:
+            self._pinned = pinned(self.model, self.config)
+        return bool(self.config.target) or name in self._pinned
 
     def plan(self) -> Resolver:
         self._precompute()
@@ -65,7 +74,7 @@ class _Planner:
         if not is_finite_range(rmin, rmax):
             return f"range from {source} is not finite"
         mixed = mixed_range_concats(self.model).get(name)
-        if mixed:
+        if mixed and not self.asked(name):
             return mixed
         opts = qparams_options(tq, self.config)
         scale, zp = self.computed.get(name) or compute_qparams(rmin, rmax, tq.qtype, **opts)
@@ -99,7 +108,10 @@ class ComputeQParams(Pass):
     the top and clipped 20 below the smallest row maximum at the bottom (calibration.softmax).
     Writes: scale/zero_point of every entry not `fixed` (and of its `convert`); biases get
     input_scale * weight_scale; `shares` entries copy their target. Tensors without a finite range
-    (and the entries depending on them) leave the table, with the reason in ``model.decisions["float"]``.
+    (and the entries depending on them) leave the table, with the reason in ``model.decisions["float"]``;
+    for a tensor the config names (tensor_overrides, mixed_precision) that is a ConfigError. A Concat
+    output joining ranges too far apart stays float too, unless the config asks for it or a target
+    preset is set.
     Invariants: zero points are integers in the type's range; scales are finite, positive and
     representable in the scale type; 0.0 is exactly representable.
     """
@@ -114,6 +126,9 @@ class ComputeQParams(Pass):
     def run(self, model: QModel, ctx) -> PassResult:
         resolved = _Planner(model, ctx.config).plan()
         planned, dropped = resolved.done, resolved.dropped
+        named = named_tensors(ctx.config)
+        raise_problems([f"{named[name]}['{name}']: cannot be quantized: {why}"
+                        for name, why in sorted(dropped.items()) if name in named])
         changed = apply_plan(model, planned, resolved.reasons, dropped)
         stats = {"changed": changed}
         for kind in resolved.kind.values():

@@ -15,6 +15,7 @@ from ..decisions import leave_float
 from ..errors import ModelError, PreconditionError
 from ..fp8 import guard_relus
 from ..ir import QModel, relaxed_gc
+from ..oprules import FLOAT_WEIGHT_OPS
 from ..pipeline import Pass, PassResult
 from ..analysis.scopes import scopes
 from ..qdq import (QParams, ScopedPlacement, dequantize_in_bodies, is_quantized, make_dq, make_q,
@@ -25,11 +26,6 @@ from . import CONV_RELU_EXAMPLE
 
 NAME = "insert-qdq"
 CLAMPS = ("Relu", "Clip")
-# onnxruntime's WeightBiasQuantization gives a float initializer weight of these ops a per-tensor
-# int8 grid when their input comes from a DequantizeLinear: a weight kept float (by the search, an
-# override, an excluded node) would run 8-bit on a coarser grid than its own. Such a reader reads
-# the float tensor instead, so it runs in float as the table says.
-FLOAT_WEIGHT_OPS = ("Conv", "ConvTranspose", "Gemm")
 _CLIP6_DEFAULT = 3.4028234663852886e38  # Clip-6 attribute defaults: float32 lowest/max
 
 

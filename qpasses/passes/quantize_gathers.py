@@ -40,8 +40,8 @@ class QuantizeGathers(Pass):
     selects: a DequantizeLinear before the Gather would expand the whole table on every run (5-40
     ms for 30522 x 384 on one core). ``model.decisions["gathers"]`` holds each table's form and SNR;
     tables that stay float are in ``model.decisions["float"]`` with the reason. Invariants: only
-    when Gather is selected (the default selection, ``all``, or a list naming it) and, in static and
-    dynamic modes, the weight type is an 8-bit integer; graph outputs keep their names and types; a
+    when Gather is selected (the default selection, ``all``, or a list naming it), no target preset is
+    set and, in static and dynamic modes, the weight type is an 8-bit integer; graph outputs keep their names and types; a
     second run finds nothing left to quantize.
     """
 
@@ -59,7 +59,8 @@ class QuantizeGathers(Pass):
         chosen, only = config.op_types_to_quantize, config.nodes_to_quantize
         weights = qtype(config.weight_type)
         blocks = config.mode == "weight_only"
-        if not (chosen in (None, "all") or "Gather" in chosen) or not (blocks or (not weights.is_float and weights.bits == 8)):
+        if (not (chosen in (None, "all") or "Gather" in chosen) or not (blocks or (not weights.is_float and weights.bits == 8))
+                or config.target):   # a preset's provider gets the Gathers its quantizer would give it
             return PassResult(model, False, {"tables": 0})
         wo = config.weight_only
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import field
 from typing import ClassVar
 
+from ..analysis.requests import pinned
 from ..analysis.sensitivity import promote, promotion_groups
 from ..config import ACCURACY_FALLBACKS, ACCURACY_METRICS
 from ..decisions import PRECISION_SEARCH
@@ -64,7 +65,8 @@ class SearchPrecision(Pass):
     promotions, evaluations; what the confirmation read and how many feeds it added to the checks;
     the aim, the share and the order it took). ``met`` is false when the last confirmation missed;
     then ``blocking`` names the tensors next in the ranking, not promoted, with their local errors.
-    Invariants: the graph is not changed; nothing is promoted when the quantized model already meets the
+    Invariants: the graph is not changed; what the config names (tensor_overrides, mixed_precision,
+    nodes_to_quantize: qpasses.analysis.requests.pinned) is never promoted; nothing is promoted when the quantized model already meets the
     aim (the target when there is no aim); the aim never takes the share of 8-bit weighted ops below
     ``keep_8bit`` (the target may); nothing is done (and it says why) without calibration data or above
     ``max_nodes`` / ``max_weight_mb``.
@@ -145,7 +147,7 @@ class SearchPrecision(Pass):
         if aim <= 0 or DECISION in model.decisions:
             return PassResult(model, False, {"promoted": 0})
         skip = rerun_skip_reason(model, ctx.calibration_data, self.max_nodes, self.max_weight_mb)
-        groups = promotion_groups(model)
+        groups = promotion_groups(model, pinned(model, ctx.config))
         if skip or not groups:
             ctx.findings.set(NAME, {"skipped": skip or "nothing quantized to promote"})
             return PassResult(model, False, {"promoted": 0})

@@ -7,6 +7,7 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
+from ..analysis.requests import named_tensors
 from ..calibration.data import open_data
 from ..calibration.softmax import ROW_MAX_SUFFIX
 from ..decisions import PRECISION_SEARCH
@@ -73,11 +74,10 @@ def _gemm_weight(tensor) -> bool:
 
 def asymmetric_weights(model: QModel, config) -> list[str]:
     """Per-tensor Conv/MatMul/Gemm weights that are asymmetric by default (neither the config nor
-    an override asks for it)."""
+    an override asks for it: a tensor the config names keeps what it asked)."""
     if "weight_symmetric" in config.given:
         return []
-    overridden = {name for name, rows in config.tensor_overrides.items()
-                  if any("symmetric" in row for row in rows)}
+    overridden = set(named_tensors(config))
     tensors = model.tensors()
     return [name for name, tq in model.quant.items()
             if tq.role == "weight" and tq.axis is None and not tq.symmetric and not tq.fixed

@@ -368,10 +368,10 @@ def test_shares_follow_an_overridden_source_type():
     assert {model.quant[n].qtype for n in "artfusdy"} == {"int16"}
 
 
-def test_unused_override_is_reported():
-    _, _, findings = annotate_with_findings(FAMILIES["unknown_op_stays_float"][0],
-                                            tensor_overrides={"e": [{"quant_type": "uint16"}]})
-    assert findings["annotate-types"]["unused_overrides"] == ["e"]
+def test_override_no_rule_can_carry_is_refused():
+    with pytest.raises(ConfigError, match=r"tensor_overrides\['e'\]: cannot be quantized: Erf '\S+' has no "
+                                          r"quantization rule and Neg '\S+' has no quantization rule"):
+        annotate_with_findings(FAMILIES["unknown_op_stays_float"][0], tensor_overrides={"e": [{"quant_type": "uint16"}]})
 
 
 def test_invalid_config_changes_nothing():

@@ -102,3 +102,69 @@ def test_a_run_resumed_around_it_gives_the_same_bytes(tmp_path):
         save(run(_model(), ",".join(passes[:cut])), tmp_path / "cut.onnx")
         resumed = run(load(tmp_path / "cut.onnx"), ",".join(passes[cut:]))
         assert resumed.to_proto().SerializeToString() == whole.to_proto().SerializeToString(), passes[cut - 1]
+
+
+CSP = """
+<ir_version: 10, opset_import: ["" : 17]>
+g (float[1, 8, 6, 6] x) => (float[1, 4, 6, 6] y) <float[8, 8, 1, 1] w = {%s}, float[8, 8, 1, 1] u = {%s},
+                                                   float[4, 24, 1, 1] v = {%s}>
+{
+    a = Conv(x, w)
+    ga = Sigmoid(a)
+    sa = Mul(a, ga)
+    b = Conv(sa, u)
+    gb = Sigmoid(b)
+    sb = Mul(b, gb)
+    r = Add(sb, sa)
+    c = Concat <axis = 1> (sa, sb, r)
+    y = Conv(c, v)
+}
+"""
+
+
+def _csp():
+    rng = np.random.default_rng(2)
+    text = [", ".join(f"{v:.4f}" for v in rng.uniform(-0.5, 0.5, n)) for n in (64, 64, 96)]
+    return from_proto(parse(CSP % tuple(text)))
+
+
+def test_silus_whose_products_only_joins_read_run_on_integer_kernels(tmp_path):
+    """A CSP block: two SiLU products and their residual Add joined by a Concat that feeds a Conv (the
+    first product also feeds a Conv: its gate is a plain one)."""
+    from qpasses.analysis.silu import silu_chains
+
+    model, ctx = _csp(), RunContext(None, _feeds())
+    PassManager("annotate-types,calibrate").run(model, ctx)
+    chains = silu_chains(model)
+    assert chains.products == {"sb": ("gb", "b")} and chains.joins == {"r": "c"}
+    assert chains.names() == ["gb", "r", "sb"]
+    record = PassManager([QuantizeSilu(margin_db=100.0)]).run(model, ctx)[0]
+    decision = model.decisions["silu_gates"]
+    assert record.modified and decision["chains_quantized"] and record.stats == {"gates": 1, "chains": 1}
+    lo, hi = model.ranges["b"]
+    silu = lambda v: v / (1 + np.exp(-v))   # noqa: E731
+    assert model.ranges["sb"][1] == pytest.approx(silu(hi))
+    assert model.ranges["sb"][0] == pytest.approx(-0.2784645 if lo < -1.2784645 else silu(lo))
+    assert model.ranges["r"] == model.ranges["c"]
+    run_pipeline(model, "compute-qparams,fix-bias-scales,insert-qdq,insert-converts", ctx=ctx)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    sess = ort.InferenceSession(model.to_proto().SerializeToString(), options, providers=["CPUExecutionProvider"])
+    import onnx
+    ops = [n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node]
+    assert {"QLinearConcat", "QLinearAdd", "QLinearSigmoid", "QLinearMul"} <= set(ops)
+    assert not {"Sigmoid", "Mul", "Add", "Concat", "Conv"} & set(ops)
+    float_model = _csp().to_proto()
+    ref = ort.InferenceSession(float_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feed = _feeds(1)[0]
+    y, q = ref.run(None, feed)[0], sess.run(None, feed)[0]
+    assert 10 * np.log10(np.sum(y ** 2) / np.sum((y - q) ** 2)) > 20
+
+
+def test_a_chain_with_a_reader_that_stays_float_is_not_taken():
+    from qpasses.analysis.silu import silu_chains
+
+    model, ctx = _csp(), RunContext({"nodes_to_exclude": ["y"]}, _feeds())
+    model.graph.nodes[-1].name = "y"
+    PassManager("annotate-types,calibrate").run(model, ctx)
+    assert not silu_chains(model)   # the Concat's output is float: no chain can end 8-bit
