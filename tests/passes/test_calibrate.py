@@ -8,7 +8,7 @@ from onnx import helper
 
 from qpasses.calibration.data import open_data
 from qpasses.calibration.augment import activation_tensors
-from qpasses.calibration.ranges import calibrate_ranges
+from qpasses.calibration.ranges import calibrate_ranges, outward
 from qpasses.calibration.runner import collect_stats
 from qpasses.config import QuantConfig, load_config
 from qpasses.errors import CalibrationDataError, ConfigError, PipelineError
@@ -70,7 +70,7 @@ def test_minmax_ranges_equal_numpy_min_max_of_ort_outputs():
     assert list(model.ranges) == FLOATS  # graph order; no constants, no int tensors
     expected = _reference_minmax(proto, feeds, FLOATS)
     for name in FLOATS:
-        np.testing.assert_allclose(model.ranges[name], expected[name], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(model.ranges[name], outward(*expected[name]), rtol=1e-6, atol=1e-7)
         assert model.observed[name] == model.ranges[name]
         assert all(type(v) is float for v in model.ranges[name])
 
@@ -136,7 +136,7 @@ def test_max_samples_and_data_option(tmp_path):
     model = _model()
     stats = PassManager(f"calibrate{{data={tmp_path / 'c.npz'},max_samples=2,method=minmax}}").run(model)[0].stats
     assert stats["samples"] == 2
-    assert model.ranges["x"] == pytest.approx(_reference_minmax(model.to_proto(), feeds[:2], ["x"])["x"])
+    assert model.ranges["x"] == pytest.approx(outward(*_reference_minmax(model.to_proto(), feeds[:2], ["x"])["x"]))
 
 
 def test_symmetric_and_moving_average():
@@ -148,7 +148,7 @@ def test_symmetric_and_moving_average():
     lo = per_sample[0][0]
     for s in per_sample[1:]:
         lo += 0.5 * (s[0] - lo)
-    assert model.ranges["m"][0] == pytest.approx(lo) and model.ranges["m"][0] > raw[0]
+    assert model.ranges["m"][0] == pytest.approx(outward(lo, 0.0)[0]) and model.ranges["m"][0] > raw[0]
     run_pass(Calibrate(symmetric=True, moving_average=False), model, config, _feeds(3))
     assert model.ranges["m"] == (-max(map(abs, raw)), max(map(abs, raw)))
 
@@ -234,4 +234,4 @@ def test_after_annotate_types_only_range_sourced_activations_are_measured():
     assert set(model.ranges) == needed
     reference = _reference_minmax(model.to_proto(), feeds, sorted(needed))
     for name in needed:
-        np.testing.assert_allclose(model.ranges[name], reference[name], rtol=1e-6)
+        np.testing.assert_allclose(model.ranges[name], outward(*reference[name]), rtol=1e-6)
