@@ -1,12 +1,16 @@
-"""Weight rounding that minimises a layer's output error (GPTQ with fixed scales), for round-weights.
+"""Weight rounding that minimises a layer's output error with the weight's scales fixed: GPTQ
+(round-weights) and the quadratic layer loss of reconstruct-weights.
 
 For a layer y = W x with the weight's scales and zero points already chosen, the integer codes are
 picked one input column at a time; each column's rounding error is spread over the columns not yet
-rounded, weighted by the inverse of H = X^T X / rows (X: the layer's float inputs on calibration
-data, as rows of its receptive fields). Round-to-nearest ignores that the inputs are correlated;
-this keeps ||(W - W_q) X|| small instead of ||W - W_q||. Layers are batched by group: a weight is
-[G, R, K] (G groups of R output channels reading K inputs each: G = 1 for MatMul/Gemm/dense Conv,
-G = channels for a depthwise Conv) with H [G, K, K].
+rounded, weighted by the inverse of H = X^T X / rows (X: the layer's inputs on calibration data, as
+rows of its receptive fields). Round-to-nearest ignores that the inputs are correlated; this keeps
+||(W - W_q) X|| small instead of ||W - W_q||. With the quantized model's inputs X_q beside the
+float ones X (``Hessian.update(x_q, x)``), ||W_q X_q - W X||^2 = (W_q - T) H (W_q - T)^T + const
+for H = X_q^T X_q / rows and the target T = W (X^T X_q) H^-1 (``target``): the same rounding,
+aimed at T. ``refine_codes`` then moves single codes while the loss falls. Layers are batched by
+group: a weight is [G, R, K] (G groups of R output channels reading K inputs each: G = 1 for
+MatMul/Gemm/dense Conv, G = channels for a depthwise Conv) with H [G, K, K].
 """
 from __future__ import annotations
 
@@ -25,66 +29,108 @@ BATCH = 128                   # lazy GPTQ updates: columns per batch
 @dataclass
 class Geometry:
     """How a layer reads its input: ``kind`` dense (MatMul/Gemm: the last axis is K) or conv
-    (N, C, spatial...: receptive fields of ``kernel`` with strides, pads, dilations, groups)."""
+    (N, C, spatial...: receptive fields of ``kernel`` with strides, pads, dilations, groups; a
+    ConvTranspose reads its input with zeros inserted ``upsample`` apart, as the Conv it equals)."""
 
     kind: str
     k: int                        # inputs per output channel (per group)
     groups: int = 1
     kernel: tuple = ()
     strides: tuple = ()
-    pads: tuple = ()              # begin..., end...
+    pads: tuple = ()              # begin..., end... (negative: cropped)
     dilations: tuple = ()
     auto_pad: str = "NOTSET"
+    upsample: tuple = ()
 
     @property
     def h_bytes(self) -> int:
         return self.groups * self.k * self.k * 8
 
 
-def conv_geometry(attrs: dict, weight_shape: tuple) -> Geometry | None:
-    """The Geometry of a 1-D or 2-D Conv with this weight shape [O, C/g, k...] (None: other ranks)."""
+def conv_geometry(attrs: dict, weight_shape: tuple, transposed: bool = False) -> Geometry | None:
+    """The Geometry of a 1-D or 2-D Conv (ConvTranspose with ``transposed``) with this weight shape
+    ([O, C/g, k...]; ConvTranspose [C, O/g, k...]); None for other ranks, and for a ConvTranspose
+    whose padding is not explicit (auto_pad, output_shape)."""
     kernel = tuple(int(k) for k in weight_shape[2:])
     rank = len(kernel)
-    if rank not in (1, 2):
+    if rank not in (1, 2) or (transposed and (auto_pad_of(attrs) != "NOTSET" or "output_shape" in attrs)):
         return None
     strides, dilations = tuple(attrs.get("strides", [1] * rank)), tuple(attrs.get("dilations", [1] * rank))
     pads = tuple(attrs.get("pads", [0] * 2 * rank))
+    groups, upsample = int(attrs.get("group", 1)), ()
+    k = int(np.prod(weight_shape[1:]))
+    if transposed:   # the Conv over the input spread ``strides`` apart, padded by the kernel's reach
+        extra = tuple(attrs.get("output_padding", [0] * rank))
+        reach = [d * (n - 1) for d, n in zip(dilations, kernel)]
+        pads = tuple(r - p for r, p in zip(reach, pads[:rank])) + tuple(
+            r - p + e for r, p, e in zip(reach, pads[rank:], extra))
+        upsample, strides = strides, (1,) * rank
+        k = weight_shape[0] // groups * int(np.prod(kernel))
     if rank == 1:   # read as 2-D with height 1 (input_rows adds the axis)
         kernel, strides, dilations, pads = (1,) + kernel, (1,) + strides, (1,) + dilations, (0, pads[0], 0, pads[1])
-    return Geometry("conv", int(np.prod(weight_shape[1:])), int(attrs.get("group", 1)), kernel, strides, pads,
-                    dilations, auto_pad_of(attrs))
+        upsample = (1,) + upsample if upsample else ()
+    return Geometry("conv", k, groups, kernel, strides, pads, dilations, auto_pad_of(attrs), upsample)
 
 
 def input_rows(x: np.ndarray, geo: Geometry, rng: np.random.Generator) -> np.ndarray:
     """[G, K, R] float32 columns of ``x`` as the layer reads them (R rows: tokens or receptive
     fields), at most ROW_ELEMENTS / ROW_FLOPS worth, sampled without replacement when there are more."""
-    x = np.asarray(x, np.float32)
+    return paired_rows([x], geo, rng)[0]
+
+
+def paired_rows(arrays: list, geo: Geometry, rng: np.random.Generator, most: int = 0) -> list[np.ndarray]:
+    """input_rows of arrays of one shape (a layer's input in two models) at the same sampled rows
+    (at most ``most`` of them when given)."""
+    xs = [np.asarray(x, np.float32) for x in arrays]
     if geo.kind == "dense":
-        rows = x.reshape(-1, x.shape[-1])
-        return np.ascontiguousarray(rows[_pick(len(rows), _row_budget(geo), rng)].T)[None]
-    if x.ndim == 3:   # a 1-D conv (conv_geometry made it 2-D with height 1)
-        x = x[:, :, None, :]
-    n, c, height, width = x.shape
+        rows = [x.reshape(-1, x.shape[-1]) for x in xs]
+        pick = _pick(len(rows[0]), _row_budget(geo, None, most), rng)
+        return [np.ascontiguousarray(r[pick].T)[None] for r in rows]
+    if xs[0].ndim == 3:   # a 1-D conv (conv_geometry made it 2-D with height 1)
+        xs = [x[:, :, None, :] for x in xs]
+    if geo.upsample:
+        xs = [_spread(x, geo.upsample) for x in xs]
+    n, c, height, width = xs[0].shape
     begins, ends = conv_pads(geo.auto_pad, geo.pads, (height, width), geo.kernel, geo.strides, geo.dilations)
-    xp = np.pad(x, ((0, 0), (0, 0), (begins[0], ends[0]), (begins[1], ends[1])))
     (kh, kw), (sh, sw), (dh, dw) = geo.kernel, geo.strides, geo.dilations
     span_h, span_w = dh * (kh - 1) + 1, dw * (kw - 1) + 1
-    if xp.shape[2] < span_h or xp.shape[3] < span_w:
-        return np.zeros((geo.groups, geo.k, 0), np.float32)
-    windows = np.lib.stride_tricks.sliding_window_view(xp, (span_h, span_w), axis=(2, 3))
-    windows = windows[:, :, ::sh, ::sw, ::dh, ::dw]              # [N, C, oh, ow, kh, kw], a view
-    oh, ow = windows.shape[2:4]
-    pick = _pick(n * oh * ow, _row_budget(geo, c * kh * kw), rng)
-    b, rest = np.divmod(pick, oh * ow)
-    oy, ox = np.divmod(rest, ow)
-    fields = windows[b, :, oy, ox]                                # [R, C, kh, kw]
-    fields = fields.reshape(len(pick), geo.groups, -1)            # [R, G, C/g * kh * kw]
-    return np.ascontiguousarray(fields.transpose(1, 2, 0))
+    xps = [_padded(x, begins, ends) for x in xs]
+    if xps[0].shape[2] < span_h or xps[0].shape[3] < span_w:
+        return [np.zeros((geo.groups, geo.k, 0), np.float32) for _ in xs]
+    pick = oy = ox = b = None
+    out = []
+    for xp in xps:
+        windows = np.lib.stride_tricks.sliding_window_view(xp, (span_h, span_w), axis=(2, 3))
+        windows = windows[:, :, ::sh, ::sw, ::dh, ::dw]              # [N, C, oh, ow, kh, kw], a view
+        if pick is None:
+            oh, ow = windows.shape[2:4]
+            pick = _pick(n * oh * ow, _row_budget(geo, c * kh * kw, most), rng)
+            b, rest = np.divmod(pick, oh * ow)
+            oy, ox = np.divmod(rest, ow)
+        fields = windows[b, :, oy, ox]                                # [R, C, kh, kw]
+        fields = fields.reshape(len(pick), geo.groups, -1)            # [R, G, C/g * kh * kw]
+        out.append(np.ascontiguousarray(fields.transpose(1, 2, 0)))
+    return out
 
 
-def _row_budget(geo: Geometry, width: int | None = None) -> int:
+def _spread(x: np.ndarray, upsample: tuple) -> np.ndarray:
+    """[N, C, H, W] with ``upsample - 1`` zeros between neighbours (what a ConvTranspose convolves)."""
+    n, c, h, w = x.shape
+    out = np.zeros((n, c, (h - 1) * upsample[0] + 1, (w - 1) * upsample[1] + 1), x.dtype)
+    out[:, :, ::upsample[0], ::upsample[1]] = x
+    return out
+
+
+def _padded(x: np.ndarray, begins, ends) -> np.ndarray:
+    """``x`` zero-padded on its two spatial axes (negative pads crop)."""
+    x = np.pad(x, ((0, 0), (0, 0)) + tuple((max(b, 0), max(e, 0)) for b, e in zip(begins, ends)))
+    return x[:, :, max(-begins[0], 0):x.shape[2] - max(-ends[0], 0), max(-begins[1], 0):x.shape[3] - max(-ends[1], 0)]
+
+
+def _row_budget(geo: Geometry, width: int | None = None, most: int = 0) -> int:
     width = width or geo.k
-    return max(1, min(ROW_ELEMENTS // max(width, 1), ROW_FLOPS // max(geo.k * width, 1)))
+    budget = max(1, min(ROW_ELEMENTS // max(width, 1), ROW_FLOPS // max(geo.k * width, 1)))
+    return min(budget, most) if most else budget
 
 
 def _pick(total: int, budget: int, rng: np.random.Generator) -> np.ndarray:
@@ -94,16 +140,27 @@ def _pick(total: int, budget: int, rng: np.random.Generator) -> np.ndarray:
 
 
 class Hessian:
-    """Running X^T X [G, K, K] and row count of one layer's input."""
+    """Running X^T X [G, K, K] and row count of one layer's input. With the float model's input X_r
+    beside it (``update(x, reference)``, a quantized model's input), also X^T X_r, X_r^T X_r and
+    X_r's mean row."""
 
-    def __init__(self, geo: Geometry, seed: int):
-        self.geo, self.rng = geo, np.random.default_rng(seed)
+    def __init__(self, geo: Geometry, seed: int, most: int = 0):
+        self.geo, self.rng, self.most = geo, np.random.default_rng(seed), most   # most: rows per update (0: the budget)
         self.xtx = np.zeros((geo.groups, geo.k, geo.k))
         self.sum = np.zeros((geo.groups, geo.k))
+        self.cross = self.ref_xtx = self.ref_sum = None
         self.rows = 0
 
-    def update(self, x: np.ndarray) -> None:
-        cols = input_rows(x, self.geo, self.rng)
+    def update(self, x: np.ndarray, reference: np.ndarray | None = None) -> None:
+        if reference is None:
+            cols = input_rows(x, self.geo, self.rng)
+        else:
+            cols, ref = paired_rows([x, reference], self.geo, self.rng, self.most)
+            if self.cross is None:
+                self.cross, self.ref_xtx, self.ref_sum = np.zeros_like(self.xtx), np.zeros_like(self.xtx), np.zeros_like(self.sum)
+            self.cross += cols @ ref.transpose(0, 2, 1)
+            self.ref_xtx += ref @ ref.transpose(0, 2, 1)
+            self.ref_sum += ref.sum(axis=2, dtype=np.float64)
         self.xtx += cols @ cols.transpose(0, 2, 1)   # float32 products of one sample, summed in float64
         self.sum += cols.sum(axis=2, dtype=np.float64)
         self.rows += cols.shape[2]
@@ -117,34 +174,95 @@ class Hessian:
         """[G, K]: the mean input row."""
         return self.sum / max(self.rows, 1)
 
+    def moments(self, centered: bool, mix: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """(E[x x^T], E[x x_r^T]) per group for inputs x that take each value of the quantized input
+        with probability ``mix``, else the float one (QDrop; 1: the quantized input), less their means
+        with ``centered`` (the loss left once a bias absorbs the mean output error). Without a
+        reference: (X^T X, X^T X) / rows."""
+        n = max(self.rows, 1)
+        a = self.h
+        if self.cross is None:
+            b = c = a
+            mean = ref_mean = self.mean
+        else:
+            b, c = self.cross / n, self.ref_xtx / n
+            ref_mean = self.ref_sum / n
+            mean = ref_mean + mix * (self.mean - ref_mean)
+        shift = b - c                                         # E[e x_r^T], e = x - x_r
+        noise = a - b - b.transpose(0, 2, 1) + c              # E[e e^T]
+        h = c + mix * (shift + shift.transpose(0, 2, 1)) + mix * mix * noise
+        k = np.arange(h.shape[1])
+        h[:, k, k] += (mix - mix * mix) * noise[:, k, k]      # a value meets itself: one draw
+        cross = c + mix * shift
+        if centered:
+            h = h - mean[:, :, None] * mean[:, None, :]
+            cross = cross - mean[:, :, None] * ref_mean[:, None, :]
+        return h, cross
+
+    def ref_mean(self) -> np.ndarray:
+        """[G, K]: the reference's mean input row (the input's own without a reference)."""
+        return self.mean if self.ref_sum is None else self.ref_sum / max(self.rows, 1)
+
+    def error_db(self, w: np.ndarray, new: np.ndarray, bias_shift: np.ndarray | None = None) -> float:
+        """10 log10 E||new x + bias_shift - w x_r||^2 / E||w x_r||^2 over the rows seen: the output
+        error of weights ``new`` [G, R, K] on these inputs against ``w`` on the reference's."""
+        n = max(self.rows, 1)
+        a = self.h
+        b, c = (a, a) if self.cross is None else (self.cross / n, self.ref_xtx / n)
+        quad = lambda u, m, v: float(np.sum((u @ m) * v))   # noqa: E731  sum over rows of u M v^T
+        signal = quad(w, c, w)
+        err = quad(new, a, new) - 2 * quad(new, b, w) + signal
+        if bias_shift is not None:
+            s = bias_shift.reshape(new.shape[:2])
+            err += 2 * np.sum(s * (np.einsum("grk,gk->gr", new, self.mean) - np.einsum("grk,gk->gr", w, self.ref_mean())))
+            err += np.sum(s * s)
+        return float(10 * np.log10(max(err, 1e-300) / max(signal, 1e-300)))
+
+
+def damped(h: np.ndarray, damping: float) -> np.ndarray:
+    """H [G, K, K] plus ``damping`` times the mean of each diagonal on the diagonal."""
+    out = np.array(h, np.float64)
+    k = out.shape[1]
+    mean = np.maximum(np.diagonal(out, axis1=1, axis2=2).mean(axis=1), 1e-12)
+    out[:, np.arange(k), np.arange(k)] += damping * mean[:, None]
+    return out
+
+
+def target(w: np.ndarray, h: np.ndarray, cross: np.ndarray, damping: float) -> np.ndarray:
+    """T [G, R, K] minimising E||T x - W x_ref||^2 + damping * mean(diag H) * ||T - W||^2 for
+    weights w [G, R, K], H = E[x x^T] and cross = E[x x_ref^T] per group."""
+    hd = damped(h, damping)
+    lam = (hd - h)[:, :1, :1]                     # the damping added, per group
+    rhs = cross @ w.transpose(0, 2, 1) + lam * w.transpose(0, 2, 1)   # [G, K, R]
+    return np.linalg.solve(hd, rhs).transpose(0, 2, 1)
+
 
 def upper_inverse_cholesky(h: np.ndarray, damping: float) -> np.ndarray:
     """U [G, K, K] upper triangular with H^-1 = U^T U for each damped H [G, K, K] (batched; a matrix
     that is not positive definite goes through weightonly.gptq's one-at-a-time extra damping)."""
-    flipped = h[:, ::-1, ::-1].copy()
-    mean = np.maximum(np.diagonal(flipped, axis1=1, axis2=2).mean(axis=1), 1e-8)
-    k = h.shape[1]
-    flipped[:, np.arange(k), np.arange(k)] += damping * mean[:, None]
     try:
-        lower = np.linalg.cholesky(flipped)
+        lower = np.linalg.cholesky(damped(h[:, ::-1, ::-1], damping))
     except np.linalg.LinAlgError:
         return np.stack([inverse_cholesky(m, damping) for m in h])
     return np.linalg.inv(lower)[:, ::-1, ::-1].copy()
 
 
-def round_codes(w: np.ndarray, scale: np.ndarray, zero: np.ndarray, qmin: int, qmax: int,
-                h: np.ndarray, damping: float) -> np.ndarray:
+def round_codes(w: np.ndarray, scale: np.ndarray, zero: np.ndarray, qmin, qmax,
+                h: np.ndarray, damping: float, dead_to_zero: bool = True) -> np.ndarray:
     """Integer codes [G, R, K] for weights w [G, R, K] with per-row scale and zero point [G, R],
-    clipped to [qmin, qmax], chosen column by column against H [G, K, K] (see module doc)."""
+    clipped to [qmin, qmax] (integers, or code bounds per weight [G, R, K]), chosen column by column
+    against H [G, K, K] (see module doc). An input whose diagonal in H is 0 gets the weight 0 (with
+    ``dead_to_zero``), else its weight rounded to nearest."""
     w = np.array(w, np.float64)
     g, r, k = w.shape
     s, z = scale[..., None].astype(np.float64), zero[..., None].astype(np.float64)
-    lo, hi = qmin - z, qmax - z
+    lo, hi = np.broadcast_to(qmin - z, w.shape), np.broadcast_to(qmax - z, w.shape)
     h = np.array(h, np.float64)
     dead = np.diagonal(h, axis1=1, axis2=2) <= 0              # inputs that were always 0
     gi, ki = np.nonzero(dead)
     h[gi, ki, ki] = 1.0
-    w[gi, :, ki] = 0.0
+    if dead_to_zero:
+        w[gi, :, ki] = 0.0
     u = upper_inverse_cholesky(h, damping)
     codes = np.empty_like(w)
     for c1 in range(0, k, BATCH):
@@ -152,11 +270,46 @@ def round_codes(w: np.ndarray, scale: np.ndarray, zero: np.ndarray, qmin: int, q
         block, err = w[:, :, c1:c2], np.empty((g, r, c2 - c1))
         for j in range(c2 - c1):
             col = block[:, :, j:j + 1]
-            q = np.clip(np.rint(col / s), lo, hi)
-            codes[:, :, c1 + j:c1 + j + 1] = q
-            e = (col - q * s) / u[:, None, c1 + j, c1 + j, None]
-            block[:, :, j + 1:] -= e * u[:, None, c1 + j, c1 + j + 1:c2]
+            c = c1 + j
+            q = np.clip(np.rint(col / s), lo[:, :, c:c + 1], hi[:, :, c:c + 1])
+            codes[:, :, c:c + 1] = q
+            e = (col - q * s) / u[:, None, c, c, None]
+            block[:, :, j + 1:] -= e * u[:, None, c, c + 1:c2]
             err[:, :, j:j + 1] = e
         if c2 < k:
             w[:, :, c2:] -= err @ u[:, c1:c2, c2:]
     return codes + z
+
+
+def refine_codes(codes: np.ndarray, goal: np.ndarray, lo, hi, h: np.ndarray, sweeps: int) -> tuple[np.ndarray, int]:
+    """Coordinate descent on (q - goal) H (q - goal)^T for each row q of integer ``codes`` [G, R, K]
+    (``goal``: the target in code units; H [G, K, K]): each sweep moves every code, in turn, to its
+    best value in [lo, hi] given the others, while that lowers the loss. Returns (codes, moves)."""
+    q = np.array(codes, np.float64)
+    lo, hi = np.broadcast_to(lo, q.shape), np.broadcast_to(hi, q.shape)
+    grad = (q - goal) @ h                                      # H symmetric: d loss / dq, halved
+    diag = np.diagonal(h, axis1=1, axis2=2)                    # [G, K]
+    k, moves = q.shape[2], 0
+    for _ in range(sweeps):
+        before = moves
+        for c1 in range(0, k, BATCH):                          # lazy: the rest of the row once per batch
+            c2 = min(c1 + BATCH, k)
+            steps = np.zeros(q.shape[:2] + (c2 - c1,))
+            local = grad[:, :, c1:c2]
+            for j in range(c2 - c1):
+                c = c1 + j
+                d = diag[:, None, c]
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    step = np.where(d > 0, np.rint(-local[:, :, j] / d), 0.0)
+                step = np.clip(step, lo[:, :, c] - q[:, :, c], hi[:, :, c] - q[:, :, c])
+                step[step * (2 * local[:, :, j] + step * d) >= 0] = 0.0   # strictly lower loss only
+                if step.any():
+                    q[:, :, c] += step
+                    local += step[:, :, None] * h[:, None, c, c1:c2]
+                    steps[:, :, j] = step
+                    moves += int(np.count_nonzero(step))
+            grad[:, :, :c1] += steps @ h[:, c1:c2, :c1]
+            grad[:, :, c2:] += steps @ h[:, c1:c2, c2:]
+        if moves == before:
+            break
+    return q, moves

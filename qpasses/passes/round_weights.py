@@ -1,85 +1,25 @@
 """round-weights: choose each integer weight's codes to minimise its layer's output error (GPTQ)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import ClassVar
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..analysis.scopes import scopes
+from ..analysis.weighted_layers import Target, checked_values, find_targets, restore as _restore
 from ..calibration.runner import collect_stats
 from ..decisions import PRECISION_SEARCH
 from ..errors import CalibrationDataError, first_line
-from ..evaluate import Reference, rerun_skip_reason
-from ..executors.scoring import trial_score
+from ..evaluate import rerun_skip_reason
 from ..ir import QModel
-from ..objective import Objective
 from ..pipeline import Pass, PassResult
 from ..qtypes import qtype
 from ..registry import register
-from ..rounding import Geometry, Hessian, conv_geometry, round_codes
+from ..rounding import Hessian, round_codes
 
 NAME = "round-weights"
 DECISION = "weight_rounding"
-
-
-@dataclass
-class Target:
-    """One weight to round: the node reading it, the weight constant, how the layer reads its input,
-    and how its array maps to [groups, output channels, inputs] (``to_rows``/``from_rows``)."""
-
-    node: gs.Node
-    weight: gs.Constant
-    geo: Geometry
-    layout: str          # conv | kn (MatMul, Gemm transB=0: [K, N]) | nk (Gemm transB=1: [N, K])
-    hessian: Hessian | None = None
-
-    def to_rows(self, values: np.ndarray) -> np.ndarray:
-        if self.layout == "conv":
-            return values.reshape(self.geo.groups, values.shape[0] // self.geo.groups, -1)
-        return (values.T if self.layout == "kn" else values)[None]
-
-    def from_rows(self, rows: np.ndarray, shape: tuple) -> np.ndarray:
-        if self.layout == "conv":
-            return rows.reshape(shape)
-        return rows[0].T if self.layout == "kn" else rows[0]
-
-
-def find_targets(model: QModel, activation_bits: int) -> list[Target]:
-    """Main-graph Conv (1-D/2-D), MatMul and Gemm (transA = 0) layers whose constant weight, read by
-    that node only, has integer qparams in the table (no convert) and whose data input is a tensor
-    left float or quantized to at least ``activation_bits`` bits."""
-    inner, out = scopes(model), []
-    for node in model.graph.nodes:
-        if node.op not in ("Conv", "MatMul", "Gemm") or len(node.inputs) < 2 or inner.scope_of(node) != 0:
-            continue
-        data, weight = node.inputs[0], node.inputs[1]
-        tq = model.quant.get(weight.name)
-        if (isinstance(data, gs.Constant) or not isinstance(weight, gs.Constant) or len(weight.outputs) != 1
-                or tq is None or tq.role != "weight" or not tq.scale or tq.convert is not None
-                or qtype(tq.qtype).is_float or np.asarray(weight.values).dtype.kind != "f"):
-            continue
-        source = model.quant.get(data.name)
-        if source is not None and min(qtype(t).bits for t in _types(source)) < activation_bits:
-            continue
-        shape = np.shape(weight.values)
-        if node.op == "Conv":
-            geo, layout = conv_geometry(node.attrs, shape), "conv"
-        elif node.op == "Gemm" and not node.attrs.get("transA", 0) and len(shape) == 2:
-            layout = "nk" if node.attrs.get("transB", 0) else "kn"
-            geo = Geometry("dense", shape[1] if layout == "nk" else shape[0])
-        elif node.op == "MatMul" and len(shape) == 2:
-            geo, layout = Geometry("dense", shape[0]), "kn"
-        else:
-            continue
-        if geo is None or (geo.kind == "conv" and shape[0] % geo.groups):
-            continue
-        axis = 1 if layout == "kn" else 0
-        if len(tq.scale) > 1 and (tq.axis is None or tq.axis % len(shape) != axis):
-            continue
-        out.append(Target(node, weight, geo, layout))
-    return out
 
 
 class _Readers:
@@ -191,13 +131,18 @@ class RoundWeights(Pass):
                         t.hessian = None
                     else:
                         rounded += self._round(model, t, samples, originals, notes)
-            checked = self._checked(model, ctx, originals) if self.check and rounded else None
+            checked = None
+            if self.check and rounded:   # scored from the float model the codes were chosen for
+                new = {name: c.values for name, (c, _) in originals.items()}
+                _restore(originals)
+                checked = checked_values(model, ctx, new, self.then, self.check_samples, self.tolerance_db)
+                if checked["kept"]:
+                    _restore({name: (c, new[name]) for name, (c, _) in originals.items()})
         except CalibrationDataError as exc:
             _restore(originals)
             ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
             return PassResult(model, False, {"rounded": 0})
         if checked is not None and not checked["kept"]:
-            _restore(originals)
             rounded, notes = 0, []
         for tq, why in notes:
             tq.because(why)
@@ -216,33 +161,11 @@ class RoundWeights(Pass):
                                  collector=lambda name: _Readers(by_input.get(name, [])))
         return count
 
-    def _checked(self, model: QModel, ctx, originals: dict) -> dict:
-        """The worst output component's score with the rounded codes and with round-to-nearest (the
-        weights as they were) on ``check_samples`` calibration feeds after the ones search-precision
-        chose its promotions on (else the first ones): whether the codes are kept."""
-        search = model.decisions.get(PRECISION_SEARCH, {})
-        rounded = {name: (c, c.values) for name, (c, _) in originals.items()}
-        _restore(originals)   # the float model the codes were chosen for: the reference, and the score before
-        after, held_out = search.get("feeds", 0), search.get("held_out", False)
-        reference = Reference.for_rest(model, ctx.calibration_data, None, after, held_out, self.check_samples)
-        if reference is None:   # the search checked every feed there is
-            after, held_out = 0, False
-            reference = Reference.for_rest(model, ctx.calibration_data, None, 0, False, self.check_samples)
-        objective = Objective(search.get("metric", ctx.config.accuracy.metric), model=model.to_proto(metadata=False))
-        before = trial_score(model, self.then, ctx, reference, objective)
-        _restore(rounded)
-        score = trial_score(model, self.then, ctx, reference, objective)
-        allowed = self.tolerance_db if objective.metric == "snr" else 0.0
-        return {"feeds": len(reference.feeds), "from": after, "metric": objective.metric,
-                "round_to_nearest": round(before, 4), "rounded": round(score, 4), "kept": score >= before - allowed}
-
     def _round(self, model: QModel, t: Target, samples: int, originals: dict, notes: list) -> bool:
         tq = model.quant[t.weight.name]
         values = np.asarray(t.weight.values)
         rows = t.to_rows(values.astype(np.float64))
-        groups, per_group = rows.shape[:2]
-        scale = _per_row(tq.scale, groups, per_group)
-        zero = _per_row(tq.zero_point, groups, per_group)
+        scale, zero = t.per_row(tq.scale, values.shape), t.per_row(tq.zero_point, values.shape)
         qt = qtype(tq.qtype)
         codes = round_codes(rows, scale, zero, qt.qmin, qt.qmax, t.hessian.h, self.damping)
         rounded = (codes - zero[..., None]) * scale[..., None]
@@ -267,23 +190,6 @@ class RoundWeights(Pass):
         notes.append((tq, f"{NAME}: codes chosen to minimise the output error of '{t.node.name}' on {samples} "
                           f"calibration samples (GPTQ with these scales)"))
         return True
-
-
-def _restore(values: dict) -> None:
-    """Give each constant its values back (name -> (gs.Constant, array))."""
-    for constant, array in values.values():
-        constant.values = array
-
-
-def _types(tq) -> list[str]:
-    """The quantized types a tensor's readers may see (its own, and its convert's)."""
-    return [tq.qtype] + ([tq.convert.qtype] if tq.convert is not None else [])
-
-
-def _per_row(values, groups: int, per_group: int) -> np.ndarray:
-    """A per-tensor or per-output-channel qparam as [groups, per_group]."""
-    arr = np.asarray(values, np.float64).ravel()
-    return np.broadcast_to(arr if arr.size > 1 else arr[:1], (groups * per_group,)).reshape(groups, per_group)
 
 
 def _batches(targets: list[Target], budget: float):

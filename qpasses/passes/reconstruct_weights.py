@@ -1,0 +1,367 @@
+"""reconstruct-weights: each integer weight's codes (and its bias) chosen against the quantized model's
+own inputs to the layer, so that the error arriving from earlier layers is corrected too (AdaRound,
+AdaQuant)."""
+from __future__ import annotations
+
+from dataclasses import field
+from typing import ClassVar
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from ..analysis.scopes import all_nodes
+from ..analysis.weighted_layers import Target, checked_values, find_targets
+from ..calibration.data import model_inputs, open_data
+from ..calibration.subgraphs import thread_out
+from ..errors import CalibrationDataError, ModelError, first_line
+from ..evaluate import rerun_skip_reason, session
+from ..ir import QModel
+from ..pipeline import Pass, PassResult, run_nested
+from ..progress import progress
+from ..qdq import require_opset
+from ..qtypes import qtype
+from ..registry import register
+from ..rounding import Hessian, damped, refine_codes, round_codes, target
+
+NAME = "reconstruct-weights"
+DECISION = "weight_reconstruction"
+ALGORITHMS = ("adaround", "adaquant")
+OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
+FLOPS = 200_000_000   # rows enough for this many multiply-adds per moment are cheap: take them (small layers)
+
+
+@register
+class ReconstructWeights(Pass):
+    """Choose integer weight codes and biases against the quantized model's own inputs (AdaRound, AdaQuant).
+
+    Each layer's output error given the quantized model's inputs to it is a quadratic loss of its weights.
+
+    Reads: the table after compute-qparams (the weights' scales and zero points, the activations'
+    grids) and the calibration data. Layers are taken in graph order, ``stages`` at a time: for each
+    stage, one run of the float model and one of the QDQ model built from the table by ``then``
+    (onnxruntime without graph optimizations: the same on every CPU), with the layers of earlier
+    stages already reconstructed, accumulate over ``samples`` feeds, per layer, E[x_q x_q^T] and
+    E[x_q x^T] of the quantized and float inputs as the layer reads them (rows of receptive fields,
+    sampled). The codes then minimise E||W_q x_q + b_q - (W x + b)||^2: GPTQ towards the weights that
+    minimise it unrounded, then single-code moves while the loss falls (``sweeps``).
+    ``adaround``: each code is the floor or the ceiling of weight / scale; ``adaquant``: any code of
+    the type. With ``fit_bias`` a constant bias takes the mean output error (the moments are then
+    centred). Writes: weight values on their grid (insert-qdq stores exactly those codes), biases,
+    why-lines, ``model.decisions["weight_reconstruction"]``. With ``check``, the QDQ models with the
+    new values and with round-to-nearest are scored on ``check_samples`` calibration feeds after the
+    ones used (search-precision's metric) and the values kept only if they score at least as high,
+    less ``tolerance_db``.
+    Invariants: scales and zero points unchanged; codes within the type's range; a second run
+    changes nothing.
+    """
+
+    name: ClassVar[str] = NAME
+    requires: ClassVar[frozenset] = frozenset({"qparams-computed"})
+    preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated", "qparams-computed"})
+    example: ClassVar[str] = """
+        <ir_version: 10, opset_import: ["" : 17]>
+        g (float[1, 3, 5, 5] x) => (float[1, 2, 5, 5] y) <float[2, 3, 1, 1] w = {0.31, -0.52, 0.2, -0.45,
+        0.93, -0.41}, float[2] b = {0.5, -0.25}>
+        {
+            y = Conv (x, w, b)
+        }
+    """
+    example_prelude: ClassVar[str] = "annotate-types,calibrate,compute-qparams"
+
+    algorithm: str = field(default="adaround", metadata={
+        "help": "adaround: each code the floor or ceiling of weight / scale; adaquant: any code of the type",
+        "choices": ALGORITHMS})
+    samples: int = field(default=32, metadata={"help": "calibration feeds the layers' moments are accumulated over"})
+    stages: int = field(default=8, metadata={
+        "help": "runs of the float and quantized models (layers split evenly in graph order; each stage sees "
+                "the earlier stages reconstructed; 0: one per layer)"})
+    sweeps: int = field(default=4, metadata={"help": "coordinate-descent sweeps over the codes after GPTQ"})
+    fit_bias: bool = field(default=True, metadata={"help": "a constant bias takes the mean output error"})
+    mix: float = field(default=1.0, metadata={
+        "help": "share of the input values taken from the quantized model, the others from the float one "
+                "(QDrop: a loss less tied to this model's own errors)"})
+    activation_bits: int = field(default=8, metadata={
+        "help": "reconstruct only layers whose input is float or quantized to at least this many bits"})
+    rows: float = field(default=64.0, metadata={
+        "help": "input rows sampled per layer, times its inputs per channel (spread over the feeds; small "
+                "layers take more)"})
+    min_rows: float = field(default=8.0, metadata={
+        "help": "reconstruct a layer only when its sampled input rows are at least this many times its "
+                "inputs per channel"})
+    damping: float = field(default=0.01, metadata={
+        "help": "pull towards the float weights: added to diag(E[x_q x_q^T]), times its mean"})
+    check: bool = field(default=True, metadata={
+        "help": "keep the values only if the worst output component scores (almost) as high with them as "
+                "with round-to-nearest"})
+    check_samples: int = field(default=16, metadata={"help": "calibration feeds the check scores, after the ones used"})
+    tolerance_db: float = field(default=0.0, metadata={
+        "help": "dB of SNR the values may score below round-to-nearest and still be kept (other metrics: none)"})
+    then: str = field(default="fix-bias-scales,insert-qdq,insert-converts", metadata={
+        "help": "the passes that turn the model into the QDQ model whose inputs are read and scored", "pipeline": True})
+    max_hessian_mb: float = field(default=512.0, metadata={
+        "help": "moments of the layers of one stage (more: the stage is split); a layer whose own are "
+                "larger keeps round-to-nearest"})
+    max_nodes: int = field(default=20000, metadata={"help": "do nothing for graphs with more nodes than this"})
+    max_weight_mb: float = field(default=1024.0, metadata={"help": "do nothing for models with more weight data"})
+
+    def run(self, model: QModel, ctx) -> PassResult:
+        if DECISION in model.decisions:
+            return PassResult(model, False, {"reconstructed": 0})
+        if not find_targets(model, self.activation_bits, OPS, bodies=True):
+            return PassResult(model, False, {"reconstructed": 0})
+        skip = rerun_skip_reason(model, ctx.calibration_data, self.max_nodes, self.max_weight_mb)
+        if skip:
+            ctx.findings.set(NAME, {"skipped": skip})
+            return PassResult(model, False, {"reconstructed": 0})
+        budget = self.max_hessian_mb * 2**20
+        reference = model.to_proto(metadata=False)   # the float model, before any weight moves
+        work, trial = self._working_copy(model, ctx)
+        targets = [t for t in find_targets(work, self.activation_bits, OPS, True) if 2 * t.geo.h_bytes <= budget]
+        changed, notes, gains, done, few, samples = {}, [], [], 0, 0, 0
+        bar = progress(ctx, NAME, len(targets))
+        try:
+            for stage in _stages(targets, self.stages, budget):
+                if trial is None:
+                    trial = work.copy(share_weights=True)
+                    run_nested(self.then, trial, ctx)
+                samples = self._measure(ctx, reference, trial, stage)
+                trial = None
+                for t in stage:
+                    if t.hessian.rows < self.min_rows * t.geo.k:
+                        few += 1
+                    else:
+                        done += self._solve(work, t, samples, changed, notes, gains)
+                    t.hessian = None
+                bar.update(done + few)
+        except CalibrationDataError as exc:
+            bar.close()
+            ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
+            return PassResult(model, False, {"reconstructed": 0})
+        bar.close()
+        checked = None
+        if self.check and changed:
+            try:
+                checked = checked_values(model, ctx, changed, self.then, self.check_samples, self.tolerance_db, samples)
+            except CalibrationDataError as exc:
+                ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
+                return PassResult(model, False, {"reconstructed": 0})
+            if not checked["kept"]:
+                changed, notes, done = {}, [], 0
+        tensors = model.tensors()
+        for name, values in changed.items():
+            tensors[name].values = values
+        for name, why in notes:
+            model.quant[name].because(why)
+        summary = {"algorithm": self.algorithm, "layers": len(targets), "reconstructed": done, "samples": samples,
+                   "too_few_rows": few, "mean_gain_db": round(float(np.mean(gains)), 3) if gains else 0.0,
+                   **({"checked": checked} if checked else {})}
+        model.decisions[DECISION] = {"by": NAME} | summary
+        ctx.findings.set(NAME, summary)
+        return PassResult(model, True, {"reconstructed": done, "samples": samples})
+
+    def _working_copy(self, model: QModel, ctx) -> tuple[QModel, QModel]:
+        """A scratch copy of ``model`` whose weights the stages move, at the opset ``then`` raises it
+        to (raised once, not in every stage's trial), and the first stage's QDQ trial."""
+        work = model.copy(share_weights=True)
+        trial = work.copy(share_weights=True)
+        run_nested(self.then, trial, ctx)
+        if trial.opset > work.opset:
+            require_opset(work, trial.opset)
+        return work, trial
+
+    def _measure(self, ctx, reference: onnx.ModelProto, trial: QModel, stage: list[Target]) -> int:
+        """Accumulate each stage layer's moments (``t.hessian``) over the first ``samples`` feeds from
+        the float model ``reference`` and the QDQ model ``trial``; returns the feeds read."""
+        by_name = {n.name: n for n in all_nodes(trial)}
+        pairs = []   # (target, float input name, quantized input name)
+        for k, t in enumerate(stage):
+            rows = max(self.rows * t.geo.k, FLOPS // (t.geo.groups * t.geo.k * t.geo.k))
+            t.hessian = Hessian(t.geo, seed=k, most=max(1, int(-(-rows // self.samples))))
+            node = by_name.get(t.node.name)
+            if node is None:
+                raise ModelError(f"{NAME}: '{t.node.name}' is gone from the QDQ model")
+            pairs.append((t, t.node.inputs[0].name, node.inputs[0].name))
+        ranks = {n: len(np.shape(t.weight.values)) for t, f, q in pairs if t.geo.kind == "conv" for n in (f, q)}
+        bodies = {n for t, f, q in pairs if t.scope for n in (f, q)}
+        floats = _Fetch(reference, [f for _, f, _ in pairs], bodies, ranks, optimize=True)
+        quants = _Fetch(trial.to_proto(metadata=False), [q for _, _, q in pairs], bodies, ranks, optimize=False)
+        count = 0
+        for feed in open_data(ctx.calibration_data).validated(model_inputs(reference), self.samples):
+            got_f, got_q = floats.run(feed), quants.run(feed)
+            for t, f, q in pairs:
+                fs, qs = got_f.get(f, [feed.get(f)]), got_q.get(q, [feed.get(q)])
+                for x, x_ref in zip(qs, fs) if len(qs) == len(fs) else ():
+                    if x is not None and x_ref is not None and np.shape(x) == np.shape(x_ref):
+                        if t.geo.kind == "dense":   # body values come flat
+                            x, x_ref = np.reshape(x, (-1, t.geo.k)), np.reshape(x_ref, (-1, t.geo.k))
+                        t.hessian.update(x, x_ref)
+            count += 1
+        return count
+
+    def _solve(self, model: QModel, t: Target, samples: int, changed: dict, notes: list, gains: list) -> bool:
+        """Choose ``t``'s codes (and bias) in ``model`` (the working copy): ``changed`` gets the new
+        values by name, ``notes`` the why-lines (tensor name, line), ``gains`` the dB its output error
+        fell by on the rows seen."""
+        tq = model.quant[t.weight.name]
+        values = np.asarray(t.weight.values)
+        rows = t.to_rows(values.astype(np.float64))
+        scale, zero = t.per_row(tq.scale, values.shape), t.per_row(tq.zero_point, values.shape)
+        qt = qtype(tq.qtype)
+        bias = _bias(t)
+        centred = self.fit_bias and bias is not None
+        h, cross = t.hessian.moments(centred, self.mix)
+        goal = target(rows, h, cross, self.damping)
+        s, z = scale[..., None], zero[..., None]
+        if self.algorithm == "adaround":
+            lo = np.clip(np.floor(rows / s) + z, qt.qmin, qt.qmax)
+            hi = np.clip(lo + 1, qt.qmin, qt.qmax)
+        else:
+            lo, hi = qt.qmin, qt.qmax
+        codes = round_codes(goal, scale, zero, lo, hi, h, self.damping, dead_to_zero=False)
+        codes, _ = refine_codes(codes, goal / s + z, lo, hi, damped(h, self.damping), self.sweeps)
+        rounded = (codes - z) * s
+        nearest = (np.clip(np.rint(rows / s) + z, qt.qmin, qt.qmax) - z) * s
+        new = t.from_rows(rounded, values.shape).astype(values.dtype)
+        shift = None
+        if centred:   # the mean output error the codes leave: W mean(x) - W_q mean(x_q)
+            shift = (np.einsum("grk,gk->gr", rows, t.hessian.ref_mean())
+                     - np.einsum("grk,gk->gr", rounded, t.hessian.mean)).ravel()
+        before, after = t.hessian.error_db(rows, nearest), t.hessian.error_db(rows, rounded, shift)
+        gains.append(before - after)
+        if np.array_equal(new, values) and (shift is None or not np.any(shift)):
+            return False
+        t.weight.values = changed[t.weight.name] = new
+        what = "codes" if self.algorithm == "adaround" else "codes and bias"
+        if shift is not None:
+            if t.node.op == "Gemm":   # y = alpha A B + beta C
+                shift = shift * float(t.node.attrs.get("alpha", 1.0)) / float(t.node.attrs.get("beta", 1.0) or 1.0)
+            old = np.asarray(bias.values)
+            bias.values = changed[bias.name] = (old.astype(np.float64) + shift.reshape(old.shape)).astype(old.dtype)
+            if bias.name in model.quant:
+                notes.append((bias.name, f"{NAME}: plus the mean output error of '{t.node.name}' "
+                                                      f"on the quantized model's inputs ({samples} calibration samples)"))
+            what = "codes and bias"
+        notes.append((t.weight.name, f"{NAME}: {self.algorithm} {what} chosen to minimise the output error of '{t.node.name}' "
+                          f"given the quantized model's inputs: {before:.1f} -> {after:.1f} dB of its output on "
+                          f"{t.hessian.rows} input rows of {samples} calibration samples (round to nearest -> these)"))
+        return True
+
+
+def _bias(t: Target) -> gs.Constant | None:
+    """The layer's constant bias (one value per output channel, read by it alone), if any."""
+    bias = t.node.inputs[2] if len(t.node.inputs) > 2 and t.node.op != "MatMul" else None
+    if not isinstance(bias, gs.Constant) or len(bias.outputs) != 1:
+        return None
+    rows = t.per_row(0.0, np.shape(t.weight.values)).size
+    return bias if np.size(bias.values) == rows else None
+
+
+def _stages(targets: list[Target], stages: int, budget: float):
+    """The targets in graph order cut into ``stages`` runs of about equal length (0: one per layer),
+    a run cut again where its moments would pass ``budget`` bytes."""
+    per = max(1, -(-len(targets) // stages)) if stages > 0 else 1
+    for start in range(0, len(targets), per):
+        batch, used = [], 0
+        for t in targets[start:start + per]:
+            if batch and used + 2 * t.geo.h_bytes > budget:
+                yield batch
+                batch, used = [], 0
+            batch.append(t)
+            used += 2 * t.geo.h_bytes
+        if batch:
+            yield batch
+
+
+class _Fetch:
+    """A session of ``proto`` cut down to what the tensors ``names`` need, returning them: those of the
+    main graph as outputs, those of If/Loop/Scan bodies threaded out (calibration.subgraphs), a Conv
+    input with its shape beside it (``ranks``: name -> rank) so that each run of its body gives one
+    array; graph inputs come from the feed."""
+
+    def __init__(self, proto: onnx.ModelProto, names: list[str], in_body: set[str], ranks: dict[str, int],
+                 optimize: bool):
+        proto = _copy(proto)
+        graph = proto.graph
+        top = {vi.name for vi in graph.input} | {o for n in graph.node for o in n.output}
+        body = [n for n in dict.fromkeys(names) if n in in_body]
+        dims = {n: _add_shape(graph, n) for n in body if n in ranks}
+        threaded = thread_out(proto, body + [d for d in dims.values() if d], reduce=False)
+        self.body = {n: (threaded[n][0], threaded[dims[n]][0] if dims.get(n) in threaded else None, ranks.get(n))
+                     for n in body if n in threaded}
+        made = {o for n in graph.node for o in n.output}
+        self.top = [n for n in dict.fromkeys(names) if n in made and n in top and n not in in_body]
+        fetch = self.top + [o for v, d, _ in self.body.values() for o in (v, d) if o]
+        _prune(graph, fetch)
+        self.fetch = fetch
+        self.session = session(proto, optimize=optimize) if fetch else None
+        self.inputs = {i.name for i in self.session.get_inputs()} if self.session else set()
+
+    def run(self, feed: dict) -> dict[str, list[np.ndarray]]:
+        """name -> the arrays it took on ``feed`` (one per run of its body; a main-graph tensor: one)."""
+        if self.session is None:
+            return {}
+        values = dict(zip(self.fetch, self.session.run(self.fetch, {k: v for k, v in feed.items() if k in self.inputs})))
+        out = {n: [values[n]] for n in self.top}
+        for name, (flat, dims, rank) in self.body.items():
+            out[name] = _split(values[flat], values[dims] if dims else None, rank)
+        return out
+
+
+def _split(flat: np.ndarray, dims: np.ndarray | None, rank: int | None) -> list[np.ndarray]:
+    """The arrays a body tensor took, from its threaded values and (for a Conv input) shapes."""
+    if dims is None or not rank:
+        return [flat] if flat.size else []
+    shapes = np.asarray(dims).reshape(-1, rank).astype(np.int64)
+    ends = np.cumsum(np.prod(shapes, axis=1))
+    if not len(ends) or ends[-1] != flat.size:
+        return []
+    return [piece.reshape(shape) for piece, shape in zip(np.split(flat, ends[:-1]), shapes)]
+
+
+def _add_shape(graph: onnx.GraphProto, name: str) -> str | None:
+    """Add Cast(Shape(name), float) beside the body node computing ``name``; its output's name."""
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                if any(name in n.output for n in sub.node):
+                    shape, dims = f"{name}__qp_shape", f"{name}__qp_dims"
+                    sub.node.extend([onnx.helper.make_node("Shape", [name], [shape], name=shape),
+                                     onnx.helper.make_node("Cast", [shape], [dims], name=dims, to=onnx.TensorProto.FLOAT)])
+                    return dims
+                found = _add_shape(sub, name)
+                if found:
+                    return found
+    return None
+
+
+def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(proto)
+    return out
+
+
+def _prune(graph: onnx.GraphProto, names: list[str]) -> None:
+    """Keep only the nodes and initializers the tensors ``names`` need, and them as the outputs."""
+    needed, keep = set(names), []
+    for node in reversed(graph.node):
+        if any(o in needed for o in node.output):
+            keep.append(node)
+            needed.update(_reads(node))
+    known = {vi.name: vi for vi in list(graph.value_info) + list(graph.output)}
+    outputs = [known.get(n) or onnx.helper.make_empty_tensor_value_info(n) for n in names]
+    inits = [t for t in graph.initializer if t.name in needed]
+    del graph.node[:], graph.output[:], graph.initializer[:]
+    graph.node.extend(reversed(keep))
+    graph.output.extend(outputs)
+    graph.initializer.extend(inits)
+
+
+def _reads(node: onnx.NodeProto) -> list[str]:
+    """What a node reads, from its bodies' outer scope too."""
+    out = list(node.input)
+    for attr in node.attribute:
+        for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+            for inner in g.node:
+                out += _reads(inner)
+    return out
