@@ -37,6 +37,7 @@ class Requests:
     nodes: set[str] = field(default_factory=set)                    # nodes_to_quantize
     carriers: dict[str, list[str]] = field(default_factory=dict)    # tensor_overrides tensor -> nodes to force
     problems: list[str] = field(default_factory=list)
+    why: dict[str, str] = field(default_factory=dict)               # forced node -> the request forcing it
 
     @property
     def forced(self) -> set[str]:
@@ -101,8 +102,12 @@ def requests(model: QModel, config) -> Requests:
             out.problems.append(f"{where}: cannot be quantized: {reasons}")
         elif key == "mixed_precision":
             out.region.update(n.name for n in able)
+            for n in able:
+                out.why.setdefault(n.name, f"{where} asks for it")
         else:
             out.carriers[name] = [producer.name] if any(n is producer for n in able) else [n.name for n in able]
+            for n in out.carriers[name]:
+                out.why.setdefault(n, f"{where} asks for it")
     return out
 
 
@@ -123,6 +128,7 @@ def _check_node_lists(out: Requests, nodes: dict, opset: int, config) -> None:
             out.problems.append(f"{where} is a {node.op}, which op_types_to_quantize does not list")
         else:
             out.nodes.add(name)
+            out.why[name] = "nodes_to_quantize names it"
     if isinstance(listed, list):
         present: dict[str, str] = {}
         for node in nodes.values():

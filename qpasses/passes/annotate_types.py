@@ -282,6 +282,8 @@ class TypePlanner:
     # -- entries ----------------------------------------------------------------------------
     def quantize_node(self, node: gs.Node, rule: OpRule) -> None:
         where = f"{node.op} '{node.name}'"
+        if node.name in self.forced and node.name in self.requests.why:
+            where += f", quantized as {self.requests.why[node.name]}"
         self.quantized.add(node.name)
         for i, t in enumerate(node.inputs):
             slot = rule.slot(i)
