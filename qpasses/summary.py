@@ -139,5 +139,8 @@ def shortfall(decision: dict) -> str:
                 f"{confirmed['score']} on all {confirmed['feeds']} calibration feeds it confirmed on")
     else:
         read = f"reached {reached} {decision['metric']}{counted}"
+    asked = decision.get("requested") or []
+    kept = (f"; kept as the config asks, never promoted: {', '.join(asked[:5])}"
+            f"{f' and {len(asked) - 5} more' if len(asked) > 5 else ''}" if asked else "")
     return (f"{read}, short of the target {decision['target']:g}, with {len(decision['promoted'])} tensors "
-            f"promoted{nexts}")
+            f"promoted{nexts}{kept}")

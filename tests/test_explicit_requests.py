@@ -450,3 +450,13 @@ def test_a_request_without_a_range_is_refused_not_dropped():
     assert model.quant["a"].qtype == "uint16"
     with pytest.raises(ConfigError, match=r"tensor_overrides\['a'\]: cannot be quantized: no calibrated range"):
         run_pass(ComputeQParams(), model, config)   # no calibration ran: nothing gives 'a' a range
+
+
+def test_a_missed_target_says_the_requests_were_not_promoted(tmp_path, capsys):
+    """A fixed scale of 1.0 on a Sigmoid output costs the target; the search may not undo it, and says so."""
+    code, err, out = cli(tmp_path, capsys, sigmoid_conv(), {"tensor_overrides": {"SIG_OUT": [{"scale": 1.0, "zero_point": 127}]}},
+                         FEEDS)
+    assert code == 0, err
+    assert out.read("conv", 0) == ("uint8", [1.0], [127]) and out.read("conv", 1) is not None
+    (warning,) = [line for line in err.splitlines() if "warning: search-precision" in line]
+    assert "kept as the config asks, never promoted: SIG_OUT, WGT" in warning

@@ -64,7 +64,8 @@ class SearchPrecision(Pass):
     why-line), ``model.decisions["precision_search"]`` (target, scores and what they counted as,
     promotions, evaluations; what the confirmation read and how many feeds it added to the checks;
     the aim, the share and the order it took). ``met`` is false when the last confirmation missed;
-    then ``blocking`` names the tensors next in the ranking, not promoted, with their local errors.
+    then ``blocking`` names the tensors next in the ranking, not promoted, with their local errors,
+    and ``requested`` those the config named (never promoted).
     Invariants: the graph is not changed; what the config names (tensor_overrides, mixed_precision,
     nodes_to_quantize: qpasses.analysis.requests.pinned) is never promoted; nothing is promoted when the quantized model already meets the
     aim (the target when there is no aim); the aim never takes the share of 8-bit weighted ops below
@@ -147,7 +148,8 @@ class SearchPrecision(Pass):
         if aim <= 0 or DECISION in model.decisions:
             return PassResult(model, False, {"promoted": 0})
         skip = rerun_skip_reason(model, ctx.calibration_data, self.max_nodes, self.max_weight_mb)
-        groups = promotion_groups(model, pinned(model, ctx.config))
+        pins = pinned(model, ctx.config)
+        groups = promotion_groups(model, pins)
         if skip or not groups:
             ctx.findings.set(NAME, {"skipped": skip or "nothing quantized to promote"})
             return PassResult(model, False, {"promoted": 0})
@@ -196,7 +198,7 @@ class SearchPrecision(Pass):
                 for name in chosen})
         met = reached >= target and decision.get("confirmed", {}).get("met") is not False
         decision |= {"promoted": chosen, "evaluations": search.evaluations, "met": met}
-        decision |= {} if met else {"blocking": search.blocking(chosen)}
+        decision |= {} if met else {"blocking": search.blocking(chosen)} | ({"requested": sorted(pins)} if pins else {})
         decision |= {"aim_met": reached >= aim} if "aim" in decision else {}
         model.decisions[DECISION] = decision
         ctx.findings.set(NAME, decision)
