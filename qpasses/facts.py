@@ -75,7 +75,11 @@ CHECKERS = {
     "qparams-computed": _qparams_computed,
     "qdq-inserted": _qdq_inserted,
 }
-CLAIMS: set[str] = {"qdq-inserted"}   # facts that say a rewrite is in the graph (insert-qdq's Q/DQ pairs)
+# facts that say a rewrite a pass reported is in the graph, registered by ``claim``. Unlike the
+# facts passes require, a claim outlives the passes after it (the safe default for a claim is to
+# keep checking it), unless a pass declares it ``invalidates`` it. qdq-inserted is a claim too, but
+# one later passes require: it keeps the safe default of the facts.
+CLAIMS: set[str] = set()
 
 
 def claim(fact: str):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from .errors import ModelError, PassFailure, PipelineError, PreconditionError, QpassesError
+from .facts import CLAIMS
 from .context import RunContext
 from .ir import QModel, constant_bytes, relaxed_gc
 from .registry import all_passes, establishers, get_pass
@@ -25,12 +26,14 @@ class Pass:
     """Base of every pass. Subclasses set ``name``, a docstring, facts, and options as fields.
 
     Facts have a safe default: a pass that reports a modification keeps only the facts it declares
-    it ``preserves`` (and adds those it ``establishes``)."""
+    it ``preserves`` and the claims (facts.CLAIMS) it does not declare it ``invalidates``, and adds
+    those it ``establishes``."""
 
     name: ClassVar[str] = ""
     requires: ClassVar[frozenset] = frozenset()
     establishes: ClassVar[frozenset] = frozenset()
     preserves: ClassVar[frozenset] = frozenset()
+    invalidates: ClassVar[frozenset] = frozenset()   # claims (facts.CLAIMS) its rewrite undoes
 
     def run(self, model: QModel, ctx: RunContext) -> PassResult:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -287,7 +290,7 @@ class PassManager:
             model = result.model
             if result.modified:
                 model.touch()
-                model.facts &= set(p.preserves)
+                model.facts &= set(p.preserves) | (CLAIMS - p.invalidates)
             model.facts |= set(p.establishes)
             if collect and result.modified:
                 gc.collect()

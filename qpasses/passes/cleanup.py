@@ -32,7 +32,7 @@ class Cleanup(Pass):
 
     name: ClassVar[str] = "cleanup"
     preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated", "qparams-computed", "qdq-inserted",
-                                                "weights-quantized", "converts-inserted"})
+                                                "weights-quantized", "converts-inserted", "dynamic-quantized"})
     example: ClassVar[str] = """\
 <ir_version: 10, opset_import: ["" : 17]>
 g (float[2] x) => (float[2] y) <float[2] a = {1,2}, float[2] b = {1,2}, float[2] c = {3,4}> {

@@ -8,6 +8,7 @@ from typing import ClassVar
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ..facts import claim
 from ..graphutil import overridable_initializers
 from ..ir import QModel, make_constant
 from ..pipeline import Pass, PassResult
@@ -17,6 +18,7 @@ from ..qtypes import PER_AXIS_MIN_OPSET, qtype
 from ..registry import register
 
 NAME = "quantize-dynamic"
+DECISIONS, FACT = "dynamic", "dynamic-quantized"
 OP_TYPES = ("Conv", "MatMul", "Gemm")
 MIN_OPSET = 11   # DynamicQuantizeLinear
 FORMS = ("integer", "qdq")
@@ -182,6 +184,15 @@ def apply_plan(model: QModel, plan: Plan, config, form: str) -> Counter:
     return counts
 
 
+@claim(FACT)
+def nodes_rewritten(model: QModel) -> list[str]:
+    """No node ``decisions["dynamic"]`` names is left as a Conv/MatMul/Gemm reading its float weight."""
+    claimed = model.decisions.get(DECISIONS, {})
+    return [f"node '{n.name}' ({n.op}) is reported quantized but still reads its float weight '{n.inputs[1].name}'"
+            for n in model.graph.nodes if n.name in claimed and n.op in OP_TYPES and len(n.inputs) > 1
+            and isinstance(n.inputs[1], gs.Constant)]
+
+
 @register
 class QuantizeDynamic(Pass):
     """Quantize Conv/MatMul/Gemm weights to int8 and their inputs at run time (dynamic quantization).
@@ -198,9 +209,11 @@ class QuantizeDynamic(Pass):
     DequantizeLinear around the original op instead.
     Invariants: the same weights, scales and outputs as onnxruntime's quantize_dynamic with the same
     options; graph inputs and outputs keep their names; a second run changes nothing.
+    ``model.decisions["dynamic"]``: what each rewritten node became (a claim checked on the graph).
     """
 
     name: ClassVar[str] = NAME
+    establishes: ClassVar[frozenset] = frozenset({FACT})
     form: str = field(default="integer", metadata={"choices": FORMS})
     example: ClassVar[str] = """\
 <ir_version: 10, opset_import: ["" : 17]>
@@ -220,5 +233,10 @@ g (float[2,4] x) => (float[2,2] y) <float[4,2] w = {0.5, -1, 0.25, 2, -0.75, 1, 
         if require_opset(model, PER_AXIS_MIN_OPSET if per_axis else MIN_OPSET):
             plan = plan_dynamic(model, ctx.config)
         stats.update(apply_plan(model, plan, ctx.config, self.form))
+        done = model.decisions.setdefault(DECISIONS, {})
+        done.update((t.node, f"{NAME}: {t.op} weight '{t.weight}' {ctx.config.weight_type}"
+                             f"{' per channel' if t.axis is not None else ''}, input quantized at run time ({self.form})")
+                    for t in plan.targets)
+        model.decisions[DECISIONS] = dict(sorted(done.items()))
         model.touch()
         return PassResult(model, True, dict(stats))
