@@ -6,6 +6,7 @@ against ``quantize_static`` itself."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 import numpy as np
 import onnx
@@ -460,3 +461,25 @@ def test_a_missed_target_says_the_requests_were_not_promoted(tmp_path, capsys):
     assert out.read("conv", 0) == ("uint8", [1.0], [127]) and out.read("conv", 1) is not None
     (warning,) = [line for line in err.splitlines() if "warning: search-precision" in line]
     assert "kept as the config asks, never promoted: SIG_OUT, WGT" in warning
+
+
+CORPUS = pathlib.Path.home() / ".cache" / "qp-corpus"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ppocr_v2_cls", "ppocr_v4_rec", "ppocr_v4_det", "ddddocr_det"])
+def test_preset_gives_quantize_statics_qdq_placement_on_real_models(tmp_path, capsys, name):
+    """On the shared corpus models, folded first as qpasses folds (quantize_static folds no BatchNorm)."""
+    import qpasses
+
+    if not (CORPUS / "models" / f"{name}.onnx").exists():
+        pytest.skip("the shared corpus is not built")
+    folded = qpasses.run_pipeline(str(CORPUS / "models" / f"{name}.onnx"),
+                                  "fold-constants,fold-batchnorm,cleanup")[0].to_proto(metadata=False)
+    data = np.load(CORPUS / "calib" / f"{name}.npz")
+    feeds = [{k: data[k][i] for k in data.files} for i in range(4)]
+    code, err, ours = cli(tmp_path, capsys, folded, {"target": "onnxruntime"}, feeds)
+    assert code == 0, err
+    quantize_static(str(tmp_path / "m.onnx"), str(tmp_path / "ort.onnx"), _Reader(feeds),
+                    quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+    assert _placement(ours) == _placement(Out(tmp_path / "ort.onnx"))
