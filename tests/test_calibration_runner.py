@@ -198,9 +198,12 @@ def test_one_session_keeps_the_first_feeds_and_float_outputs(monkeypatch):
     runner.collect_stats(from_proto(proto), feeds, kept=small)
     assert small.feeds == [] and small.full
     monkeypatch.setattr(segments, "CHUNK_NODES", 2)   # several sessions: each returns the outputs it computes
-    chunked = KeptSamples(3)
-    runner.collect_stats(from_proto(proto), feeds, kept=chunked)
+    chunked = KeptSamples(3)   # (histograms fetch every tensor: every part has a session)
+    runner.collect_stats(from_proto(proto), feeds, kept=chunked, method="mse")
     assert chunked.names == names and len(chunked.feeds) == 3
     for got, want in zip(chunked.outputs, kept.outputs):
         for have, value in zip(got, want):
             np.testing.assert_allclose(have, value, rtol=1e-5, atol=1e-6)
+    unbuilt = KeptSamples(3)   # min/max: a part that computes an output but measures nothing gets no
+    runner.collect_stats(from_proto(proto), feeds, kept=unbuilt)   # session, so none are kept
+    assert unbuilt.feeds == []

@@ -150,7 +150,10 @@ class _Plan:
                 self.owned[owner.get(name, 0)].append(name)
         else:  # sample-outer: every session now, then only what they need is kept
             del proto
-            self.segments = [s for s in map(self.build, range(len(self.parts))) if s is not None]
+            built = [self.build(k) for k in range(len(self.parts))]
+            if any(part is None and self.capture_in[k] for k, part in enumerate(built)):
+                self.capture = []   # no session for a part that computes graph outputs and measures nothing
+            self.segments = [s for s in built if s is not None]
             self.release()
 
     def build(self, k: int) -> "_Segment | None":
@@ -166,7 +169,7 @@ class _Plan:
             body.update(thread_out(proto, [n for n, _ in inner if n in self.body], reduce=self.minmax))
             return raw + fetch_red + [o for outputs in body.values() for o in outputs]
 
-        capture = self.capture_in[k]   # only with a session built anyway
+        capture = self.capture_in[k]   # only with a session built anyway (it measures or passes on)
         part = self.seg.build(k, measure, capture, refused=REFUSED)
         return None if part is None else _Segment(part, raw, reduced, self.minmax, capture, body)
 

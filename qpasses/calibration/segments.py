@@ -249,14 +249,14 @@ class SegmentedModel:
               refused: str = "onnxruntime cannot run the model") -> Part | None:
         """The session of part ``k``, its model extended by ``extend`` (whose returned names it
         fetches), also returning ``capture`` (names of tensors it computes anyway); None when it
-        fetches, captures and passes on nothing. ``refused``: the error's first words when
+        fetches nothing and passes nothing on. ``refused``: the error's first words when
         onnxruntime cannot load it (a ModelError)."""
         import onnxruntime as ort
 
         proto, inputs, live_out, done = self.part_model(k)
         fetch = extend(proto) if extend is not None else []
         outputs = list(dict.fromkeys(live_out + fetch))
-        if not outputs and not capture:
+        if not outputs:
             return None
         outputs = list(dict.fromkeys(outputs + list(capture)))
         listed = {o.name for o in proto.graph.output}   # a part's own graph outputs are not all listed
