@@ -14,6 +14,7 @@ from .analysis.ranges import tensors_needing_ranges
 from .errors import ModelError
 from .ir import QModel
 from .oprules import QDQ_OPS
+from .qdq import keeps_float_input
 from .qtypes import qtype
 
 
@@ -55,14 +56,15 @@ def _qparams_computed(model: QModel) -> list[str]:
 
 def _qdq_inserted(model: QModel) -> list[str]:
     """Every entry in the table is read through Q/DQ: a DequantizeLinear writes it (a graph output,
-    a merged Relu), or no other node reads its float tensor."""
+    a merged Relu), or no other node reads its float tensor but a Conv/Gemm whose weight stayed
+    float (qdq.keeps_float_input)."""
     tensors = model.tensors()
     problems = []
     for name in model.quant:
         t = tensors.get(name)
         if t is None or (t.inputs and t.inputs[0].op == "DequantizeLinear"):
             continue
-        readers = [n for n in t.outputs if n.op not in QDQ_OPS]
+        readers = [n for n in t.outputs if n.op not in QDQ_OPS and not keeps_float_input(n, t)]
         if readers:
             problems.append(f"'{name}' is in the quantization table but node '{readers[0].name}' "
                             f"({readers[0].op}) reads it without Q/DQ")

@@ -21,6 +21,7 @@ from .errors import ModelError
 from .graphutil import unique_name
 from .ir import QModel, body_graphs, from_proto, model_tensor_map
 from .opset_convert import convert
+from .oprules import FLOAT_WEIGHT_OPS
 from .qparams import quantize
 from .qtypes import PER_AXIS_MIN_OPSET, QType, qtype
 
@@ -348,6 +349,15 @@ def _absent_resize_inputs(model: QModel) -> None:
             t = node.inputs[index] if index < len(node.inputs) else None
             if isinstance(t, gs.Constant) and t.name and np.asarray(t.values).size == 0:
                 node.inputs[index] = gs.Variable.empty()
+
+
+def keeps_float_input(node: gs.Node, t: gs.Tensor) -> bool:
+    """``node`` reads ``t`` as its data input with a float constant weight and is one of
+    FLOAT_WEIGHT_OPS: insert-qdq leaves it the float value of ``t`` (oprules.FLOAT_WEIGHT_OPS)."""
+    if node.op not in FLOAT_WEIGHT_OPS or len(node.inputs) < 2 or node.inputs[0] is not t:
+        return False
+    w = node.inputs[1]
+    return isinstance(w, gs.Constant) and np.issubdtype(w.values.dtype, np.floating)
 
 
 def require_opset(model: QModel, opset: int) -> bool:

@@ -161,3 +161,27 @@ def test_dynamic_quantization_claims_the_nodes_it_rewrote(encoder_files):
     fact, text = fact_problems(model)
     assert fact == "dynamic-quantized"
     assert "node '/MatMul_2' (MatMul) is reported quantized but still reads its float weight 'wq0'" in text
+
+
+def test_a_conv_whose_weight_stays_float_may_read_the_float_input():
+    """insert-qdq leaves a Conv with a float weight the float value of its input (onnxruntime would
+    give the weight a coarser grid otherwise): the Q/DQ claim allows that reader, and only it."""
+    from qpasses.api import run_pipeline
+    from qpasses.facts import fact_problems
+    from qpasses.testing import parse
+
+    text = """
+    g (float[1, 3, 8, 8] x) => (float[1, 4, 8, 8] y, float[1, 4, 8, 8] z)
+      <float[4, 3, 1, 1] wa = {1,2,3,4,5,6,7,8,9,10,11,12}, float[4, 3, 1, 1] wb = {1,-2,3,-4,5,-6,7,-8,9,-10,11,-12}> {
+      [a] y = Conv (x, wa)
+      [b] z = Conv (x, wb)
+    }"""
+    feeds = [{"x": np.random.default_rng(s).standard_normal((1, 3, 8, 8)).astype(np.float32)} for s in range(4)]
+    model, _ = run_pipeline(parse(text), config={"nodes_to_exclude": ["b"], "accuracy": {"target": -100}},
+                            calibration_data=feeds)   # the end of the run checks the claim
+    conv_b = next(n for n in model.graph.nodes if n.name == "b")
+    assert "x" in model.quant and conv_b.inputs[0].name == "x" and fact_problems(model) is None
+    conv_a = next(n for n in model.graph.nodes if n.name == "a")   # the other reader: back on the float input
+    conv_a.inputs[0] = conv_b.inputs[0]
+    fact, text = fact_problems(model)
+    assert fact == "qdq-inserted" and "node 'a' (Conv) reads it without Q/DQ" in text

@@ -15,11 +15,10 @@ from ..decisions import leave_float
 from ..errors import ModelError, PreconditionError
 from ..fp8 import guard_relus
 from ..ir import QModel, relaxed_gc
-from ..oprules import FLOAT_WEIGHT_OPS
 from ..pipeline import Pass, PassResult
 from ..analysis.scopes import scopes
-from ..qdq import (QParams, ScopedPlacement, dequantize_in_bodies, is_quantized, make_dq, make_q,
-                   min_opset, new_namer, producer, qparam_constants, quantized_values, redirect,
+from ..qdq import (QParams, ScopedPlacement, dequantize_in_bodies, is_quantized, keeps_float_input, make_dq,
+                   make_q, min_opset, new_namer, producer, qparam_constants, quantized_values, redirect,
                    require_opset, scale_dtype)
 from ..registry import register
 from . import CONV_RELU_EXAMPLE
@@ -100,13 +99,7 @@ def analyse(model: QModel) -> GraphFacts:
 def _weighted_readers(t: gs.Tensor) -> tuple[tuple[str, str], ...]:
     """(reader, weight) for each FLOAT_WEIGHT_OPS node reading ``t`` as its data input with a float
     constant weight."""
-    found = []
-    for node in t.outputs:
-        if node.op in FLOAT_WEIGHT_OPS and len(node.inputs) > 1 and node.inputs[0] is t:
-            w = node.inputs[1]
-            if isinstance(w, gs.Constant) and np.issubdtype(w.values.dtype, np.floating):
-                found.append((node.name, w.name))
-    return tuple(found)
+    return tuple((node.name, node.inputs[1].name) for node in t.outputs if keeps_float_input(node, t))
 
 
 def _clamp(node: gs.Node, opset: int) -> Clamp | None:
