@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--executor", metavar="local|ray[:ADDRESS]",
                      help="where calibration shards and scored variants run (default: config "
                           "executor, local); ray needs pip install 'qpasses[ray]'")
+    run.add_argument("--vs-onnxruntime", action="store_true",
+                     help="also quantize with onnxruntime's quantize_static (QDQ, U8S8 per-channel MinMax) on the "
+                          "same data and print the output's latency and size against that model")
     run.add_argument("--time-passes", action="store_true", help="print seconds per pass")
     run.add_argument("--quiet", action="store_true", help="print nothing but errors")
     run.add_argument("--traceback", action="store_true", help="show a traceback on internal errors")
@@ -172,6 +175,8 @@ def cmd_run(args) -> int:
     objective = parse_metric(args.metric)  # a bad spec stops here, before anything is written
     if args.html and not args.calib:
         raise QpassesError("--html reports on a quantized model: give --calib")
+    if args.vs_onnxruntime and not args.calib:
+        raise QpassesError("--vs-onnxruntime compares with onnxruntime's quantization of the same data: give --calib")
     notes: list[str] = []   # printed once everything is written: a failure prints one line only
     say = (lambda *a: None) if args.quiet else (lambda *a: notes.append(" ".join(map(str, a))))
     timer = TimePasses()
@@ -251,6 +256,15 @@ def cmd_run(args) -> int:
         report["summary"], report["integer_kernels"] = run_summary(model, float_reasons(model), proto, optimized)
         say(f"qpasses: {report['summary']}")
     del session, proto
+    if args.vs_onnxruntime:   # a comparison, not the output: a failure is a warning naming onnxruntime's reason
+        from .errors import first_line
+        from .vs_ort import compare as versus, line
+
+        try:
+            report["vs_onnxruntime"] = versus(src, staged, ctx.calibration_data)
+            say(f"qpasses: {line(report['vs_onnxruntime'])}")
+        except Exception as exc:   # onnxruntime's quantizer raises anything
+            say(f"qpasses: warning: --vs-onnxruntime: onnxruntime's quantize_static failed ({first_line(exc)})")
     if args.time_passes:
         say(timer.table())
     if args.html:   # the per-layer page, on the data the SNR line used
