@@ -234,6 +234,24 @@ class SegmentedModel:
         self.chain.recut()
         self._spans()
 
+    def cut_at(self, starts: list[int]) -> bool:
+        """Cut into parts starting at node indices ``starts`` (and 0); False, left uncut, when the graph
+        keeps one session (user-feedable initializers) or a value crossing a cut has no known type."""
+        chain = Chain(self.model, self.proto, self.inferred[0])
+        count = len(self.proto.graph.node)
+        bounds = sorted({0, count} | {s for s in starts if 0 < s < count})
+        if not hasattr(chain, "last"):
+            return False
+        for cut in bounds[1:-1]:
+            crossing = {o for node in self.proto.graph.node[:cut] for o in node.output
+                        if o and chain.last.get(o, -1) >= cut}
+            if crossing - set(chain.types):
+                return False
+        chain.spans = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+        self.chain = chain
+        self._spans()
+        return True
+
     def _spans(self) -> None:
         self.spans = [None] if self.chain is None or len(self.chain.spans) == 1 else self.chain.spans
 

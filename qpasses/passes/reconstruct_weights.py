@@ -13,13 +13,16 @@ import onnx_graphsurgeon as gs
 from ..analysis.scopes import all_nodes
 from ..analysis.weighted_layers import Target, checked_values, find_targets
 from ..calibration.data import model_inputs, open_data
+from ..calibration.segments import SegmentedModel
 from ..calibration.subgraphs import thread_out
 from ..errors import CalibrationDataError, ModelError, first_line
 from ..evaluate import rerun_skip_reason, session
+from ..graphutil import subgraphs
 from ..ir import QModel
 from ..pipeline import Pass, PassResult, run_nested
 from ..progress import progress
-from ..qdq import require_opset
+from ..qdq import QParams, quantized_values, require_opset
+from ..qparams import dequantize
 from ..qtypes import qtype
 from ..registry import register
 from ..rounding import Hessian, damped, refine_codes, round_codes, target
@@ -102,6 +105,9 @@ class ReconstructWeights(Pass):
     max_hessian_mb: float = field(default=512.0, metadata={
         "help": "moments of the layers of one stage (more: the stage is split); a layer whose own are "
                 "larger keeps round-to-nearest"})
+    max_stash_mb: float = field(default=1024.0, metadata={
+        "help": "values kept per feed between the parts of the models (more: each stage runs the models "
+                "again from the feeds; 0: always)"})
     max_nodes: int = field(default=20000, metadata={"help": "do nothing for graphs with more nodes than this"})
     max_weight_mb: float = field(default=1024.0, metadata={"help": "do nothing for models with more weight data"})
 
@@ -119,21 +125,25 @@ class ReconstructWeights(Pass):
         work, trial = self._working_copy(model, ctx)
         targets = [t for t in find_targets(work, self.activation_bits, OPS, True) if 2 * t.geo.h_bytes <= budget]
         changed, notes, gains, done, few, samples = {}, [], [], 0, 0, 0
+        stages = _merged(list(_stages(targets, self.stages, budget)), _anchors(work))
         bar = progress(ctx, NAME, len(targets))
         try:
-            for stage in _stages(targets, self.stages, budget):
-                if trial is None:
-                    trial = work.copy(share_weights=True)
-                    run_nested(self.then, trial, ctx)
-                samples = self._measure(ctx, reference, trial, stage)
-                trial = None
+            runner = _Stashed.made(self, ctx, model, trial, stages) or _Rerun(self, ctx, reference, work, trial)
+            for k, stage in enumerate(stages):
+                try:
+                    samples = runner.measure(k, stage)
+                except _StashFull:   # from here on, every stage runs the models again from the feeds
+                    runner = _Rerun(self, ctx, reference, work, None)
+                    samples = runner.measure(k, stage)
                 for t in stage:
                     if t.hessian.rows < self.min_rows * t.geo.k:
                         few += 1
                     else:
                         done += self._solve(work, t, samples, changed, notes, gains)
                     t.hessian = None
+                runner.advance(k, stage, changed)
                 bar.update(done + few)
+            runner = None
         except CalibrationDataError as exc:
             bar.close()
             ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
@@ -169,35 +179,6 @@ class ReconstructWeights(Pass):
         if trial.opset > work.opset:
             require_opset(work, trial.opset)
         return work, trial
-
-    def _measure(self, ctx, reference: onnx.ModelProto, trial: QModel, stage: list[Target]) -> int:
-        """Accumulate each stage layer's moments (``t.hessian``) over the first ``samples`` feeds from
-        the float model ``reference`` and the QDQ model ``trial``; returns the feeds read."""
-        by_name = {n.name: n for n in all_nodes(trial)}
-        pairs = []   # (target, float input name, quantized input name)
-        for k, t in enumerate(stage):
-            rows = max(self.rows * t.geo.k, FLOPS // (t.geo.groups * t.geo.k * t.geo.k))
-            t.hessian = Hessian(t.geo, seed=k, most=max(1, int(-(-rows // self.samples))))
-            node = by_name.get(t.node.name)
-            if node is None:
-                raise ModelError(f"{NAME}: '{t.node.name}' is gone from the QDQ model")
-            pairs.append((t, t.node.inputs[0].name, node.inputs[0].name))
-        ranks = {n: len(np.shape(t.weight.values)) for t, f, q in pairs if t.geo.kind == "conv" for n in (f, q)}
-        bodies = {n for t, f, q in pairs if t.scope for n in (f, q)}
-        floats = _Fetch(reference, [f for _, f, _ in pairs], bodies, ranks, optimize=True)
-        quants = _Fetch(trial.to_proto(metadata=False), [q for _, _, q in pairs], bodies, ranks, optimize=False)
-        count = 0
-        for feed in open_data(ctx.calibration_data).validated(model_inputs(reference), self.samples):
-            got_f, got_q = floats.run(feed), quants.run(feed)
-            for t, f, q in pairs:
-                fs, qs = got_f.get(f, [feed.get(f)]), got_q.get(q, [feed.get(q)])
-                for x, x_ref in zip(qs, fs) if len(qs) == len(fs) else ():
-                    if x is not None and x_ref is not None and np.shape(x) == np.shape(x_ref):
-                        if t.geo.kind == "dense":   # body values come flat
-                            x, x_ref = np.reshape(x, (-1, t.geo.k)), np.reshape(x_ref, (-1, t.geo.k))
-                        t.hessian.update(x, x_ref)
-            count += 1
-        return count
 
     def _solve(self, model: QModel, t: Target, samples: int, changed: dict, notes: list, gains: list) -> bool:
         """Choose ``t``'s codes (and bias) in ``model`` (the working copy): ``changed`` gets the new
@@ -273,39 +254,263 @@ def _stages(targets: list[Target], stages: int, budget: float):
             yield batch
 
 
-class _Fetch:
-    """A session of ``proto`` cut down to what the tensors ``names`` need, returning them: those of the
-    main graph as outputs, those of If/Loop/Scan bodies threaded out (calibration.subgraphs), a Conv
-    input with its shape beside it (``ranks``: name -> rank) so that each run of its body gives one
-    array; graph inputs come from the feed."""
+class _StashFull(Exception):
+    """The values kept between the parts of the models passed ``max_stash_mb``."""
 
-    def __init__(self, proto: onnx.ModelProto, names: list[str], in_body: set[str], ranks: dict[str, int],
-                 optimize: bool):
-        proto = _copy(proto)
+
+def _pairs(stage: list[Target], trial: QModel, samples: int, rows: float) -> list[tuple[Target, str, str]]:
+    """(target, its float input, its input in the QDQ model ``trial``) of each layer of a stage, each
+    given a fresh Hessian sampling about ``rows`` times its inputs (more for small layers)."""
+    by_name = {n.name: n for n in all_nodes(trial)}
+    out = []
+    for k, t in enumerate(stage):
+        most = max(rows * t.geo.k, FLOPS // (t.geo.groups * t.geo.k * t.geo.k))
+        t.hessian = Hessian(t.geo, seed=k, most=max(1, int(-(-most // samples))))
+        node = by_name.get(t.node.name)
+        if node is None:
+            raise ModelError(f"{NAME}: '{t.node.name}' is gone from the QDQ model")
+        out.append((t, t.node.inputs[0].name, node.inputs[0].name))
+    return out
+
+
+def _accumulate(pairs, got_f: dict, got_q: dict, env_f: dict, env_q: dict) -> None:
+    """Add one feed's values (name -> arrays, one per run of a body; else from ``env_*``: the feed or
+    values an earlier part passed on) to each layer's moments."""
+    for t, f, q in pairs:
+        fs, qs = got_f.get(f, [env_f.get(f)]), got_q.get(q, [env_q.get(q)])
+        for x, x_ref in zip(qs, fs) if len(qs) == len(fs) else ():
+            if x is not None and x_ref is not None and np.shape(x) == np.shape(x_ref):
+                if t.geo.kind == "dense":   # body values come flat
+                    x, x_ref = np.reshape(x, (-1, t.geo.k)), np.reshape(x_ref, (-1, t.geo.k))
+                t.hessian.update(x, x_ref)
+
+
+class _Exposed:
+    """The tensors ``names`` made outputs of ``proto`` (edited in place): those of the main graph it
+    computes as they are, those of If/Loop/Scan bodies threaded out (calibration.subgraphs), a Conv
+    input with its shape beside it (``ranks``: name -> rank) so that each run of its body gives one
+    array. ``fetch``: the outputs to ask for; ``values``: decodes what they returned."""
+
+    def __init__(self, proto: onnx.ModelProto, names: list[str], in_body: set[str], ranks: dict[str, int]):
         graph = proto.graph
-        top = {vi.name for vi in graph.input} | {o for n in graph.node for o in n.output}
         body = [n for n in dict.fromkeys(names) if n in in_body]
         dims = {n: _add_shape(graph, n) for n in body if n in ranks}
         threaded = thread_out(proto, body + [d for d in dims.values() if d], reduce=False)
         self.body = {n: (threaded[n][0], threaded[dims[n]][0] if dims.get(n) in threaded else None, ranks.get(n))
                      for n in body if n in threaded}
         made = {o for n in graph.node for o in n.output}
-        self.top = [n for n in dict.fromkeys(names) if n in made and n in top and n not in in_body]
-        fetch = self.top + [o for v, d, _ in self.body.values() for o in (v, d) if o]
-        _prune(graph, fetch)
-        self.fetch = fetch
-        self.session = session(proto, optimize=optimize) if fetch else None
+        listed = {o.name for o in graph.output}
+        self.top = [n for n in dict.fromkeys(names) if n in made and n not in in_body]
+        graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in self.top if n not in listed)
+        self.fetch = self.top + [o for v, d, _ in self.body.values() for o in (v, d) if o]
+
+    def values(self, got: dict) -> dict[str, list[np.ndarray]]:
+        """name -> the arrays it took (one per run of its body; a main-graph tensor: one)."""
+        out = {n: [got[n]] for n in self.top}
+        for name, (flat, dims, rank) in self.body.items():
+            out[name] = _split(got[flat], got[dims] if dims else None, rank)
+        return out
+
+
+def _layout(pairs) -> tuple[set[str], dict[str, int]]:
+    """The layer inputs living in bodies, and the rank of each Conv input."""
+    bodies = {n for t, f, q in pairs if t.scope for n in (f, q)}
+    ranks = {n: len(np.shape(t.weight.values)) for t, f, q in pairs if t.geo.kind == "conv" for n in (f, q)}
+    return bodies, ranks
+
+
+class _Rerun:
+    """Each stage runs the float model and a fresh QDQ model of ``work`` (its weights as moved so far)
+    from the feeds, each cut down to what the stage's layers read."""
+
+    def __init__(self, owner, ctx, reference: onnx.ModelProto, work: QModel, trial: QModel | None):
+        self.owner, self.ctx, self.reference, self.work, self.trial = owner, ctx, reference, work, trial
+
+    def measure(self, k: int, stage: list[Target]) -> int:
+        if self.trial is None:
+            self.trial = self.work.copy(share_weights=True)
+            run_nested(self.owner.then, self.trial, self.ctx)
+        pairs = _pairs(stage, self.trial, self.owner.samples, self.owner.rows)
+        bodies, ranks = _layout(pairs)
+        floats = _Session(self.reference, [f for _, f, _ in pairs], bodies, ranks, optimize=True)
+        quants = _Session(self.trial.to_proto(metadata=False), [q for _, _, q in pairs], bodies, ranks, optimize=False)
+        self.trial, count = None, 0
+        for feed in open_data(self.ctx.calibration_data).validated(model_inputs(self.reference), self.owner.samples):
+            _accumulate(pairs, floats.run(feed), quants.run(feed), feed, feed)
+            count += 1
+        return count
+
+    def advance(self, k: int, stage: list[Target], changed: dict) -> None:
+        pass   # the next stage's QDQ model is built from ``work``
+
+
+class _Session:
+    """One session of ``proto`` cut down to what the tensors ``names`` need, returning them (_Exposed)."""
+
+    def __init__(self, proto: onnx.ModelProto, names: list[str], in_body: set[str], ranks: dict[str, int],
+                 optimize: bool):
+        proto = _copy(proto)
+        self.exposed = _Exposed(proto, names, in_body, ranks)
+        _prune(proto.graph, self.exposed.fetch)
+        self.session = session(proto, optimize=optimize) if self.exposed.fetch else None
         self.inputs = {i.name for i in self.session.get_inputs()} if self.session else set()
 
     def run(self, feed: dict) -> dict[str, list[np.ndarray]]:
-        """name -> the arrays it took on ``feed`` (one per run of its body; a main-graph tensor: one)."""
         if self.session is None:
             return {}
-        values = dict(zip(self.fetch, self.session.run(self.fetch, {k: v for k, v in feed.items() if k in self.inputs})))
-        out = {n: [values[n]] for n in self.top}
-        for name, (flat, dims, rank) in self.body.items():
-            out[name] = _split(values[flat], values[dims] if dims else None, rank)
-        return out
+        fetch = self.exposed.fetch
+        got = dict(zip(fetch, self.session.run(fetch, {k: v for k, v in feed.items() if k in self.inputs})))
+        return self.exposed.values(got)
+
+
+class _Stashed:
+    """The float model and one QDQ model, each cut before every stage's first layer
+    (calibration.segments) and run part by part over the feeds, the values later parts read kept per
+    feed (the stash, at most ``max_stash_mb``): each part runs once on the float side, twice on the
+    quantized side (to read the stage's inputs, then with its new weights to pass on), so the
+    stages cost about two runs of the QDQ model and one of the float model in all."""
+
+    def __init__(self, owner, ctx, trial: QModel, q_seg, f_seg, q_parts: list[int], f_parts: list[int],
+                 feeds: list[dict]):
+        self.owner, self.ctx, self.trial = owner, ctx, trial
+        self.q_seg, self.f_seg, self.q_parts, self.f_parts = q_seg, f_seg, q_parts, f_parts
+        self.env_q, self.env_f = feeds, [dict(f) for f in feeds]
+        self.limit = owner.max_stash_mb * 2**20
+        for seg, envs, parts in ((q_seg, self.env_q, q_parts), (f_seg, self.env_f, f_parts)):
+            if parts[0] > 0:   # the nodes before the first stage
+                part = seg.build(0, lambda proto: [])
+                for env in envs if part else ():
+                    part.run(env)
+        self._check()
+
+    @classmethod
+    def made(cls, owner, ctx, model: QModel, trial: QModel, stages: list[list[Target]]) -> "_Stashed | None":
+        """The staged runner, or None when the models cannot be cut before every stage."""
+        if owner.max_stash_mb <= 0:
+            return None
+        q_seg = SegmentedModel(trial, optimize=False)
+        f_seg = SegmentedModel(model, optimize=True)
+        parts = []
+        for seg, m in ((q_seg, trial), (f_seg, model)):
+            at = _anchors(m, constants=True)
+            try:
+                starts = [min(at[t.node.name][0] for t in stage) for stage in stages]
+                end = max(at[t.node.name][1] for t in stages[-1]) + 1
+            except KeyError:
+                return None
+            if len(set(starts)) != len(starts) or starts != sorted(starts) or not seg.cut_at(starts + [end]):
+                return None
+            parts.append([sorted({0} | set(starts)).index(s) for s in starts])
+        feeds = list(open_data(ctx.calibration_data).validated(model_inputs(f_seg.proto or model.to_proto(metadata=False)),
+                                                                  owner.samples))
+        return cls(owner, ctx, trial, q_seg, f_seg, parts[0], parts[1], feeds)
+
+    def _check(self) -> None:
+        held = sum(getattr(v, "nbytes", 0) for envs in (self.env_q, self.env_f) for env in envs for v in env.values())
+        if held > self.limit:
+            raise _StashFull()
+
+    def measure(self, k: int, stage: list[Target]) -> int:
+        pairs = _pairs(stage, self.trial, self.owner.samples, self.owner.rows)
+        bodies, ranks = _layout(pairs)
+        exposed = {}
+
+        def fetching(side, names):
+            def extend(proto):
+                exposed[side] = _Exposed(proto, names, bodies, ranks)
+                return exposed[side].fetch
+            return extend
+
+        part_f = self.f_seg.build(self.f_parts[k], fetching("f", [f for _, f, _ in pairs]))
+        part_q = self.q_seg.build(self.q_parts[k], fetching("q", [q for _, _, q in pairs]))
+        for env_f, env_q in zip(self.env_f, self.env_q):
+            before = dict(env_f)   # the run passes the float values on (and drops what it read last)
+            got_f = exposed["f"].values(part_f.run(env_f)) if part_f else {}
+            got_q = exposed["q"].values(part_q.run(dict(env_q))) if part_q else {}
+            _accumulate(pairs, got_f, got_q, before, env_q)
+        return len(self.env_q)
+
+    def advance(self, k: int, stage: list[Target], changed: dict) -> None:
+        """The stash past this stage's part on the quantized side, with the stage's new values."""
+        if k + 1 >= len(self.q_parts):
+            return
+        moved = {c: _as_stored(self.trial, c, changed[c]) for t in stage for c in _constants(t) if c in changed}
+
+        def patch(proto) -> list[str]:
+            nodes = {n.name: n for n in _every_node(proto.graph)}
+            for t in stage:
+                node = nodes.get(t.node.name)
+                for index, name in enumerate(_constants(t), 1):
+                    if node is not None and name in moved and index < len(node.input):
+                        node.input[index] = f"{name}__qp_moved"
+                        proto.graph.initializer.append(onnx.numpy_helper.from_array(moved[name], node.input[index]))
+            return []
+
+        part = self.q_seg.build(self.q_parts[k], patch)
+        for env in self.env_q if part else ():
+            part.run(env)
+        self._check()
+
+
+def _merged(stages: list[list[Target]], anchors: dict[str, int]) -> list[list[Target]]:
+    """Consecutive stages whose first layers sit in the same main-graph node (an If's bodies) as one."""
+    out: list[list[Target]] = []
+    for stage in stages:
+        if out and anchors.get(stage[0].node.name) == anchors.get(out[-1][0].node.name):
+            out[-1] = out[-1] + stage
+        else:
+            out.append(stage)
+    return out
+
+
+def _as_stored(trial: QModel, name: str, values: np.ndarray) -> np.ndarray:
+    """``values`` as the QDQ model ``trial`` would hold them: on the grid its table gives ``name``."""
+    tq = trial.quant.get(name)
+    if tq is None or not tq.scale or tq.convert is not None:
+        return values
+    qp = QParams.make(name, tq.qtype, tq.scale, tq.zero_point, tq.axis, np.ndim(values))
+    stored = dequantize(quantized_values(values, qp).astype(np.int64), qp.scale, qp.zero_point, qp.axis)
+    return stored.astype(values.dtype)
+
+
+def _constants(t: Target) -> list[str]:
+    """The names of the layer's weight and, if any, bias (inputs 1 and 2)."""
+    bias = _bias(t)
+    return [t.weight.name] + ([bias.name] if bias is not None else [])
+
+
+def _anchors(model: QModel, constants: bool = False) -> dict:
+    """Node name -> index of the main-graph node that is it or holds it (If/Loop/Scan); with
+    ``constants``, name -> (first, that index): first, the earliest node computing its constant inputs
+    from constants alone (a weight's DequantizeLinear), so a cut there keeps them in one part."""
+    out = {}
+    producer = {o.name: i for i, node in enumerate(model.graph.nodes) for o in node.outputs}
+    nodes = model.graph.nodes
+
+    def first(i: int) -> int:
+        made = [producer.get(x.name) for x in nodes[i].inputs[1:]]
+        return min([i] + [j for j in made if j is not None and all(isinstance(x, gs.Constant) for x in nodes[j].inputs)])
+
+    for i, node in enumerate(nodes):
+        out[node.name] = (first(i), i) if constants else i
+        for inner in _gs_inside(node):
+            out[inner.name] = (i, i) if constants else i
+    return out
+
+
+def _gs_inside(node: gs.Node):
+    for sub in subgraphs(node):
+        for inner in sub.nodes:
+            yield inner
+            yield from _gs_inside(inner)
+
+
+def _every_node(graph: onnx.GraphProto):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                yield from _every_node(sub)
 
 
 def _split(flat: np.ndarray, dims: np.ndarray | None, rank: int | None) -> list[np.ndarray]:
