@@ -152,6 +152,8 @@ def float_pass(model: Path, calib: Path, repeats: int) -> float:
 
 def snr_db(model: Path, quantized: Path, evald: Path) -> float | None:
     """The worst output's SNR of ``quantized`` against ``model`` over the eval samples."""
+    from qpasses.evaluate import snr_db as snr
+
     if not quantized.is_file():
         return None
     samples = feeds(evald)
@@ -159,13 +161,8 @@ def snr_db(model: Path, quantized: Path, evald: Path) -> float | None:
     names = [o.name for o in ref.get_outputs()]
     r = [ref.run(names, f) for f in samples]
     t = [test.run(names, f) for f in samples]
-    worst = float("inf")
-    for k in range(len(names)):
-        a = np.concatenate([np.ravel(x[k]) for x in r]).astype(np.float64)
-        b = np.concatenate([np.ravel(x[k]) for x in t]).astype(np.float64)
-        err = float(np.sum((a - b) ** 2))
-        worst = min(worst, float("inf") if err == 0 else 10 * np.log10(float(np.sum(a * a)) / err))
-    return worst
+    return min(snr(np.concatenate([np.ravel(x[k]) for x in r]), np.concatenate([np.ravel(x[k]) for x in t]))
+               for k in range(len(names)))
 
 
 # -- the parts ----------------------------------------------------------------------------------------
