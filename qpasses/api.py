@@ -64,12 +64,18 @@ def quantize(model, calibration_data, config=None, passes: str | None = None) ->
     ``calibration_data`` as for ``run_pipeline``. Several passes read the data again after
     calibrate (select-by-snr, search-precision's confirmation, round-weights): a one-shot source
     (a generator, a reader without ``rewind()``) is read once into memory up front (refused
-    with the reason above ``ONE_SHOT_BYTES``). Quiet: ``model.summary`` holds what the command
-    line would print (the 8-bit share, the tensors kept float, a missed target, notices).
+    with the reason above ``ONE_SHOT_BYTES``). Notices (an opset upgraded) go to stderr, as
+    ``run_pipeline``'s; ``model.summary`` holds what the command line would print besides (the
+    8-bit share, the tensors kept float, a missed target, the notices).
     """
     notices: list[str] = []
+
+    def notify(line: str) -> None:
+        notices.append(line)
+        print(line, file=sys.stderr)
+
     data = replayable(calibration_data)
-    model, _ = run_pipeline(model, passes, config=config, calibration_data=data, notify=notices.append)
+    model, _ = run_pipeline(model, passes, config=config, calibration_data=data, notify=notify)
     model.summary = "\n".join(notices + run_summary_lines(model))
     return model
 
