@@ -118,7 +118,7 @@ def cli(model: Path, out: Path, config: Path | None, calib: Path | None = None) 
 
 def cli_lines(stderr: str) -> dict:
     """What the CLI said: its SNR line's value and the pipeline's seconds (--time-passes)."""
-    snr = re.search(r"output SNR vs float: ([-\d.inf]+) dB over ([^(\n]*)", stderr)
+    snr = re.search(r"output SNR vs float: ([-\d.inf]+) dB over ([^(,\n]*)", stderr)
     total = re.search(r"^\s*([\d.]+)\s+100\.0\s+total", stderr, re.M)
     passes = {m.group(2): float(m.group(1)) for m in re.finditer(r"^\s*([\d.]+)\s+[\d.]+\s+([a-z-]+)", stderr, re.M)}
     return {"cli_snr": float(snr.group(1)) if snr else None, "cli_samples": snr.group(2).strip() if snr else None,
