@@ -365,17 +365,18 @@ def _kept_usable(kept, model: QModel) -> bool:
 
 
 def compare(reference_model, test_model, feeds, max_samples: int | None = None, *, objective=None,
-            reference: Reference | None = None) -> dict:
+            reference: Reference | None = None, judged: bool = False) -> dict:
     """Run both models on every feed; per output: SNR over all samples and max abs error. With an
     ``objective`` (qpasses.objective.Objective; its output components are taken from
     ``reference_model`` unless it has them), also per-component SNR and the objective (see
     Reference.score). ``reference``: the reference model's outputs on the feeds, already known
-    (``feeds`` and ``max_samples`` are then not read); ``test_model`` may be an open session."""
+    (``feeds`` and ``max_samples`` are then not read); ``test_model`` may be an open session.
+    ``judged``: ``test_model`` runs in judging_session (the same on every CPU), else as this CPU runs it."""
     if objective is not None and objective.components is None:
         objective = objective.for_model(reference_model)
     if reference is None:
         reference = Reference.run(reference_model, feeds, max_samples)
-    return reference.score(test_model, objective=objective)
+    return reference.score(test_model, objective=objective, judged=judged)
 
 
 def is_session(model) -> bool:

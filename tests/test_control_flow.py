@@ -21,7 +21,7 @@ from qpasses.cli import main
 from qpasses.context import RunContext
 from qpasses.decisions import float_reasons
 from qpasses.errors import ModelError
-from qpasses.evaluate import snr_db
+from qpasses.evaluate import judging_session, snr_db
 from qpasses.explain import explain_lines
 from qpasses.ir import from_proto, load
 from qpasses.pipeline import QUANTIZE_PIPELINE, parse_pipeline
@@ -251,9 +251,10 @@ def _producers(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
 
 
 def _snr(model, out, feeds) -> float:
-    refs, gots = [], []
+    """The output SNR of ``out`` in onnxruntime's QDQ simulation (the same on every CPU)."""
+    refs, gots, simulated = [], [], judging_session(out)
     for feed in feeds:
-        ref, got = run(model, feed), run(out, feed)
+        ref, got = run(model, feed), simulated.run(None, feed)
         assert [a.shape for a in ref] == [b.shape for b in got]
         refs.append(np.concatenate([a.ravel() for a in ref]))
         gots.append(np.concatenate([b.ravel() for b in got]))

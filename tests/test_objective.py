@@ -143,7 +143,7 @@ def quantized_detector():
 
 def test_pooled_snr_is_high_while_the_probabilities_are_lost(quantized_detector):
     float_model, quant = quantized_detector
-    result = compare(float_model, quant, feeds(8), objective=Objective())
+    result = compare(float_model, quant, feeds(8), objective=Objective(), judged=True)
     assert "qdq-inserted" in quant.facts
     pooled, boxes, scores = result["snr_db"], result["components"]["output[boxes]"], result["components"]["output[scores]"]
     assert pooled > 30 and boxes > 30, result       # what the output SNR alone reports
@@ -162,7 +162,7 @@ def test_without_a_fixed_grid_the_probabilities_are_kept(config, kept_float):
     off): the probabilities are not on the boxes' grid, and every component keeps its accuracy."""
     float_model = detector()
     quant = qpasses.quantize(float_model, calibration_data=feeds(16, seed=2), config=config)
-    result = compare(float_model, quant, feeds(8), objective=Objective())
+    result = compare(float_model, quant, feeds(8), objective=Objective(), judged=True)
     assert "qdq-inserted" in quant.facts and "cls_logits" in quant.quant     # the Convs are quantized
     reasons = float_reasons(quant)
     for tensor, why in kept_float.items():
