@@ -105,8 +105,6 @@ def _convert_dict(c: Convert) -> dict:
 class QuantTable:
     """tensor name -> TensorQuant. Serialises to JSON for the model's metadata_props."""
 
-    METADATA_KEY = "qpasses.quant_table"
-
     def __init__(self, entries: dict[str, TensorQuant] | None = None):
         self._entries: dict[str, TensorQuant] = dict(entries or {})
 

@@ -23,15 +23,10 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 from .annotations import QuantTable
 from .errors import ModelError, first_line
 from .graphutil import holds_graph, subgraphs, toposort, unique_name
-from .metadata import read_saved
+from .metadata import DECISIONS_KEY, FACTS_KEY, KEYS, OBSERVED_KEY, QUANT_TABLE_KEY, RANGES_KEY, pack, read_saved
 from .validate import max_ort_ir_version, validate_proto
 
-FACTS_KEY = "qpasses.facts"
-RANGES_KEY = "qpasses.ranges"
-OBSERVED_KEY = "qpasses.observed"
-DECISIONS_KEY = "qpasses.decisions"
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # bytes of tensor data above which we save with external data
-_OUR_KEYS = (QuantTable.METADATA_KEY, FACTS_KEY, RANGES_KEY, OBSERVED_KEY, DECISIONS_KEY)
 
 
 @contextlib.contextmanager
@@ -143,16 +138,16 @@ class QModel:
         proto.ir_version = choose_ir_version(self.ir_version, opsets)
         meta = dict(self.metadata)
         if metadata:
-            meta[QuantTable.METADATA_KEY] = self.quant.to_json()
+            meta[QUANT_TABLE_KEY] = self.quant.to_json()
             meta[FACTS_KEY] = json.dumps(sorted(self.facts))
             meta[RANGES_KEY] = _ranges_json(self.ranges)
             meta[OBSERVED_KEY] = _ranges_json(self.observed)
             meta[DECISIONS_KEY] = json.dumps(self.decisions, sort_keys=True, separators=(",", ":"))
         del proto.metadata_props[:]
         for key in sorted(meta):
-            if key in _OUR_KEYS and meta[key] in ("{}", "[]"):
+            if key in KEYS and meta[key] in ("{}", "[]"):
                 continue
-            proto.metadata_props.add(key=key, value=meta[key])
+            proto.metadata_props.add(key=key, value=pack(meta[key]) if key in KEYS else meta[key])
         return proto
 
     def copy(self, *, share_weights: bool = False) -> "QModel":

@@ -12,6 +12,7 @@ import qpasses
 from qpasses import ModelError, TensorQuant
 from qpasses.annotations import Convert
 from qpasses.ir import from_proto, load, max_ort_ir_version, save
+from qpasses.metadata import read_saved
 from qpasses.testing import parse, random_feed, run
 from qpasses.verify import check_onnx, check_ort
 
@@ -179,3 +180,39 @@ def test_copy_can_share_weight_arrays():
 def test_public_api_exports():
     for name in qpasses.__all__:
         assert hasattr(qpasses, name)
+
+
+def test_long_metadata_is_packed_and_reads_back(tmp_path):
+    from qpasses import metadata
+
+    text = json.dumps({f"t{i}": "why " * 20 for i in range(400)})
+    stored = metadata.pack(text)
+    assert stored.startswith(metadata.PACKED) and len(stored) < len(text) / 3
+    assert metadata.unpack(stored) == text
+    assert metadata.pack("{}") == "{}"
+    with pytest.raises(ValueError, match="does not decode"):
+        metadata.unpack(metadata.PACKED + "not base64!")
+
+
+def test_many_metadata_problems_make_one_short_line():
+    meta = {"qpasses.decisions": json.dumps({"float": {f"t{i}": "just text" for i in range(500)}})}
+    with pytest.raises(ModelError, match=r"\(and 497 more\)$") as info:
+        read_saved(meta)
+    assert len(str(info.value)) < 600
+
+
+def test_a_bad_packed_entry_is_one_line():
+    meta = {"qpasses.decisions": "zlib:AAAA"}
+    with pytest.raises(ModelError, match="metadata 'qpasses.decisions' is not JSON .packed but does not decode"):
+        read_saved(meta)
+
+
+def test_a_model_with_long_decisions_saves_them_packed_and_loads_them(tmp_path):
+    model = from_proto(parse(WITH_INPUT_INIT))
+    model.decisions["float"] = {f"tensor_{i}": {"reason": f"kept float because of reason {i}", "pass": "unit"}
+                                for i in range(2000)}
+    path = tmp_path / "m.onnx"
+    save(model, path)
+    stored = {p.key: p.value for p in onnx.load(str(path)).metadata_props}["qpasses.decisions"]
+    assert stored.startswith("zlib:")
+    assert load(path).decisions["float"] == model.decisions["float"]
