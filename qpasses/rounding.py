@@ -80,7 +80,7 @@ def input_rows(x: np.ndarray, geo: Geometry, rng: np.random.Generator) -> np.nda
 
 def paired_rows(arrays: list, geo: Geometry, rng: np.random.Generator, most: int = 0) -> list[np.ndarray]:
     """input_rows of arrays of one shape (a layer's input in two models) at the same sampled rows
-    (at most ``most`` of them when given)."""
+    (``most`` of them when given, whatever the multiply-adds)."""
     xs = [np.asarray(x, np.float32) for x in arrays]
     if geo.kind == "dense":
         rows = [x.reshape(-1, x.shape[-1]) for x in xs]
@@ -128,9 +128,10 @@ def _padded(x: np.ndarray, begins, ends) -> np.ndarray:
 
 
 def _row_budget(geo: Geometry, width: int | None = None, most: int = 0) -> int:
+    """Rows to sample from one array: ``most`` (else as many as ROW_FLOPS allows), at most ROW_ELEMENTS worth."""
     width = width or geo.k
-    budget = max(1, min(ROW_ELEMENTS // max(width, 1), ROW_FLOPS // max(geo.k * width, 1)))
-    return min(budget, most) if most else budget
+    budget = max(1, ROW_ELEMENTS // max(width, 1))
+    return min(budget, most or max(1, ROW_FLOPS // max(geo.k * width, 1)))
 
 
 def _pick(total: int, budget: int, rng: np.random.Generator) -> np.ndarray:

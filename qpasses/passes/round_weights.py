@@ -112,6 +112,9 @@ class RoundWeights(Pass):
         targets = find_targets(model, 8 if short else self.activation_bits)
         if not targets:
             return PassResult(model, False, {"rounded": 0})
+        if model.decisions.get("weight_reconstruction", {}).get("reconstructed"):
+            ctx.findings.set(NAME, {"skipped": "reconstruct-weights chose the codes"})
+            return PassResult(model, False, {"rounded": 0})
         if model.decisions.get("bias_correction", {}).get("applied"):
             ctx.findings.set(NAME, {"skipped": "the biases were corrected for round-to-nearest weights"})
             return PassResult(model, False, {"rounded": 0})

@@ -176,7 +176,10 @@ def test_a_second_run_changes_nothing_and_the_table_says_why():
     for name, array in values.items():
         np.testing.assert_array_equal(model.tensors()[name].values, array)
     assert model.decisions["weight_reconstruction"]["reconstructed"] == 2
-    assert any("quantized model's inputs" in why for why in model.quant["b"].why)   # fit_bias: the bias moved
+    assert not any("reconstruct-weights" in why for why in model.quant["b"].why)   # no fit_bias: the bias stays
+    model = model_from_text(CONV)
+    run_passes(f"{PRELUDE},reconstruct-weights{{check=false,fit_bias=true}}", model, {}, feeds)
+    assert any("quantized model's inputs" in why for why in model.quant["b"].why)
 
 
 def test_the_saved_model_holds_what_the_pass_chose(tmp_path):
@@ -190,6 +193,35 @@ def test_the_saved_model_holds_what_the_pass_chose(tmp_path):
     resumed = load(str(save(first, tmp_path / "half.onnx")))
     run_passes(f"reconstruct-weights,{THEN}", resumed, {}, feeds)
     assert resumed.to_proto().SerializeToString() == whole.to_proto().SerializeToString()
+
+
+@pytest.mark.parametrize("options", ["", "fit_bias=true,algorithm=adaquant,stages=0"])
+def test_values_kept_between_parts_give_what_running_again_from_the_feeds_gives(options):
+    """The staged runs over the stash (two QDQ runs, one float run in all) and the runs of whole
+    models from the feeds for every stage choose the same values."""
+    feeds = _feeds((1, 8, 12, 12), 16)
+    chosen = []
+    for stash in ("", "max_stash_mb=0"):
+        model = model_from_text(CONV)
+        run_passes(f"{PRELUDE},reconstruct-weights{{check=false,{','.join(o for o in (options, stash) if o)}}}",
+                   model, {}, feeds)
+        chosen.append({n: np.array(model.tensors()[n].values) for n in ("w1", "b1", "w", "b")})
+    for name in ("w1", "w"):
+        np.testing.assert_array_equal(chosen[0][name], chosen[1][name])
+    for name in ("b1", "b"):   # means of float sums taken in other orders
+        np.testing.assert_allclose(chosen[0][name], chosen[1][name], rtol=1e-5, atol=1e-7)
+
+
+def test_round_weights_leaves_reconstructed_codes_alone():
+    feeds = _feeds((1, 8, 12, 12), 16)
+    model = model_from_text(CONV)
+    config = {"activation_type": "uint16"}
+    run_passes(f"{PRELUDE},reconstruct-weights{{check=false}}", model, config, feeds)
+    values = np.array(model.tensors()["w"].values)
+    ctx = RunContext(config, feeds)
+    assert not run_passes("round-weights", model, ctx=ctx)[0].modified
+    assert ctx.findings.as_dict()["round-weights"] == {"skipped": "reconstruct-weights chose the codes"}
+    np.testing.assert_array_equal(model.tensors()["w"].values, values)
 
 
 def test_values_that_score_lower_on_held_out_feeds_are_dropped():
