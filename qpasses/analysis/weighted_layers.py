@@ -147,3 +147,43 @@ def restore(values: dict) -> None:
     """Give each constant its values back (name -> (gs.Constant, array))."""
     for constant, array in values.values():
         constant.values = array
+
+
+class _Feed:
+    """The Hessians of every target reading one tensor (collect_stats feeds it whole arrays)."""
+
+    min = max = 0.0   # collect_stats' test for body tensors that never ran
+
+    def __init__(self, hessians: list[Hessian]):
+        self.hessians = hessians
+
+    def update(self, x, *_) -> None:
+        for h in self.hessians:
+            h.update(x)
+
+
+def batches(targets: list[Target], budget: float):
+    """``targets`` in graph order, as batches whose X^T X together fit ``budget`` bytes."""
+    batch, used = [], 0
+    for t in targets:
+        if batch and used + t.geo.h_bytes > budget:
+            yield batch
+            batch, used = [], 0
+        batch.append(t)
+        used += t.geo.h_bytes
+    if batch:
+        yield batch
+
+
+def measure(model: QModel, data, batch: list[Target], samples: int) -> int:
+    """Each target's ``hessian``: X^T X of its float input over ``samples`` calibration feeds, in one
+    streamed run; returns the feeds read."""
+    from ..calibration.runner import collect_stats
+
+    by_input: dict[str, list[Hessian]] = {}
+    for k, t in enumerate(batch):
+        t.hessian = Hessian(t.geo, seed=k)
+        by_input.setdefault(t.node.inputs[0].name, []).append(t.hessian)
+    _, count = collect_stats(model, data, max_samples=samples, only=set(by_input),
+                             collector=lambda name: _Feed(by_input.get(name, [])))
+    return count

@@ -7,8 +7,7 @@ from typing import ClassVar
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..analysis.weighted_layers import Target, checked_values, find_targets, restore as _restore
-from ..calibration.runner import collect_stats
+from ..analysis.weighted_layers import Target, batches, checked_values, find_targets, measure, restore as _restore
 from ..decisions import PRECISION_SEARCH
 from ..errors import CalibrationDataError, first_line
 from ..evaluate import rerun_skip_reason
@@ -16,23 +15,10 @@ from ..ir import QModel
 from ..pipeline import Pass, PassResult
 from ..qtypes import qtype
 from ..registry import register
-from ..rounding import Hessian, round_codes
+from ..rounding import round_codes
 
 NAME = "round-weights"
 DECISION = "weight_rounding"
-
-
-class _Readers:
-    """The Hessians of every target reading one tensor (collect_stats feeds it whole arrays)."""
-
-    min = max = 0.0   # collect_stats' test for body tensors that never ran
-
-    def __init__(self, hessians: list[Hessian]):
-        self.hessians = hessians
-
-    def update(self, x, *_) -> None:
-        for h in self.hessians:
-            h.update(x)
 
 
 @register
@@ -126,8 +112,8 @@ class RoundWeights(Pass):
         targets = [t for t in targets if t.geo.h_bytes <= budget]
         rounded, samples, few, originals, notes = 0, 0, 0, {}, []
         try:
-            for batch in _batches(targets, budget):
-                samples = self._measure(model, ctx, batch)
+            for batch in batches(targets, budget):
+                samples = measure(model, ctx.calibration_data, batch, self.samples)
                 for t in batch:
                     if t.hessian.rows < self.min_rows * t.geo.k:
                         few += 1
@@ -154,15 +140,6 @@ class RoundWeights(Pass):
         model.decisions[DECISION] = {"by": NAME} | summary
         ctx.findings.set(NAME, summary)
         return PassResult(model, True, {"rounded": rounded, "samples": samples})
-
-    def _measure(self, model: QModel, ctx, batch: list[Target]) -> int:
-        by_input: dict[str, list[Hessian]] = {}
-        for k, t in enumerate(batch):
-            t.hessian = Hessian(t.geo, seed=k)
-            by_input.setdefault(t.node.inputs[0].name, []).append(t.hessian)
-        _, count = collect_stats(model, ctx.calibration_data, max_samples=self.samples, only=set(by_input),
-                                 collector=lambda name: _Readers(by_input.get(name, [])))
-        return count
 
     def _round(self, model: QModel, t: Target, samples: int, originals: dict, notes: list) -> bool:
         tq = model.quant[t.weight.name]
@@ -193,15 +170,3 @@ class RoundWeights(Pass):
         notes.append((tq, f"{NAME}: codes chosen to minimise the output error of '{t.node.name}' on {samples} "
                           f"calibration samples (GPTQ with these scales)"))
         return True
-
-
-def _batches(targets: list[Target], budget: float):
-    batch, used = [], 0
-    for t in targets:
-        if batch and used + t.geo.h_bytes > budget:
-            yield batch
-            batch, used = [], 0
-        batch.append(t)
-        used += t.geo.h_bytes
-    if batch:
-        yield batch
