@@ -85,6 +85,12 @@ _CALIB_ALIASES = {"max": "minmax", "min_max": "minmax", "kl": "entropy", "distri
                   "calibrationmethod.entropy": "entropy", "calibrationmethod.percentile": "percentile"}
 
 
+# the CPUs a model is quantized for (``cpu``): whether onnxruntime's uint8 x int8 kernels there sum
+# product pairs in int16, saturating (qpasses.analysis.saturation; fit-pair-sums protects them)
+CPUS = {"x86-64": "any x86-64 CPU (AVX2 or AVX-512 without VNNI: pair sums saturate in int16)",
+        "x86-64-vnni": "x86-64 with VNNI (AVX512-VNNI or AVX-VNNI: sums in int32)",
+        "arm": "ARM64 (sums in int32)"}
+PAIR_SATURATING_CPUS = frozenset({"x86-64"})
 MODES = ("static", "weight_only", "dynamic")    # pipeline.MODE_PIPELINES: the default pipeline of each mode
 FORMATS = ("qdq", "qoperator")
 
@@ -112,6 +118,7 @@ class QuantConfig:
     tensor_overrides: dict = field(default_factory=dict)  # onnxruntime TensorQuantOverrides schema
     mixed_precision: dict = field(default_factory=dict)   # tensor -> type or {quant_type, symmetric}
     target: str | None = None                     # preset in qpasses/targets/<target>.json
+    cpu: str = "x86-64"                           # one of CPUS: which int8 kernels the model must not saturate
     keep_removable_activations: bool = False      # keep Relu/Clip instead of merging them
     op_types_to_exclude_output_quantization: list[str] = field(default_factory=list)
     per_channel_axes: dict = field(default_factory=dict)  # op type -> weight channel axis
@@ -128,7 +135,7 @@ class QuantConfig:
         if self.weight_symmetric is None and self.weight_type in QTYPES:
             self.weight_symmetric = qtype(self.weight_type).signed
         self.mode = str(self.mode).lower().replace("-", "_")
-        for key, allowed in (("mode", MODES), ("format", FORMATS)):
+        for key, allowed in (("mode", MODES), ("format", FORMATS), ("cpu", tuple(CPUS))):
             if getattr(self, key) not in allowed:
                 problems.append(f"{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
         if self.scale_type not in ("float32", "float16"):

@@ -75,3 +75,35 @@ def run_passes(passes, model: QModel, config=None, data=None, *, ctx=None, instr
     from .pipeline import PassManager
 
     return PassManager(passes, instruments).run(model, ctx if ctx is not None else RunContext(config, data))
+
+
+def bn_conv_layer(seed: int = 0, channels: int = 64, size: int = 16) -> onnx.ModelProto:
+    """Issue 35's layer: a 3x3 Conv over ``channels`` channels with trained-like weights (Laplace,
+    BatchNorm-folded gains per output channel), reading a signed BatchNorm output (``bn_conv_data``),
+    so the input's uint8 zero point is mid-range. Without VNNI its int16 pair sums saturate."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    w = rng.laplace(0, 1, (channels, channels, 3, 3)) * np.sqrt(2 / (channels * 9))
+    w *= rng.uniform(0.5, 1.5, (channels, 1, 1, 1))
+    b = rng.normal(0, 0.1, channels)
+    shape = [1, channels, size, size]
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])], "bn_conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+        [numpy_helper.from_array(w.astype(np.float32), "w"), numpy_helper.from_array(b.astype(np.float32), "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    return model
+
+
+def bn_conv_data(samples: int, seed: int, channels: int = 64, size: int = 16) -> np.ndarray:
+    """[samples, 1, channels, size, size] BatchNorm-like inputs of ``bn_conv_layer``: unit variance,
+    neighbouring channels correlated (0.5, as features of one image are) and spatially smooth."""
+    rng = np.random.default_rng(seed)
+    own = rng.normal(0, 1, (samples, 1, channels, size, size))
+    shared = rng.normal(0, 1, (samples, 1, 1, size, size))
+    x = np.sqrt(0.5) * own + np.sqrt(0.5) * shared
+    x = (x + np.roll(x, 1, -1) + np.roll(x, 1, -2) + np.roll(x, (1, 1), (-1, -2))) / 2
+    return x.astype(np.float32)

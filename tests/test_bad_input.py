@@ -328,6 +328,8 @@ BAD = [
     ("config unknown nested key", lambda d, o: run(d, config={"calibration": {"metod": "minmax"}}),
      "did you mean 'calibration.method'"),
     ("config bad value", lambda d, o: run(d, config={"activation_type": "uint9"}), "activation_type"),
+    ("config unknown cpu", lambda d, o: run(d, calib=feeds(), config={"cpu": "x86"}),
+     "cpu: 'x86' is not one of x86-64, x86-64-vnni, arm"),
     ("config not text", lambda d, o: run(d, extra=["--config", _bytes(d / "c.json", b"\xff\xfe\x00")]),
      "c.json: not a UTF-8 text file"),
     ("config is a folder", lambda d, o: run(d, extra=["--config", d]), "is a folder, expected a JSON or YAML file"),

@@ -1,0 +1,347 @@
+"""Int16 pair sums in onnxruntime's x86-64 U8S8 kernels: which output channels can saturate them,
+and weight codes that cannot.
+
+Measured with onnxruntime 1.32, natively (AVX512-VNNI: exact) against ``qemu-x86_64 -cpu Haswell``
+(AVX2), with weight codes crafted so that one pairing saturates and another does not
+(tests/test_saturation.py, ``slow``):
+
+- QLinearConv, QLinearMatMul, MatMulIntegerToFloat and QGemm (a QDQ Conv with a Q after it, a QDQ
+  MatMul or Gemm) multiply uint8 activation codes by int8 weight codes as stored (zero points are
+  subtracted afterwards) with VPMADDUBSW: the products at K indices 2j and 2j+1 are summed in int16,
+  saturating; with an odd K the last is paired with 0. onnxruntime's AVX-512 kernel without VNNI
+  uses the same instruction; VNNI (VPDPBUSD) and ARM sum in int32.
+- K order: MatMul and Gemm, the weight's K axis; Conv, per group, its NHWC im2col: kernel positions
+  outer, input channels inner (k = position * C_in/group + c), so with an odd C_in/group a pair
+  straddles two kernel positions.
+- Depthwise Conv (one input and one output channel per group) runs a kernel without pair sums; a
+  group with one input channel and several outputs pairs kernel positions.
+- int8 activations are shifted to uint8 (+128) first, so their codes reach 255 too; uint8 weights
+  (U8U8) are widened to int16 first: no saturation. ConvTranspose, and a Conv without a Q after it,
+  run in float.
+
+The codes an activation can reach are its type's whole range: a value beyond the calibrated range
+clips to the grid's end, and ReLU outputs and mid-range zero points alike reach 255. So a pair of
+same-sign weight codes saturates when 255 * |a + b| exceeds the int16 bound: |a + b| > 128.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from ..decisions import PAIR_SUMS
+from ..ir import QModel
+from ..qdq import QParams, quantized_values
+from ..qparams import compute_qparams
+from ..qtypes import qtype
+from .derivations import qparams_options
+from .ranges import weight_range
+from .scopes import all_nodes
+
+INT16_MIN, INT16_MAX = -32768, 32767
+TOP_CODE = 255                       # the largest activation code the kernel multiplies (int8: shifted)
+PAIRED_OPS = ("Conv", "Gemm", "MatMul")
+ACTIVATION_TYPES = ("uint8", "int8")
+WEIGHT_TYPE = "int8"
+
+
+# -- the kernel's view of one weight ---------------------------------------------------------
+def trans_b(node: gs.Node) -> bool:
+    return node.op == "Gemm" and bool(node.attrs.get("transB", 0))
+
+
+def depthwise(node: gs.Node, shape) -> bool:
+    """One input and one output channel per group: onnxruntime's depthwise kernel (no pair sums)."""
+    groups = int(node.attrs.get("group", 1))
+    return node.op == "Conv" and len(shape) > 2 and shape[1] == 1 and shape[0] == groups
+
+
+def k_rows(codes: np.ndarray, op: str, transposed: bool = False) -> np.ndarray:
+    """Weight codes as [rows, K]: one row per output (Conv output channel, Gemm/MatMul column of B),
+    K in the order the kernel pairs it."""
+    if op == "Conv":   # [C_out, C_in/group, k...] -> [C_out, k..., C_in/group]
+        return np.moveaxis(codes, 1, -1).reshape(codes.shape[0], -1)
+    if transposed:     # Gemm transB: [N, K]
+        return codes
+    return np.swapaxes(codes, -1, -2).reshape(-1, codes.shape[-2])   # [..., K, N] -> [... N, K]
+
+
+def from_k_rows(rows: np.ndarray, shape: tuple, op: str, transposed: bool = False) -> np.ndarray:
+    """``k_rows``' inverse: rows back in the weight's layout ``shape``."""
+    if op == "Conv":
+        return np.moveaxis(rows.reshape(shape[0], *shape[2:], shape[1]), -1, 1)
+    if transposed:
+        return rows.reshape(shape)
+    return np.swapaxes(rows.reshape(*shape[:-2], shape[-1], shape[-2]), -1, -2)
+
+
+def output_axis(ndim: int, op: str, transposed: bool = False) -> int:
+    """The weight axis of a row's output channel (what a per-channel scale runs along)."""
+    return 0 if op == "Conv" or transposed else ndim - 1
+
+
+def row_channels(shape: tuple, op: str, transposed: bool = False) -> np.ndarray:
+    """The output channel (index along ``output_axis``) of each of ``k_rows``' rows."""
+    if op == "Conv" or transposed:
+        return np.arange(shape[0])
+    return np.arange(int(np.prod(shape[:-2], dtype=np.int64)) * shape[-1]) % shape[-1]
+
+
+def pair_indices(shape: tuple, op: str, transposed: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat indices into a weight of ``shape`` of every pair's two elements (-1: an odd K's padding),
+    and the output channel of each pair."""
+    rows = k_rows(np.arange(int(np.prod(shape, dtype=np.int64))).reshape(shape), op, transposed)
+    if rows.shape[1] % 2:
+        rows = np.pad(rows, ((0, 0), (0, 1)), constant_values=-1)
+    channels = np.repeat(row_channels(shape, op, transposed), rows.shape[1] // 2)
+    return rows[:, 0::2].ravel(), rows[:, 1::2].ravel(), channels
+
+
+def layout_partners(shape: tuple, op: str, transposed: bool = False) -> np.ndarray:
+    """For one output channel's weights in the weight's own layout (a Conv's [C_in/group, k...]
+    flattened; a MatMul/Gemm column's K), the index of each weight's pair partner (-1: none)."""
+    if op == "Conv":
+        first, second, _ = pair_indices((1, *shape[1:]), op)
+        k = int(np.prod(shape[1:], dtype=np.int64))
+    else:
+        k = shape[1] if transposed else shape[-2]
+        first, second, _ = pair_indices((k, 1), "MatMul")
+    partner = np.full(k, -1)
+    paired = second >= 0
+    partner[first[paired]], partner[second[paired]] = second[paired], first[paired]
+    return partner
+
+
+def refine_safe(codes: np.ndarray, goal: np.ndarray, h: np.ndarray, partner: np.ndarray, lo, hi,
+                sweeps: int, top: int = TOP_CODE) -> np.ndarray:
+    """Codes [G, R, K] (K in ``layout_partners``' order) moved by coordinate descent on the layer loss
+    (q - goal) H (q - goal)^T (rounding.refine_codes) within [lo, hi] and with every pair kept safe:
+    the first and the second codes of the pairs move in turn, each bounded by its partner's code."""
+    from ..rounding import refine_codes
+
+    limit_hi, limit_lo = pair_limits(top)
+    first = (partner < 0) | (partner > np.arange(partner.size))
+    lo, hi = np.broadcast_to(lo, codes.shape), np.broadcast_to(hi, codes.shape)
+    q = np.array(codes, np.float64)
+    for _ in range(sweeps):
+        moved = 0
+        for half in (first, ~first):
+            p = np.where(partner >= 0, q[..., np.maximum(partner, 0)], 0.0)
+            low = np.where(half, np.maximum(lo, np.where(p < 0, limit_lo - p, lo)), q)
+            high = np.where(half, np.minimum(hi, np.where(p > 0, limit_hi - p, hi)), q)
+            q, moves = refine_codes(q, goal, low, high, h, 1)
+            moved += moves
+        if not moved:
+            break
+    return q
+
+
+def _pairs(rows: np.ndarray) -> np.ndarray:
+    """[rows, K] -> [rows, ceil(K/2), 2] (odd K: the last paired with 0), as int32."""
+    rows = np.asarray(rows, np.int32)
+    if rows.shape[1] % 2:
+        rows = np.pad(rows, ((0, 0), (0, 1)))
+    return rows.reshape(rows.shape[0], -1, 2)
+
+
+def pair_limits(top: int = TOP_CODE) -> tuple[int, int]:
+    """The largest and smallest sum of two same-sign weight codes whose products with activation
+    codes in [0, top] stay within int16."""
+    return INT16_MAX // top, -(-INT16_MIN // top)
+
+
+def risky_pairs(rows: np.ndarray, top: int = TOP_CODE) -> np.ndarray:
+    """[rows, pairs] bool: the pair's products with activation codes in [0, top] can leave int16."""
+    p = _pairs(rows)
+    high = top * np.maximum(p, 0).sum(-1)     # both activations at ``top`` where the weight is positive
+    low = top * np.minimum(p, 0).sum(-1)
+    return (high > INT16_MAX) | (low < INT16_MIN)
+
+
+def clip_pairs(rows: np.ndarray, exact: np.ndarray, qmin: int, qmax: int, top: int = TOP_CODE) -> np.ndarray:
+    """``rows`` (int codes) with each risky pair moved onto the int16 bound, to the codes nearest to
+    ``exact`` (the unrounded codes) in squared error; other pairs unchanged."""
+    limit_hi, limit_lo = pair_limits(top)
+    r, j = np.nonzero(risky_pairs(rows, top))
+    out = np.array(rows, np.int32)
+    if not r.size:
+        return out
+    a0, b0 = out[r, 2 * j], out[r, 2 * j + 1]   # a risky pair is never an odd K's last code and its padding
+    ua, ub = np.asarray(exact, np.float64)[r, 2 * j], np.asarray(exact, np.float64)[r, 2 * j + 1]
+    target = np.where(a0 + b0 > limit_hi, limit_hi, limit_lo)
+    lo, hi = np.maximum(qmin, target - qmax), np.minimum(qmax, target - qmin)
+    best = (ua - ub + target) / 2            # the nearest point of a + b = target
+    cands = [np.clip(np.floor(best) + d, lo, hi) for d in (0, 1)]
+    errs = [(a - ua) ** 2 + (target - a - ub) ** 2 for a in cands]
+    a = np.where(errs[0] <= errs[1], cands[0], cands[1]).astype(np.int32)
+    out[r, 2 * j], out[r, 2 * j + 1] = a, target - a
+    return out
+
+
+# -- the layers onnxruntime runs with pair sums ----------------------------------------------
+@dataclass
+class PairLayer:
+    """A node onnxruntime runs as a U8S8 integer kernel, with its weight's codes as stored."""
+
+    node: gs.Node
+    weight: str
+    codes: np.ndarray        # int32, the weight's layout
+
+    @property
+    def transposed(self) -> bool:
+        return trans_b(self.node)
+
+    def rows(self, codes: np.ndarray | None = None) -> np.ndarray:
+        return k_rows(self.codes if codes is None else codes, self.node.op, self.transposed)
+
+    def risky_channels(self, codes: np.ndarray | None = None, top: int = TOP_CODE) -> np.ndarray:
+        """bool per output channel: some pair of its row(s) can saturate."""
+        codes = self.codes if codes is None else codes
+        rows = risky_pairs(self.rows(codes), top).any(1)
+        out = np.zeros(codes.shape[output_axis(codes.ndim, self.node.op, self.transposed)], bool)
+        np.logical_or.at(out, row_channels(codes.shape, self.node.op, self.transposed), rows)
+        return out
+
+    def risky_pair_count(self, top: int = TOP_CODE) -> int:
+        return int(risky_pairs(self.rows(), top).sum())
+
+
+def _seen_type(tq, node: gs.Node) -> str:
+    """The type ``node`` reads a tensor in: its convert's when it is one of the convert's readers."""
+    if tq.convert is not None and node.name in tq.convert.recv_nodes:
+        return tq.convert.qtype
+    return tq.qtype
+
+
+def _kernel_candidate(node: gs.Node) -> bool:
+    return node.op in PAIRED_OPS and len(node.inputs) > 1
+
+
+def _weight_qparams(model: QModel, name: str, tq, config, ndim: int) -> QParams | None:
+    """The entry's qparams; before compute-qparams (with a config), those it will compute from the values."""
+    if tq.scale:
+        return QParams.of(name, tq, ndim)
+    if config is None:
+        return None
+    rmin, rmax, _ = weight_range(model, name, tq)
+    scale, zero_point = compute_qparams(rmin, rmax, tq.qtype, **qparams_options(tq, config))
+    return QParams.make(name, tq.qtype, np.ravel(scale).tolist(), np.ravel(zero_point).tolist(), tq.axis, ndim)
+
+
+def table_layers(model: QModel, config=None) -> list[PairLayer]:
+    """Before insert-qdq: the nodes the table makes U8S8 integer kernels (8-bit integer data input,
+    int8 constant weight; a Conv's output quantized to 8 bits), with the codes insert-qdq will
+    store (given a ``config``, weights without qparams yet get those compute-qparams will give them)."""
+    out, table = [], model.quant
+    for node in all_nodes(model):
+        if not _kernel_candidate(node):
+            continue
+        data, weight = node.inputs[0], node.inputs[1]
+        tq, src = table.get(weight.name), table.get(data.name)
+        if (not isinstance(weight, gs.Constant) or tq is None or tq.role != "weight" or tq.convert is not None or tq.qtype != WEIGHT_TYPE or src is None
+                or _seen_type(src, node) not in ACTIVATION_TYPES):
+            continue
+        if node.op == "Conv":
+            dst = table.get(node.outputs[0].name)
+            if dst is None or dst.qtype not in ACTIVATION_TYPES:
+                continue
+        values = np.asarray(weight.values)
+        if depthwise(node, values.shape):
+            continue
+        qp = _weight_qparams(model, weight.name, tq, config, values.ndim)
+        if qp is None:
+            continue
+        out.append(PairLayer(node, weight.name, quantized_values(values, qp).astype(np.int32)))
+    return out
+
+
+def _dq_input(tensor: gs.Tensor) -> gs.Node | None:
+    node = tensor.inputs[0] if len(tensor.inputs) == 1 else None
+    return node if node is not None and node.op == "DequantizeLinear" else None
+
+
+def _zero_point_type(node: gs.Node) -> str | None:
+    """The integer type a Q or DQ node's zero point declares (uint8 when it has none)."""
+    if len(node.inputs) < 3 or node.inputs[2].name == "":
+        return "uint8"
+    zp = node.inputs[2]
+    dtype = zp.values.dtype if isinstance(zp, gs.Constant) else getattr(zp, "dtype", None)
+    try:
+        return qtype(np.dtype(dtype).name).name
+    except Exception:   # a float8 or unknown type: no U8S8 kernel
+        return None
+
+
+def qdq_layers(model: QModel) -> list[PairLayer]:
+    """In a QDQ model (any producer's): the nodes onnxruntime fuses into U8S8 integer kernels, with
+    the int8 codes their weight DequantizeLinear holds."""
+    out = []
+    for node in all_nodes(model):
+        if not _kernel_candidate(node):
+            continue
+        data, weight = (_dq_input(t) for t in node.inputs[:2])
+        if data is None or weight is None or not isinstance(weight.inputs[0], gs.Constant):
+            continue
+        codes = np.asarray(weight.inputs[0].values)
+        if codes.dtype != np.int8 or _zero_point_type(data) not in ACTIVATION_TYPES or depthwise(node, codes.shape):
+            continue
+        if node.op == "Conv" and not any(r.op == "QuantizeLinear" and _zero_point_type(r) in ACTIVATION_TYPES
+                                         for r in node.outputs[0].outputs):
+            continue
+        out.append(PairLayer(node, weight.inputs[0].name, codes.astype(np.int32)))
+    return out
+
+
+@dataclass(frozen=True)
+class Risk:
+    """A layer whose int16 pair sums can saturate on a CPU without VNNI."""
+
+    node: str
+    op: str
+    weight: str
+    channels: tuple[int, ...]   # output channels with a risky pair
+    of: int                     # output channels in all
+    pairs: int                  # risky pairs
+
+    def line(self) -> str:
+        return (f"{self.op} '{self.node}': {len(self.channels)} of {self.of} output channels "
+                f"({self.pairs} weight pairs)")
+
+
+def risks(layers: list[PairLayer]) -> list[Risk]:
+    """The layers with a pair that can saturate, in graph order."""
+    out = []
+    for layer in layers:
+        channels = layer.risky_channels()
+        if channels.any():
+            out.append(Risk(layer.node.name, layer.node.op, layer.weight, tuple(int(c) for c in np.flatnonzero(channels)),
+                            channels.size, layer.risky_pair_count()))
+    return out
+
+
+def verdict(found: list[Risk], cpu: str, checked: int) -> str:
+    """One line: the layers whose pair sums can saturate on x86-64 without VNNI, and what ``cpu`` makes of them."""
+    from ..config import PAIR_SATURATING_CPUS
+
+    if not found:
+        return f"int16 pair sums: none of {checked} uint8 x int8 layers can saturate on any CPU"
+    action = ("fit-pair-sums restricts them" if cpu in PAIR_SATURATING_CPUS
+              else f"left as they are for cpu {cpu} (cpu: x86-64 protects every x86-64 CPU)")
+    names = "; ".join(r.line() for r in found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
+    return (f"int16 pair sums: {len(found)} of {checked} uint8 x int8 layers can saturate on x86-64 without "
+            f"VNNI, {action}: {names}")
+
+
+def decision_line(model: QModel) -> str | None:
+    """fit-pair-sums' decision saved in the model, in one line (None: it restricted nothing)."""
+    record = model.decisions.get(PAIR_SUMS)
+    if not record:
+        return None
+    done = "restricted" if record.get("restricted") else "left as they are, but would saturate on x86-64 without VNNI"
+    layers = "; ".join(
+        f"{row['op']} '{row['node']}' ({len(row['channels'])} of {row['of']} output channels"
+        + "".join(f", {m} {len(c)}" for m, c in row.get("fixes", {}).items()) + ")"
+        for row in record.get("layers", {}).values())
+    count = len(record.get("layers", {}))
+    return f"int16 pair sums (cpu {record.get('cpu')}): {count} layer{'s' * (count != 1)} {done}: {layers}"
