@@ -123,6 +123,8 @@ def _spread(x: np.ndarray, upsample: tuple) -> np.ndarray:
 
 def _padded(x: np.ndarray, begins, ends) -> np.ndarray:
     """``x`` zero-padded on its two spatial axes (negative pads crop)."""
+    if not any(begins) and not any(ends):
+        return x
     x = np.pad(x, ((0, 0), (0, 0)) + tuple((max(b, 0), max(e, 0)) for b, e in zip(begins, ends)))
     return x[:, :, max(-begins[0], 0):x.shape[2] - max(-ends[0], 0), max(-begins[1], 0):x.shape[3] - max(-ends[1], 0)]
 
@@ -150,29 +152,54 @@ class Hessian:
         self.xtx = np.zeros((geo.groups, geo.k, geo.k))
         self.sum = np.zeros((geo.groups, geo.k))
         self.cross = self.ref_xtx = self.ref_sum = None
-        self.rows = 0
+        self.rows = self.updates = 0
+        self._pending: list = []   # paired rows not yet in the moments: products of larger blocks run faster
 
     def update(self, x: np.ndarray, reference: np.ndarray | None = None) -> None:
-        if reference is None:
-            cols = input_rows(x, self.geo, self.rng)
-        else:
+        self.updates += 1
+        if reference is not None:
             cols, ref = paired_rows([x, reference], self.geo, self.rng, self.most)
-            if self.cross is None:
-                self.cross, self.ref_xtx, self.ref_sum = np.zeros_like(self.xtx), np.zeros_like(self.xtx), np.zeros_like(self.sum)
-            self.cross += cols @ ref.transpose(0, 2, 1)
-            self.ref_xtx += ref @ ref.transpose(0, 2, 1)
-            self.ref_sum += ref.sum(axis=2, dtype=np.float64)
+            self._pending.append((cols, ref))
+            self.rows += cols.shape[2]
+            if sum(c.size for c, _ in self._pending) >= ROW_ELEMENTS:
+                self._flush()
+            return
+        cols = input_rows(x, self.geo, self.rng)
         self.xtx += cols @ cols.transpose(0, 2, 1)   # float32 products of one sample, summed in float64
         self.sum += cols.sum(axis=2, dtype=np.float64)
         self.rows += cols.shape[2]
 
+    def _flush(self) -> None:
+        """Add the pending paired rows to the moments."""
+        if not self._pending:
+            return
+        cols = np.concatenate([c for c, _ in self._pending], axis=2)
+        ref = np.concatenate([r for _, r in self._pending], axis=2)
+        self._pending = []
+        if self.cross is None:
+            self.cross, self.ref_xtx, self.ref_sum = np.zeros_like(self.xtx), np.zeros_like(self.xtx), np.zeros_like(self.sum)
+        if self.geo.groups == 1:   # plain GEMMs on copies (numpy's stacked path and its X X^T path are slower)
+            c, r = cols[0], ref[0]
+            ct, rt = np.ascontiguousarray(c.T), np.ascontiguousarray(r.T)
+            self.xtx[0] += c @ ct
+            self.cross[0] += c @ rt
+            self.ref_xtx[0] += r @ rt
+        else:
+            self.xtx += cols @ cols.transpose(0, 2, 1)
+            self.cross += cols @ ref.transpose(0, 2, 1)
+            self.ref_xtx += ref @ ref.transpose(0, 2, 1)
+        self.sum += cols.sum(axis=2, dtype=np.float64)
+        self.ref_sum += ref.sum(axis=2, dtype=np.float64)
+
     @property
     def h(self) -> np.ndarray:
+        self._flush()
         return self.xtx / max(self.rows, 1)
 
     @property
     def mean(self) -> np.ndarray:
         """[G, K]: the mean input row."""
+        self._flush()
         return self.sum / max(self.rows, 1)
 
     def moments(self, centered: bool, mix: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -180,8 +207,7 @@ class Hessian:
         with probability ``mix``, else the float one (QDrop; 1: the quantized input), less their means
         with ``centered`` (the loss left once a bias absorbs the mean output error). Without a
         reference: (X^T X, X^T X) / rows."""
-        n = max(self.rows, 1)
-        a = self.h
+        a, n = self.h, max(self.rows, 1)
         if self.cross is None:
             b = c = a
             mean = ref_mean = self.mean
@@ -202,13 +228,13 @@ class Hessian:
 
     def ref_mean(self) -> np.ndarray:
         """[G, K]: the reference's mean input row (the input's own without a reference)."""
+        self._flush()
         return self.mean if self.ref_sum is None else self.ref_sum / max(self.rows, 1)
 
     def error_db(self, w: np.ndarray, new: np.ndarray, bias_shift: np.ndarray | None = None) -> float:
         """10 log10 E||new x + bias_shift - w x_r||^2 / E||w x_r||^2 over the rows seen: the output
         error of weights ``new`` [G, R, K] on these inputs against ``w`` on the reference's."""
-        n = max(self.rows, 1)
-        a = self.h
+        a, n = self.h, max(self.rows, 1)
         b, c = (a, a) if self.cross is None else (self.cross / n, self.ref_xtx / n)
         quad = lambda u, m, v: float(np.sum((u @ m) * v))   # noqa: E731  sum over rows of u M v^T
         signal = quad(w, c, w)

@@ -275,10 +275,14 @@ def _pairs(stage: list[Target], trial: QModel, samples: int, flops: float, least
     return out
 
 
-def _accumulate(pairs, got_f: dict, got_q: dict, env_f: dict, env_q: dict) -> None:
+def _accumulate(pairs, got_f: dict, got_q: dict, env_f: dict, env_q: dict, feeds: int, min_rows: float) -> None:
     """Add one feed's values (name -> arrays, one per run of a body; else from ``env_*``: the feed or
-    values an earlier part passed on) to each layer's moments."""
+    values an earlier part passed on) to each layer's moments; a layer whose rows so far, over
+    ``feeds`` feeds, cannot reach ``min_rows`` per input is left (too few rows: a waste of time)."""
     for t, f, q in pairs:
+        h = t.hessian
+        if h.updates and h.rows * feeds < min_rows * t.geo.k * h.updates:
+            continue
         fs, qs = got_f.get(f, [env_f.get(f)]), got_q.get(q, [env_q.get(q)])
         for x, x_ref in zip(qs, fs) if len(qs) == len(fs) else ():
             if x is not None and x_ref is not None and np.shape(x) == np.shape(x_ref):
@@ -338,7 +342,7 @@ class _Rerun:
         quants = _Session(self.trial.to_proto(metadata=False), [q for _, _, q in pairs], bodies, ranks, optimize=False)
         self.trial, count = None, 0
         for feed in open_data(self.ctx.calibration_data).validated(model_inputs(self.reference), self.owner.samples):
-            _accumulate(pairs, floats.run(feed), quants.run(feed), feed, feed)
+            _accumulate(pairs, floats.run(feed), quants.run(feed), feed, feed, self.owner.samples, self.owner.min_rows)
             count += 1
         return count
 
@@ -429,7 +433,7 @@ class _Stashed:
             before = dict(env_f)   # the run passes the float values on (and drops what it read last)
             got_f = exposed["f"].values(part_f.run(env_f)) if part_f else {}
             got_q = exposed["q"].values(part_q.run(dict(env_q))) if part_q else {}
-            _accumulate(pairs, got_f, got_q, before, env_q)
+            _accumulate(pairs, got_f, got_q, before, env_q, len(self.env_q), self.owner.min_rows)
         return len(self.env_q)
 
     def advance(self, k: int, stage: list[Target], changed: dict) -> None:
