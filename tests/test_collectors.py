@@ -216,6 +216,18 @@ def test_mse_barely_clips_at_16_bits_and_symmetric_mode():
     assert lo == -hi and 0 < hi < max(-stats.min, stats.max)
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_mse_on_a_narrow_band_of_one_sign_gives_an_ordered_range(sign):
+    """Values in [0.6233, 0.6255] at 4 bits: the best grid through 0 clips them all to a bound below
+    the smallest; the range collapses onto that bound instead of coming out inverted."""
+    x = sign * np.random.default_rng(0).uniform(0.6233, 0.6255, 64).astype(np.float32)
+    stats = TensorStats(8192)
+    stats.update(x)
+    lo, hi = mse_range(stats.hist, 4)
+    assert lo <= hi
+    assert (lo == hi and 0 < hi <= stats.max) if sign > 0 else (lo == hi and stats.min <= lo < 0)
+
+
 DEGENERATE = {
     "constant": [np.full(10, 3.5, np.float32)],
     "all zero": [np.zeros(100, np.float32), np.zeros(7, np.float32)],

@@ -487,7 +487,10 @@ def mse_range(hist: Histogram, bits: int = 8, symmetric: bool = False, candidate
     lowers = (fractions * lo if lo < 0 else np.zeros(1))[:, None]
     cost = _expected_mse(m, lowers, uppers, (uppers - lowers) / steps)
     i, j = np.unravel_index(int(np.argmin(cost)), cost.shape)
-    return (max(float(lowers[i, 0]), lo), min(float(uppers[0, j]), hi))
+    low, high = max(float(lowers[i, 0]), lo), min(float(uppers[0, j]), hi)
+    # all of one sign: the best grid may clip every value (to upper < lo); the range then collapses
+    # onto that bound, and the grid still reaches 0
+    return (high, high) if low > high and lo > 0 else (low, low) if low > high else (low, high)
 
 
 def finalise(method: str, stats: TensorStats, *, percentile: float = 99.999, num_bins: int = 2048,

@@ -181,10 +181,9 @@ def plan_qdq(table, facts: GraphFacts) -> Plan:
         dq_writes = clamp.output if clamp else name if f.kind == "node" and f.is_output else None
         inserts[name] = Insert(name, "stored" if stored else "pair", entry.role, qp, f.dtype, name,
                                dq_writes, clamp.node if clamp else None)
-    stored = {name for name, ins in inserts.items() if ins.how == "stored"}
-    for name, ins in inserts.items():
+    for name, ins in inserts.items():   # a weight fed as an input too gets a pair: it is quantized
         keep = tuple(r for r, w in facts.tensors[name].weighted_readers
-                     if w not in stored and not (w in facts.tensors and facts.tensors[w].quantized))
+                     if w not in inserts and not (w in facts.tensors and facts.tensors[w].quantized))
         inserts[name] = replace(ins, params_of=_share_root(table, inserts, name),
                                 float_readers=keep if ins.how == "pair" else ())
     opset = max((min_opset(i.qparams, scale_dtype(i.dtype)) for i in inserts.values()), default=0)

@@ -406,6 +406,30 @@ def test_initializer_listed_as_input_stays_feedable():
     np.testing.assert_allclose(y, [2.5, 3.0], atol=8 / 255)
 
 
+def test_a_gemm_whose_weight_is_also_an_input_reads_the_dequantized_input():
+    """A weight listed as a graph input gets a Q/DQ pair, not a stored code: it is quantized, so
+    the Gemm reads its data input through Q/DQ too (found by the 4-bit fuzz run)."""
+    proto = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Gemm", ["x", "w"], ["y"], name="gemm")], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 2]),
+         onnx.helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, [2, 2])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 2])],
+        [onnx.numpy_helper.from_array(np.array([[0.5, -1.0], [2.0, 0.25]], np.float32), "w")]),
+        opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=10)
+    from qpasses.facts import fact_problems
+    from qpasses.ir import from_proto
+
+    model = from_proto(proto)
+    for name in ("x", "w", "y"):
+        model.quant[name] = act_entry(-4, 4)
+    model.facts.add("qparams-computed")
+    assert insert(model).stats.get("float_readers", 0) == 0
+    out = check_onnx(model)
+    gemm = next(n for n in out.graph.node if n.op_type == "Gemm")
+    assert [i.endswith("_dequantized") for i in gemm.input] == [True, True]
+    assert fact_problems(model) is None
+
+
 def test_names_are_suffixed_on_clashes():
     model = model_from_text("""
 g (float[2] x) => (float[2] y) { x_quantized = Relu(x)  y = Neg(x_quantized) }""")
