@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from .analysis.ranges import tensors_needing_ranges
+from .decisions import float_reasons
 from .errors import ModelError
 from .ir import QModel
 from .oprules import QDQ_OPS
@@ -57,12 +58,12 @@ def _qparams_computed(model: QModel) -> list[str]:
 def _qdq_inserted(model: QModel) -> list[str]:
     """Every entry in the table is read through Q/DQ: a DequantizeLinear writes it (a graph output,
     a merged Relu), or no other node reads its float tensor but a Conv/Gemm whose weight stayed
-    float (qdq.keeps_float_input)."""
-    tensors = model.tensors()
+    float (qdq.keeps_float_input), unless a pass recorded why it stays float (a bias fed as an input)."""
+    tensors, kept = model.tensors(), float_reasons(model)
     problems = []
     for name in model.quant:
         t = tensors.get(name)
-        if t is None or (t.inputs and t.inputs[0].op == "DequantizeLinear"):
+        if t is None or name in kept or (t.inputs and t.inputs[0].op == "DequantizeLinear"):
             continue
         readers = [n for n in t.outputs if n.op not in QDQ_OPS and not keeps_float_input(n, t)]
         if readers:

@@ -430,6 +430,26 @@ def test_a_gemm_whose_weight_is_also_an_input_reads_the_dequantized_input():
     assert fact_problems(model) is None
 
 
+def test_a_bias_fed_as_an_input_stays_float_and_the_claim_holds():
+    """A Gemm bias listed as a graph input cannot be an int32 constant: insert-qdq leaves it float,
+    records why, and its qdq-inserted claim does not count it (found by the 4-bit fuzz run)."""
+    import qpasses
+
+    proto = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Gemm", ["x", "w", "b"], ["y"], name="gemm")], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 2]),
+         onnx.helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [2])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 2])],
+        [onnx.numpy_helper.from_array(np.array([[0.5, -1.0], [2.0, 0.25]], np.float32), "w"),
+         onnx.numpy_helper.from_array(np.array([0.1, -0.2], np.float32), "b")]),
+        opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=10)
+    rng = np.random.default_rng(0)
+    model = qpasses.quantize(proto, [{"x": rng.normal(size=(1, 2)).astype(np.float32)} for _ in range(8)])
+    assert "b" in model.decisions["float"]
+    gemm = next(n for n in check_onnx(model).graph.node if n.op_type == "Gemm")
+    assert gemm.input[2] == "b" and gemm.input[0].endswith("_dequantized")
+
+
 def test_names_are_suffixed_on_clashes():
     model = model_from_text("""
 g (float[2] x) => (float[2] y) { x_quantized = Relu(x)  y = Neg(x_quantized) }""")
