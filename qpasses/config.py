@@ -86,7 +86,7 @@ _CALIB_ALIASES = {"max": "minmax", "min_max": "minmax", "kl": "entropy", "distri
 
 
 # the CPUs a model is quantized for (``cpu``): whether onnxruntime's uint8 x int8 kernels there sum
-# product pairs in int16, saturating (qpasses.analysis.saturation; fit-pair-sums protects them)
+# product pairs in int16, saturating (qpasses.analysis.saturation; protect-pair-sums protects them)
 CPUS = {"x86-64": "any x86-64 CPU (AVX2 or AVX-512 without VNNI: pair sums saturate in int16)",
         "x86-64-vnni": "x86-64 with VNNI (AVX512-VNNI or AVX-VNNI: sums in int32)",
         "arm": "ARM64 (sums in int32)"}

@@ -5,7 +5,7 @@ from .ir import QModel
 
 FLOAT = "float"
 PRECISION_SEARCH = "precision_search"   # search-precision's: metric, target, aim, promotions
-PAIR_SUMS = "pair_sums"                 # fit-pair-sums': the layers whose int16 pair sums could saturate
+PAIR_SUMS = "pair_sums"                 # protect-pair-sums': the layers whose int16 pair sums could saturate
 
 
 def leave_float(model: QModel, reasons: dict[str, str], by: str) -> None:
@@ -22,8 +22,3 @@ def float_reasons(model: QModel) -> dict[str, dict]:
     """Tensor -> {reason, pass} for every tensor a pass decided to leave float."""
     return model.decisions.get(FLOAT, {})
 
-
-def restricted_weights(model: QModel) -> set[str]:
-    """The weights fit-pair-sums restricted (their grids are coarser: correct-bias corrects their layers)."""
-    record = model.decisions.get(PAIR_SUMS) or {}
-    return set(record.get("layers", {})) if record.get("restricted") else set()

@@ -1,6 +1,7 @@
 """Explain a tensor's quantization from the table saved in the model."""
 from __future__ import annotations
 
+from .analysis.saturation import decision_line
 from .analysis.scopes import scopes
 from .decisions import float_reasons
 from .errors import QpassesError
@@ -24,6 +25,9 @@ def explain_lines(model: QModel, tensor: str | None = None) -> list[str]:
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise QpassesError(f"tensor '{tensor}' is neither quantized nor left float by a pass{hint}")
     lines = []
+    pair_sums = decision_line(model) if not tensor else None
+    if pair_sums:
+        lines.append(pair_sums)
     if not tensor and floats:
         lines += [f"{name}: left float ({row['pass']}: {row['reason']})" for name, row in floats.items()]
     for name in names:

@@ -218,7 +218,7 @@ def print_pipeline(passes) -> str:
 
 BASE_PIPELINE = "fold-constants,fold-batchnorm,cleanup"
 QUANTIZE_PIPELINE = (BASE_PIPELINE + ",smooth-quant,annotate-types,propagate-mixed-precision,calibrate,"
-                     "select-by-snr,search-precision,quantize-silu,compute-qparams,round-weights,correct-bias,fix-bias-scales,insert-qdq,insert-converts,quantize-gathers,cleanup")
+                     "select-by-snr,search-precision,quantize-silu,compute-qparams,round-weights,correct-bias,fix-bias-scales,protect-pair-sums,insert-qdq,insert-converts,quantize-gathers,cleanup")
 
 
 WEIGHT_ONLY_PIPELINE = BASE_PIPELINE + ",quantize-weights,quantize-gathers,cleanup"

@@ -152,6 +152,16 @@ def _types(out: Preflight, model, ctx) -> None:
         first = f" (the first of {count})" if count > 1 and "'" in example else ""
         more = f" (and {sum(reasons.values()) - count} for other reasons)" if len(reasons) > 1 else ""
         out.lines.append(f"  {op} x{sum(reasons.values())}: {example}{first}{more}")
+    _pair_sums(out, model, ctx.config)
+
+
+def _pair_sums(out: Preflight, model, config) -> None:
+    """The layers whose int16 pair sums can saturate (from the weights alone: activations reach every code)."""
+    from .analysis.saturation import risks, table_layers, verdict
+
+    layers = table_layers(model, config)
+    if layers:
+        out.lines.append(verdict(risks(layers), config.cpu, len(layers)))
 
 
 def _opset_line(out: Preflight, model) -> None:

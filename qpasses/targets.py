@@ -100,7 +100,7 @@ def chosen(config) -> frozenset:
 
 
 # -- table rules -------------------------------------------------------------------------------
-def _user_keys(config, tensor: str) -> set[str]:
+def user_keys(config, tensor: str) -> set[str]:
     entries = (config.tensor_overrides or {}).get(tensor) or [{}]
     return set(entries[0]) if isinstance(entries[0], dict) else set()
 
@@ -152,7 +152,7 @@ class _Rules:
         """Constant inputs of ``node`` without user overrides become per-tensor weights."""
         out = set()
         for t in node.inputs:
-            if isinstance(t, gs.Constant) and t.name in self.table and not _user_keys(self.config, t.name):
+            if isinstance(t, gs.Constant) and t.name in self.table and not user_keys(self.config, t.name):
                 if self._to_weight_type(t.name, f"{node.op} '{node.name}' takes per-tensor weights only"):
                     out.add(t.name)
         return out
@@ -172,7 +172,7 @@ class _Rules:
                 weight = t.name
             elif qtype(_seen_qtype(tq, node.name)).bits == 16:
                 act16 = t.name
-        if act16 is None or weight is None or _user_keys(self.config, weight) & {"quant_type", "symmetric"}:
+        if act16 is None or weight is None or user_keys(self.config, weight) & {"quant_type", "symmetric"}:
             return set()
         changed = self._to_weight_type(weight, f"{node.op} '{node.name}' reads 16-bit '{act16}'")
         return {weight} if changed else set()
@@ -181,7 +181,7 @@ class _Rules:
         """The op's output gets the preset's fixed qparams for its type (dropped if the type changes)."""
         name = node.outputs[0].name
         tq = self.table.get(name)
-        if tq is None or tq.shares is not None or "scale" in _user_keys(self.config, name):
+        if tq is None or tq.shares is not None or "scale" in user_keys(self.config, name):
             return set()
         want = self.target.fixed_output_qparams[node.op].get(tq.qtype)
         if want is not None:

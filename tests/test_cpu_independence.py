@@ -67,9 +67,9 @@ def example_feeds():
 
 CASES = {"example": (example_model, example_feeds), "mask": (mask_model, mask_feeds), "silu": (silu_model, silu_feeds)}
 GOLDEN = {
-    "example": "5cf88a6d50d6de21eb3a1bd175409e92a649fec608827cbfbe0d418e5115bf1d",
-    "mask": "7603f78f4d2082f2f50a3031342f1f2ef5f67fbc763e4e5bcf3267e9bd754c99",
-    "silu": "825a2d8d6b67d96c525ea204d99ad8260d0af572bc275c84b78d76d78f624d74",
+    "example": "b6b077dca01a29e28be31b57bb1c56352497887152f1cd124d44cbd7e0896156",
+    "mask": "2af274c1ba7dc084b7c5c3ac3c85100f51d42cfcb03afac21e982b4192c0a0e8",
+    "silu": "7c4ad22fcc838d94d2d7c73366803ae727ee3989326f38cd2bbfd72ccdf90e3c",
 }
 
 

@@ -42,6 +42,8 @@ def test_the_example_can_be_quantized(example, capsys):
     assert "Conv x2: uint8 2" in out and "Gemm x1: uint8 1" in out
     # the residual Add stays float by default, with annotate-types' reason
     assert "Add x1: Add stays float by default" in out
+    assert ("int16 pair sums: 3 of 3 uint8 x int8 layers can saturate on x86-64 without VNNI, "
+            "protect-pair-sums protects them: Conv 'conv1'") in out
     assert out.rstrip().endswith("verdict: can be quantized")
 
 

@@ -45,7 +45,8 @@ def test_the_first_tensor_accumulates_only_its_own_error(convs):
 def test_the_precision_map_reads_the_qdq_graph(convs):
     _, qdq, _ = convs
     cells = precision_cells(qdq.to_proto(metadata=False))
-    assert [p for label, p in cells if label.startswith("Conv")] == ["int8", "int8"]
+    # 8-bit weights; uint8 because their int8 pair sums could saturate without VNNI (protect-pair-sums)
+    assert [p for label, p in cells if label.startswith("Conv")] == ["uint8", "uint8"]
 
 
 def _self_contained(text: str) -> None:
@@ -64,6 +65,8 @@ def test_report_command_writes_one_self_contained_page(example, tmp_path, capsys
     table = text.split("<h2>Per-layer table</h2>")[1]
     assert table.count("<tr>") - 1 == len(layers(load(model), load(q), [])) >= 5
     assert "8-bit: 100 % of weighted ops" in text and "Time per pass: not recorded" in text
+    pairs = text.split("<h2>int16 pair sums by CPU</h2>")[1].split("<h2>")[0]
+    assert "saturates:" not in pairs and "weights stored as uint8" in pairs and "cpu <code>x86-64</code>" in pairs
 
 
 def test_run_html_has_the_passes_and_the_output_snr(example, tmp_path, capsys):

@@ -207,7 +207,7 @@ class PairLayer:
         return int(risky_pairs(self.rows(), top).sum())
 
 
-def _seen_type(tq, node: gs.Node) -> str:
+def seen_type(tq, node: gs.Node) -> str:
     """The type ``node`` reads a tensor in: its convert's when it is one of the convert's readers."""
     if tq.convert is not None and node.name in tq.convert.recv_nodes:
         return tq.convert.qtype
@@ -240,7 +240,7 @@ def table_layers(model: QModel, config=None) -> list[PairLayer]:
         data, weight = node.inputs[0], node.inputs[1]
         tq, src = table.get(weight.name), table.get(data.name)
         if (not isinstance(weight, gs.Constant) or tq is None or tq.role != "weight" or tq.convert is not None or tq.qtype != WEIGHT_TYPE or src is None
-                or _seen_type(src, node) not in ACTIVATION_TYPES):
+                or seen_type(src, node) not in ACTIVATION_TYPES):
             continue
         if node.op == "Conv":
             dst = table.get(node.outputs[0].name)
@@ -326,7 +326,7 @@ def verdict(found: list[Risk], cpu: str, checked: int) -> str:
 
     if not found:
         return f"int16 pair sums: none of {checked} uint8 x int8 layers can saturate on any CPU"
-    action = ("fit-pair-sums restricts them" if cpu in PAIR_SATURATING_CPUS
+    action = ("protect-pair-sums protects them" if cpu in PAIR_SATURATING_CPUS
               else f"left as they are for cpu {cpu} (cpu: x86-64 protects every x86-64 CPU)")
     names = "; ".join(r.line() for r in found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
     return (f"int16 pair sums: {len(found)} of {checked} uint8 x int8 layers can saturate on x86-64 without "
@@ -334,14 +334,18 @@ def verdict(found: list[Risk], cpu: str, checked: int) -> str:
 
 
 def decision_line(model: QModel) -> str | None:
-    """fit-pair-sums' decision saved in the model, in one line (None: it restricted nothing)."""
+    """protect-pair-sums' decision saved in the model, in one line (None: no layer was at risk)."""
     record = model.decisions.get(PAIR_SUMS)
     if not record:
         return None
-    done = "restricted" if record.get("restricted") else "left as they are, but would saturate on x86-64 without VNNI"
-    layers = "; ".join(
-        f"{row['op']} '{row['node']}' ({len(row['channels'])} of {row['of']} output channels"
-        + "".join(f", {m} {len(c)}" for m, c in row.get("fixes", {}).items()) + ")"
-        for row in record.get("layers", {}).values())
-    count = len(record.get("layers", {}))
-    return f"int16 pair sums (cpu {record.get('cpu')}): {count} layer{'s' * (count != 1)} {done}: {layers}"
+    layers = record.get("layers", {})
+    if record.get("protected"):
+        fixes = [row.get("fix") for row in layers.values()]
+        done = ", ".join(f"{fixes.count(f)} {'with weights stored as uint8' if f == 'uint8' else f'left ({f})'}"
+                         for f in dict.fromkeys(fixes))
+    else:
+        done = "left as they are, but would saturate on x86-64 without VNNI"
+    names = "; ".join(f"{row['op']} '{row['node']}' ({len(row['channels'])} of {row['of']} output channels)"
+                      for row in list(layers.values())[:5]) + (f"; and {len(layers) - 5} more" if len(layers) > 5 else "")
+    count = len(layers)
+    return f"int16 pair sums (cpu {record.get('cpu')}): {count} layer{'s' * (count != 1)} at risk, {done}: {names}"

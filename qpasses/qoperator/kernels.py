@@ -34,7 +34,8 @@ def _out(unit: Unit) -> list:
 
 
 def _weight(unit: Unit, index: int, channel_axis: int) -> QInput | str:
-    """The weight DQ: 8-bit, per tensor or per ``channel_axis`` with zero points all 0."""
+    """The weight DQ: 8-bit, per tensor or per ``channel_axis`` with one zero point for all channels
+    (0 for int8; uint8 weights, as protect-pair-sums stores them, have 128)."""
     w = unit.inputs[index] if index < len(unit.inputs) else None
     if w is None or not isinstance(w.q, gs.Constant):
         return "weight is not a dequantized constant"
@@ -44,8 +45,10 @@ def _weight(unit: Unit, index: int, channel_axis: int) -> QInput | str:
         return "int8 activations need int8 weights"
     if not w.per_tensor:
         ndim = np.ndim(w.q.values)
-        if w.axis is None or w.axis % ndim != channel_axis % ndim or np.any(w.zero_point.values != 0):
-            return "per-channel weight not on the output channel axis or with non-zero zero points"
+        zero_points = np.asarray(w.zero_point.values)
+        if (w.axis is None or w.axis % ndim != channel_axis % ndim or np.any(zero_points != zero_points.flat[0])
+                or (w.dtype == np.int8 and np.any(zero_points != 0))):
+            return "per-channel weight not on the output channel axis or with unequal (int8: non-zero) zero points"
     return w
 
 

@@ -15,8 +15,9 @@ def build(float_model, qdq_model, data, *, objective=None, run_report: dict | No
           layer_samples: int = LAYER_SAMPLES) -> str:
     """The report page for a float model and its QDQ model (paths or QModels) on ``data`` (a
     path or CalibrationData). ``run_report``: what ``qpasses run`` knows besides (time per pass)."""
+    from ..analysis.saturation import qdq_layers, risks
     from ..calibration.data import open_data
-    from ..decisions import float_reasons
+    from ..decisions import PAIR_SUMS, float_reasons
     from ..evaluate import Reference
     from ..ir import load
     from ..objective import parse_metric
@@ -37,6 +38,7 @@ def build(float_model, qdq_model, data, *, objective=None, run_report: dict | No
     accuracy = reference.score(qmodel, objective=objective)
     qproto = qmodel.to_proto(metadata=False)
     rows = layers.layers(fmodel, qmodel, feeds[:layer_samples])
+    paired = qdq_layers(qmodel)
     info = {"model": Path(names[1]).name, "float": names[0], "quantized": names[1],
             "data": str(getattr(data, "source", "") or "data"), "accuracy": accuracy,
             "objective": accuracy.get("objective"), "headline": objective.headline(accuracy, f" over {accuracy['samples']} samples"),
@@ -44,5 +46,6 @@ def build(float_model, qdq_model, data, *, objective=None, run_report: dict | No
             "summary": summary_line(qproto, float_reasons(qmodel)), "decisions": qmodel.decisions,
             "floats": kept_float(qproto, float_reasons(qmodel)), "floats_recorded": len(float_reasons(qmodel)),
             "passes": (run_report or {}).get("passes"),
-            "spread": objective.spread_note(accuracy)}
+            "spread": objective.spread_note(accuracy),
+            "pair_sums": {"checked": len(paired), "risks": risks(paired), "record": qmodel.decisions.get(PAIR_SUMS)}}
     return html.page(info, rows, layers.precision_cells(qproto))

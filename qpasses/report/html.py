@@ -159,6 +159,31 @@ def _summary(info: dict) -> list[str]:
     return out
 
 
+def _pair_sums(view: dict) -> list[str]:
+    """The target's view: which layers' int16 pair sums saturate on which CPU (analysis.saturation)."""
+    record = view.get("record") or {}
+    fixed = record.get("layers", {}) if record.get("protected") else {}
+    out = ["<h2>int16 pair sums by CPU</h2>",
+           f"<p>onnxruntime's uint8 x int8 kernels on x86-64 CPUs without VNNI (AVX2, AVX-512 without VNNI) sum "
+           f"products in pairs in int16, which saturates when both weights of a pair are large and of one sign; "
+           f"with VNNI and on ARM64 the sums are int32. {view['checked']} layers run such kernels"
+           + (f"; the model was quantized for cpu <code>{escape(str(record['cpu']))}</code>" if record else "") + ".</p>"]
+    now = {r.node: r for r in view["risks"]}
+    by_node = {row["node"]: row for row in fixed.values()}
+    nodes = list(dict.fromkeys(list(by_node) + list(now)))
+    if not nodes:
+        return out + ['<p class="empty">No layer can saturate on any CPU.</p>']
+    rows = []
+    for node in nodes:
+        risk, fix = now.get(node), by_node.get(node)
+        x86 = f"saturates: {len(risk.channels)} of {risk.of} output channels ({risk.pairs} weight pairs)" if risk else "safe"
+        how = ("" if not fix else "weights stored as uint8 (uint8 x uint8 kernel)" if fix.get("fix") == "uint8"
+               else escape(str(fix.get("fix"))))
+        rows.append([node, risk.op if risk else fix["op"], x86, "safe", "safe", how])
+    return out + [_table(["layer", "op", "x86-64 without VNNI", "x86-64 with VNNI", "ARM64", "protect-pair-sums"],
+                         rows, sortable=True, cap=CAP)]
+
+
 def _layer_table(layers) -> list[str]:
     rows = []
     for r in layers:
@@ -218,6 +243,7 @@ def page(info: dict, layers, cells) -> str:
     body = [f"<h1>qpasses report: {escape(info['model'])}</h1>",
             f"<p>float model <code>{escape(info['float'])}</code>, quantized model <code>{escape(info['quantized'])}</code></p>"]
     body += _summary(info)
+    body += _pair_sums(info["pair_sums"]) if "pair_sums" in info else []
     body += _growth(layers) if layers else ["<p>No quantized activation to compare per layer.</p>"]
     body += _histograms(layers) if layers else []
     counts = {}

@@ -1,0 +1,189 @@
+"""int16 pair-sum saturation (issue 35): what protecting every x86-64 CPU costs, and what it saves.
+
+onnxruntime's uint8 x int8 kernels on x86-64 CPUs without VNNI sum weight pairs in int16 and
+saturate (qpasses.analysis.saturation). qpasses' default (``cpu: x86-64``) stores the weights of
+the layers at risk as uint8 on the same grid (protect-pair-sums), run by onnxruntime's exact
+uint8 x uint8 kernels. Per model (issue 35's layer, then the bench models of bench_accuracy.py):
+
+* ``sim``: the task metric (or output SNR) in onnxruntime's QDQ simulation (no graph
+  optimizations: what a VNNI or ARM CPU computes) of qpasses protected (the default), unprotected
+  (``cpu: x86-64-vnni``), and onnxruntime's quantize_static (per-channel MinMax) with and without
+  ``reduce_range`` (7-bit weights: onnxruntime's advice for these CPUs);
+* ``haswell`` (``--qemu``): the same models in the int8 kernels under ``qemu-x86_64 -cpu Haswell``
+  (AVX2, no VNNI; Debian package qemu-user; 5-20x slower);
+* the layers at risk (of the uint8 x int8 layers), and each model's latency on this CPU (ms, median
+  of ``--runs`` single-thread runs, interleaved).
+
+    python tools/bench_saturation.py                                # all models, no qemu (~15 min)
+    python tools/bench_saturation.py --qemu --models layer,ppocr_v2_cls --eval-samples 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import accuracy_models as acc  # noqa: E402
+from bench_accuracy import ALL_MODELS, DEFAULT_CORPUS, bench_model, output_snr  # noqa: E402
+from models import FeedReader  # noqa: E402
+
+VARIANTS = ("qpasses", "qpasses_unprotected", "ort", "ort_reduce_range")
+RUN_OUTPUTS = r"""
+import sys, numpy as np, onnxruntime as ort
+opts = ort.SessionOptions()
+opts.log_severity_level = 3
+s = ort.InferenceSession(sys.argv[1], opts, providers=["CPUExecutionProvider"])
+with np.load(sys.argv[2]) as z:
+    feeds = [{k: z[k][i] for k in z.files} for i in range(len(z[z.files[0]]))]
+outs = [s.run(None, f) for f in feeds]
+np.savez(sys.argv[3], **{f"{i}_{j}": o for i, out in enumerate(outs) for j, o in enumerate(out)})
+"""
+
+
+class Layer:
+    """Issue 35's layer (qpasses.testing.bn_conv_layer), scored by output SNR."""
+
+    name = "layer"
+
+    def __init__(self, folder: Path):
+        import onnx
+        from qpasses.testing import bn_conv_data, bn_conv_layer
+
+        self.path = folder / "layer.onnx"
+        onnx.save(bn_conv_layer(), self.path)
+        self._feeds = {"calib": bn_conv_data(16, 1), "eval": bn_conv_data(16, 7)}
+
+    def feeds(self, which: str, limit: int | None = None) -> list[dict]:
+        return [{"x": x} for x in self._feeds[which][:limit]]
+
+    def metric(self, outs_f, outs_q) -> tuple[str, float]:
+        return "output SNR dB", output_snr(outs_f, outs_q)
+
+
+def quantize(variant: str, model_path, feeds: list[dict], out: Path) -> None:
+    if variant.startswith("ort"):
+        from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+        quantize_static(str(model_path), str(out), FeedReader(feeds), quant_format=QuantFormat.QDQ, per_channel=True,
+                        reduce_range=variant == "ort_reduce_range", activation_type=QuantType.QUInt8,
+                        weight_type=QuantType.QInt8, calibrate_method=CalibrationMethod.MinMax)
+        return
+    import qpasses
+
+    config = {"cpu": "x86-64-vnni"} if variant == "qpasses_unprotected" else None
+    qpasses.save(qpasses.quantize(str(model_path), feeds, config=config), str(out))
+
+
+def outputs(path: Path, feeds: list[dict], *, qemu: bool, tmp: Path) -> list[list]:
+    """Every feed's outputs: the QDQ simulation here, or the int8 kernels under qemu Haswell."""
+    if not qemu:
+        from qpasses.evaluate import session
+
+        sess = session(str(path), optimize=False)
+        return [sess.run(None, f) for f in feeds]
+    data, out = tmp / "feeds.npz", tmp / "outs.npz"
+    np.savez(data, **{k: np.stack([f[k] for f in feeds]) for k in feeds[0]})
+    done = subprocess.run([shutil.which("qemu-x86_64"), "-cpu", "Haswell", sys.executable, "-c", RUN_OUTPUTS,
+                           str(path), str(data), str(out)], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1])
+    with np.load(out) as z:
+        n = len({k.split("_")[0] for k in z.files})
+        return [[z[f"{i}_{j}"] for j in range(len(z.files) // n)] for i in range(n)]
+
+
+def at_risk(path: Path) -> str:
+    import onnx
+    from qpasses.analysis.saturation import qdq_layers, risks
+    from qpasses.ir import from_proto
+
+    model = from_proto(onnx.load(str(path)))
+    layers = qdq_layers(model)
+    return f"{len(risks(layers))}/{len(layers)}"
+
+
+def bench(bm, args, tmp: Path) -> dict:
+    from bench_vs_ort import latencies   # tools/bench_vs_ort.py
+
+    calib, evals = bm.feeds("calib", args.calib_samples), bm.feeds("eval", args.eval_samples)
+    float_outs = outputs(Path(bm.path), evals, qemu=False, tmp=tmp)
+    row = {"model": bm.name, "variants": {}}
+    for variant in VARIANTS:
+        path = tmp / f"{bm.name}.{variant}.onnx"
+        cell = row["variants"][variant] = {}
+        try:
+            quantize(variant, bm.path, calib, path)
+            cell["path"] = str(path)
+            cell["metric"], cell["sim"] = bm.metric(float_outs, outputs(path, evals, qemu=False, tmp=tmp))
+            if args.qemu:
+                cell["haswell"] = bm.metric(float_outs, outputs(path, evals, qemu=True, tmp=tmp))[1]
+            cell["at_risk"] = at_risk(path)
+        except Exception as exc:   # one variant failing is a row's cell, not the end of the run
+            cell["error"] = str(exc).strip().splitlines()[-1][:160] if str(exc).strip() else type(exc).__name__
+    timed = [v for v in row["variants"].values() if "path" in v and "error" not in v]
+    if args.runs and timed:
+        for cell, ms in zip(timed, latencies([Path(v["path"]) for v in timed], evals[0], args.runs)):
+            cell["latency_ms"] = ms
+    return row
+
+
+def table(rows: list[dict], qemu: bool) -> str:
+    def fmt(v):
+        return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    head = ["model", "metric"] + [f"{v} {k}" for v in VARIANTS for k in (("sim", "haswell") if qemu else ("sim",))]
+    head += [f"{v} ms" for v in VARIANTS] + ["at risk (unprotected)", "protected / unprotected ms"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        v = r["variants"]
+        metric = next((c.get("metric") for c in v.values() if c.get("metric")), "-")
+        cells = [r["model"], metric]
+        for name in VARIANTS:
+            c = v[name]
+            cells += [c.get("error", "failed")[:40] if "error" in c else fmt(c.get("sim"))]
+            if qemu:
+                cells.append(fmt(c.get("haswell")))
+        cells += [fmt(v[name].get("latency_ms")) for name in VARIANTS]
+        cells.append(v["qpasses_unprotected"].get("at_risk", "-"))
+        a, b = v["qpasses"].get("latency_ms"), v["qpasses_unprotected"].get("latency_ms")
+        cells.append(f"{a / b:.2f}x" if a and b else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="layer," + ",".join(ALL_MODELS))
+    ap.add_argument("--qemu", action="store_true", help="also score the int8 kernels under qemu-x86_64 -cpu Haswell")
+    ap.add_argument("--calib-samples", type=int, default=16)
+    ap.add_argument("--eval-samples", type=int, default=16)
+    ap.add_argument("--runs", type=int, default=20, help="latency runs per model (0: none)")
+    ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if args.qemu and not shutil.which("qemu-x86_64"):
+        print("bench_saturation: --qemu needs qemu-x86_64 (apt-get install qemu-user)", file=sys.stderr)
+        return 2
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for name in args.models.split(","):
+            bm = Layer(tmp) if name == "layer" else bench_model(name, args.corpus, acc.DEFAULT_CACHE)
+            rows.append(bench(bm, args, tmp))
+            print(table(rows[-1:], args.qemu).splitlines()[-1], flush=True)
+    print(table(rows, args.qemu))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
