@@ -295,6 +295,24 @@ class Objective:
         low = self.lower_bound(result["objective"]["overall"], error, 1.0)
         return f" (the worst component one standard error down, as they spread: {self.format(low)})"
 
+    def paired_difference(self, reference_runs: list, runs_a: list, runs_b: list, names: list[str]) -> tuple[float, float]:
+        """``overall`` of ``runs_b`` less that of ``runs_a`` (both on the reference's feeds), and the
+        jackknife standard error of that difference (each feed left out of both in turn). One feed
+        holding most of the error moves both scores, not their difference: on ppocr_v2_cls a weight
+        reconstruction read 4.4 dB worse pooled over 16 feeds while better on 11 of them, and 7.8
+        dB better on 128 held-out samples."""
+        if self.builtin:
+            stats = [self._feed_stats(reference_runs, runs, names)[1] for runs in (runs_a, runs_b)]
+            a, b = (self.overall(dict(enumerate(_aggregate(self.metric, s.sum(axis=0))))) for s in stats)
+            left = [self._left_out_sums(s) for s in stats] if len(reference_runs) >= 2 else [[], []]
+        else:
+            a, b = (self.overall(self.scores_from_runs(reference_runs, runs, names)) for runs in (runs_a, runs_b))
+            left = ([self._left_out(reference_runs, runs, names) for runs in (runs_a, runs_b)]
+                    if len(reference_runs) >= 2 else [[], []])
+        with np.errstate(invalid="ignore"):
+            differences = [lb - la for la, lb in zip(*left)]
+        return b - a, jackknife(differences)
+
     def lower_bound(self, score: float, error: float, z: float) -> float:
         """``score`` less ``z`` standard errors ``error`` (``standard_error``; for snr taken on the
         error-to-signal ratio, then back in dB). No finite error (all of a component's signal in one

@@ -439,3 +439,32 @@ def test_a_failing_user_metric_is_a_user_error_and_leaves_no_output(cli_files):
     assert proc.stderr.splitlines()[-1] == ("qpasses: error: metric detmetric:broken failed: "
                                             "RuntimeError: no labels here")
     assert not out.exists()
+
+
+def _runs(values):
+    return [[np.asarray(v, np.float64)] for v in values]
+
+
+def test_paired_difference_is_not_decided_by_one_feed():
+    """A change better on 15 of 16 feeds and worse on one that holds most of the error: pooled, it
+    reads several dB worse; the paired difference's standard error says the feeds cannot decide."""
+    rng = np.random.default_rng(0)
+    reference = [rng.normal(0, 1, 32) for _ in range(16)]
+    old = [r + rng.normal(0, 0.02, 32) for r in reference]
+    new = [r + rng.normal(0, 0.01, 32) for r in reference]
+    old[3], new[3] = reference[3] + rng.normal(0, 0.3, 32), reference[3] + rng.normal(0, 0.6, 32)
+    objective = Objective("snr")
+    difference, error = objective.paired_difference(_runs(reference), _runs(old), _runs(new), ["y"])
+    assert difference < -3 and error > -difference
+
+
+def test_paired_difference_of_a_change_worse_on_every_feed_is_clear():
+    rng = np.random.default_rng(1)
+    reference = [rng.normal(0, 1, 32) for _ in range(16)]
+    old = [r + rng.normal(0, 0.01, 32) for r in reference]
+    new = [r + rng.normal(0, 0.02, 32) for r in reference]
+    objective = Objective("snr")
+    difference, error = objective.paired_difference(_runs(reference), _runs(old), _runs(new), ["y"])
+    assert -7 < difference < -5 and error < 1
+    same, zero = objective.paired_difference(_runs(reference), _runs(old), _runs(old), ["y"])
+    assert same == 0 and zero == 0

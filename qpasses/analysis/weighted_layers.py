@@ -3,6 +3,7 @@ a Conv/ConvTranspose/MatMul/Gemm with a constant weight of its own that the tabl
 qparams, and how its weight maps to [groups, output channels, inputs] rows."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,7 +11,7 @@ import onnx_graphsurgeon as gs
 
 from ..decisions import PRECISION_SEARCH
 from ..evaluate import Reference
-from ..executors.scoring import trial_score
+from ..executors.scoring import trial_runs
 from ..graphutil import subgraphs
 from ..ir import QModel
 from ..objective import Objective
@@ -122,7 +123,9 @@ def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then: str
     kept: the worst output component (search-precision's metric) of the QDQ model ``then`` makes of
     ``model`` as it is and with them, on ``samples`` calibration feeds after the ones search-precision
     chose its promotions on and the first ``after`` (those favour the values chosen on them), else on
-    the first ones; kept unless more than ``tolerance_db`` lower (other metrics: not lower)."""
+    the first ones. Kept unless lower by more than ``tolerance_db`` (other metrics: 0) plus one
+    standard error of the paired difference (Objective.paired_difference: one feed holding most of
+    the error cannot decide); a model that does not score finite is not kept."""
     search = model.decisions.get(PRECISION_SEARCH, {})
     start = (model.decisions.get("calibration", {}).get("held_out_from") or 0 if search.get("held_out") else 0)
     start = max(start + search.get("feeds", 0), after)
@@ -136,11 +139,17 @@ def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then: str
         for name, values in changed.items():
             tensors[name].values = values
 
-    before = trial_score(model, then, ctx, reference, objective)
-    score = trial_score(model, then, ctx, reference, objective, edit)
+    runs = [trial_runs(model, then, ctx, reference), trial_runs(model, then, ctx, reference, edit)]
+    ref_runs = reference.runs()
+    before, score = (objective.overall(objective.scores_from_runs(ref_runs, r, reference.names)) for r in runs)
+    difference, error = objective.paired_difference(ref_runs, *runs, reference.names)
     allowed = tolerance_db if objective.metric == "snr" else 0.0
+    if not math.isfinite(error):   # a leave-one-out score without error: the pooled scores decide
+        error = 0.0
+    kept = bool(score == before or (np.isfinite(score) and difference >= -(allowed + error)))
     return {"feeds": len(reference.feeds), "from": start, "metric": objective.metric,
-            "round_to_nearest": round(before, 4), "rounded": round(score, 4), "kept": score >= before - allowed}
+            "round_to_nearest": round(before, 4), "rounded": round(score, 4),
+            "difference_se": round(error, 4), "kept": kept}
 
 
 def restore(values: dict) -> None:

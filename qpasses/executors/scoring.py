@@ -74,15 +74,24 @@ def objective_score(reference: Reference, model, objective, reuse=None) -> dict:
         return {"score": float("-inf"), "standard_error": 0.0, "failed": first_line(exc)}
 
 
-def trial_score(model, then: str, ctx, reference: Reference, objective, edit=None) -> float:
-    """The objective's score of a copy of ``model`` (``edit`` applied to it) made a QDQ model by the
-    passes ``then``: a pass's check of one change against the model as it is."""
+def _trial(model, then: str, ctx, edit=None) -> bytes:
+    """A copy of ``model`` (``edit`` applied to it) made a QDQ model by the passes ``then``."""
     from ..pipeline import run_nested
     trial = model.copy(share_weights=True)
     if edit is not None:
         edit(trial)
     run_nested(then, trial, ctx)
-    return objective_score(reference, trial.to_proto(metadata=False).SerializeToString(), objective)["score"]
+    return trial.to_proto(metadata=False).SerializeToString()
+
+
+def trial_score(model, then: str, ctx, reference: Reference, objective, edit=None) -> float:
+    """The objective's score of ``_trial``: a pass's check of one change against the model as it is."""
+    return objective_score(reference, _trial(model, then, ctx, edit), objective)["score"]
+
+
+def trial_runs(model, then: str, ctx, reference: Reference, edit=None) -> list[list]:
+    """``_trial``'s judged outputs on the reference's feeds."""
+    return reference.runs_of(_trial(model, then, ctx, edit), judged=True)
 
 
 def objective_task(model: bytes, shared) -> dict:

@@ -52,8 +52,8 @@ class ReconstructWeights(Pass):
     centred). Writes: weight values on their grid (insert-qdq stores exactly those codes), biases,
     why-lines, ``model.decisions["weight_reconstruction"]``. With ``check``, the QDQ models with the
     new values and with round-to-nearest are scored on ``check_samples`` calibration feeds after the
-    ones used (search-precision's metric) and the values kept only if they score at least as high,
-    less ``tolerance_db``.
+    ones used (search-precision's metric) and the values kept unless they score lower by more than
+    ``tolerance_db`` plus one standard error of the paired difference (analysis.weighted_layers).
     Invariants: scales and zero points unchanged; codes within the type's range; a second run
     changes nothing.
     """

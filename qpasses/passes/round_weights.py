@@ -38,7 +38,8 @@ class RoundWeights(Pass):
     the new codes and with round-to-nearest go through ``then`` and are scored (the worst output
     component, search-precision's metric) on ``check_samples`` calibration feeds after the ones
     search-precision chose its promotions on (else the first ones); the codes are kept unless they
-    score more than ``tolerance_db`` lower (``weight_rounding["checked"]``).
+    score lower by more than ``tolerance_db`` plus one standard error of the paired difference
+    (``weight_rounding["checked"]``).
     Invariants: codes within the type's range; scales and zero points unchanged; a second run
     changes nothing.
     """
