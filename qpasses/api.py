@@ -33,7 +33,8 @@ def run_pipeline(model, passes: str | list | None = None, *, config=None, calibr
     elif config is not None or calibration_data is not None:
         raise ValueError("run_pipeline: give the config and calibration data either to the RunContext or here")
     if passes is None:
-        passes = default_pipeline(ctx.calibration_data is not None, ctx.config.mode, ctx.config.format)
+        passes = default_pipeline(ctx.calibration_data is not None, ctx.config.mode, ctx.config.format,
+                                  ctx.config.effort)
     instruments = []
     if time_passes is not None:
         instruments.append(time_passes)

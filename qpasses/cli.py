@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
                           "from the saved form of the model after each pass)")
     run.add_argument("--dump-after", metavar="DIR", help="save the model after every pass as DIR/NNN_<pass>.onnx")
     run.add_argument("--reproducer", metavar="DIR", help="on failure, save the failing pass's input and the rest of the pipeline")
+    run.add_argument("--effort", choices=("default", "high"),
+                     help="high: reconstruct the weights against the quantized model's inputs (AdaRound; "
+                          "config effort; 3-5x the default's time)")
     run.add_argument("--target", metavar="METRIC=VALUE",
                      help="accuracy target for search-precision: snr=25 (dB), cosine=0.995, top1=0.99 "
                           "(the worst output component, less one standard error, must reach it on calibration feeds)")
@@ -171,7 +174,7 @@ def cmd_run(args) -> int:
     if args.quiet:
         os.environ["QPASSES_NO_PROGRESS"] = "1"
     # every path read and written, checked before any work (paths.py); the pipeline text too
-    guard = guard_run(args, [p.name for p in parse_pipeline(args.passes or default_pipeline(args.calib is not None))])
+    guard = guard_run(args, [p.name for p in parse_pipeline(args.passes or default_pipeline(args.calib is not None, effort=args.effort or "default"))])
     objective = parse_metric(args.metric)  # a bad spec stops here, before anything is written
     if args.html and not args.calib:
         raise QpassesError("--html reports on a quantized model: give --calib")
@@ -193,6 +196,9 @@ def cmd_run(args) -> int:
     ctx = RunContext(args.config, args.calib)
     if args.target:
         _apply_target(ctx, args.target)
+    if args.effort:
+        ctx.config.effort = args.effort
+        ctx.config._given = ctx.config.given | {"effort"}
     if args.executor:   # checked here (one line, nothing written); Ray is reached when a pass needs it
         from .executors import parse
 

@@ -93,12 +93,14 @@ CPUS = {"x86-64": "any x86-64 CPU (AVX2 or AVX-512 without VNNI: pair sums satur
 PAIR_SATURATING_CPUS = frozenset({"x86-64"})
 MODES = ("static", "weight_only", "dynamic")    # pipeline.MODE_PIPELINES: the default pipeline of each mode
 FORMATS = ("qdq", "qoperator")
+EFFORTS = ("default", "high")   # pipeline.default_pipeline: high reconstructs the weights (reconstruct-weights)
 
 
 @dataclass
 class QuantConfig:
     mode: str = "static"                          # weight_only | dynamic: pipeline.default_pipeline
     format: str = "qdq"                           # qoperator: lower-qoperator rewrites node units
+    effort: str = "default"                       # one of EFFORTS
     activation_type: str = "uint8"
     weight_type: str = "int8"
     per_channel: bool = True
@@ -135,7 +137,7 @@ class QuantConfig:
         if self.weight_symmetric is None and self.weight_type in QTYPES:
             self.weight_symmetric = qtype(self.weight_type).signed
         self.mode = str(self.mode).lower().replace("-", "_")
-        for key, allowed in (("mode", MODES), ("format", FORMATS), ("cpu", tuple(CPUS))):
+        for key, allowed in (("mode", MODES), ("format", FORMATS), ("effort", EFFORTS), ("cpu", tuple(CPUS))):
             if getattr(self, key) not in allowed:
                 problems.append(f"{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
         if self.scale_type not in ("float32", "float16"):

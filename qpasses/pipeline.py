@@ -226,14 +226,17 @@ WEIGHT_ONLY_PIPELINE = BASE_PIPELINE + ",quantize-weights,quantize-gathers,clean
 MODE_PIPELINES = {"weight_only": WEIGHT_ONLY_PIPELINE, "dynamic": BASE_PIPELINE + ",quantize-dynamic,quantize-gathers,cleanup"}
 
 
-def default_pipeline(quantize: bool, mode: str = "static", format: str = "qdq") -> str:
+def default_pipeline(quantize: bool, mode: str = "static", format: str = "qdq", effort: str = "default") -> str:
     """The pipeline `qpasses run` uses without --passes: the ``mode``'s (config), else quantize
-    when calibration data is given; ``format: qoperator`` appends lower-qoperator."""
+    when calibration data is given; ``effort: high`` reconstructs the weights against the quantized
+    model's own inputs (reconstruct-weights instead of round-weights); ``format: qoperator``
+    appends lower-qoperator."""
     if mode in MODE_PIPELINES:
         return MODE_PIPELINES[mode]
-    if quantize and format == "qoperator":
-        return QUANTIZE_PIPELINE + ",lower-qoperator,cleanup"
-    return QUANTIZE_PIPELINE if quantize else BASE_PIPELINE
+    if not quantize:
+        return BASE_PIPELINE
+    passes = QUANTIZE_PIPELINE.replace("round-weights", "reconstruct-weights") if effort == "high" else QUANTIZE_PIPELINE
+    return passes + ",lower-qoperator,cleanup" if format == "qoperator" else passes
 
 
 COLLECT_BYTES = 64 * 2**20  # models with this many bytes of weights are garbage-collected after each pass

@@ -350,3 +350,23 @@ def test_refine_codes_never_raises_the_loss_and_keeps_bounds(seed):
     assert np.all(refined >= lo) and np.all(refined <= hi) and np.array_equal(refined, np.rint(refined))
     nearest = np.clip(np.rint(goal), lo, hi)
     assert loss(refined).sum() < loss(nearest).sum()
+
+
+def test_effort_high_reconstructs_in_the_default_pipeline(tmp_path):
+    """config effort: high (or --effort high) puts reconstruct-weights where round-weights is."""
+    from qpasses.cli import main
+    from qpasses.examples import write_example
+    from qpasses.ir import load
+    from qpasses.pipeline import default_pipeline
+
+    high = default_pipeline(True, effort="high").split(",")
+    assert "reconstruct-weights" in high and "round-weights" not in high
+    assert high == default_pipeline(True).replace("round-weights", "reconstruct-weights").split(",")
+    model, calib, _ = write_example(tmp_path)
+    out = tmp_path / "q.onnx"
+    assert main(["run", str(model), "-o", str(out), "--calib", str(calib), "--effort", "high", "--quiet"]) == 0
+    assert load(out).decisions["weight_reconstruction"]["by"] == "reconstruct-weights"
+    (tmp_path / "bad.json").write_text('{"effort": "max"}')
+    assert main(["run", str(model), "-o", str(tmp_path / "b.onnx"), "--calib", str(calib),
+                 "--config", str(tmp_path / "bad.json"), "--quiet"]) == 2
+    assert not (tmp_path / "b.onnx").exists()
