@@ -3,7 +3,7 @@ import numpy as np
 
 from qpasses.api import run_pipeline
 from qpasses.cli import main
-from qpasses.examples import write_example
+from qpasses.cli.examples import write_example
 from qpasses.testing import model_from_text
 
 CONVS = """

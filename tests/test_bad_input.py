@@ -31,7 +31,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qpasses import QpassesError
 from qpasses.api import run_pipeline
 from qpasses.cli import main
-from qpasses.examples import example_data, example_model
+from qpasses.cli.examples import example_data, example_model
 from qpasses.ir import save
 
 F32 = TensorProto.FLOAT

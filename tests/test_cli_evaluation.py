@@ -11,7 +11,7 @@ from qpasses.calibration.data import open_data
 from qpasses.calibration.kept import KeptSamples
 from qpasses.cli import _kept_float_outputs, main
 from qpasses.evaluate import compare
-from qpasses.examples import example_data, write_example
+from qpasses.cli.examples import example_data, write_example
 
 
 @pytest.fixture(scope="module")

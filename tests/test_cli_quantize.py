@@ -2,7 +2,7 @@
 import pytest
 
 from qpasses.cli import main
-from qpasses.examples import write_example
+from qpasses.cli.examples import write_example
 
 
 @pytest.fixture(scope="module")

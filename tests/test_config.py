@@ -184,7 +184,7 @@ def test_valid_numbers_are_kept():
 ])
 def test_yaml_file_problems_exit_2_from_the_cli(tmp_path, capsys, text, fragment):
     from qpasses.cli import main
-    from qpasses.examples import write_example
+    from qpasses.cli.examples import write_example
 
     model, _, _ = write_example(tmp_path)
     cfg = tmp_path / "cfg.yaml"

@@ -20,7 +20,7 @@ import pytest
 
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
-from qpasses.examples import example_data, example_model
+from qpasses.cli.examples import example_data, example_model
 from qpasses.ir import from_proto
 from qpasses.testing import parse
 

@@ -18,7 +18,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qpasses.examples import write_example
+from qpasses.cli.examples import write_example
 
 SEEDS = ("0", "1", "4242")
 # new names: <existing name>_<suffix>[_<k>] (suffixes from insert-qdq/insert-converts/fold passes)

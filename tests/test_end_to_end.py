@@ -5,7 +5,7 @@ import pytest
 
 import qpasses
 from qpasses.evaluate import compare
-from qpasses.examples import example_data, example_model
+from qpasses.cli.examples import example_data, example_model
 from qpasses.verify import check_onnx, check_ort
 
 

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from qpasses import examples
+from qpasses.cli import examples
 from qpasses.cli import main
 
 NAMES = ("model.onnx", "calib.npz", "eval.npz")

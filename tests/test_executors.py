@@ -16,7 +16,7 @@ from qpasses.calibration.runner import collect_stats
 from qpasses.config import load_config
 from qpasses.context import RunContext
 from qpasses.errors import ConfigError
-from qpasses.examples import example_data, example_model
+from qpasses.cli.examples import example_data, example_model
 from qpasses.calibration.sharded import sharded_stats
 from qpasses.ir import load, save
 
@@ -48,7 +48,7 @@ def test_bad_spec_is_one_config_line(spec):
 
 def test_local_never_imports_ray():
     code = ("import sys; from qpasses import executors; from qpasses.api import quantize; "
-            "from qpasses.examples import example_model, example_data; "
+            "from qpasses.cli.examples import example_model, example_data; "
             "quantize(example_model(), example_data(4), config={'executor': 'local'}); "
             "assert 'ray' not in sys.modules and executors.get('local').parallel is False")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
@@ -185,7 +185,7 @@ def test_ray_absent_is_one_line_naming_the_install(monkeypatch):
 
 def test_cli_rejects_a_bad_executor_before_writing(tmp_path):
     from qpasses.cli import main
-    from qpasses.examples import write_example
+    from qpasses.cli.examples import write_example
 
     write_example(tmp_path)
     out = tmp_path / "out.onnx"

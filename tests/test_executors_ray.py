@@ -7,7 +7,7 @@ ray = pytest.importorskip("ray")
 from qpasses import executors  # noqa: E402
 from qpasses.api import run_pipeline  # noqa: E402
 from qpasses.calibration.runner import collect_stats  # noqa: E402
-from qpasses.examples import example_data, example_model  # noqa: E402
+from qpasses.cli.examples import example_data, example_model  # noqa: E402
 from qpasses.calibration import sharded  # noqa: E402
 from qpasses.calibration.sharded import sharded_stats  # noqa: E402
 from qpasses.executors.ray import runtime_env  # noqa: E402

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from qpasses.cli import main
-from qpasses.examples import write_example
+from qpasses.cli.examples import write_example
 
 
 @pytest.fixture(scope="module")

@@ -98,7 +98,7 @@ def test_check_counts_the_weighted_ops_run_quantizes(det_files, tmp_path, capsys
     says so, as run does (the accuracy search off: a target any model meets)."""
     from test_claims import VOCAB, encoder
 
-    from qpasses.preflight import check
+    from qpasses.cli.preflight import check
 
     if which == "encoder":
         path, calib = tmp_path / "enc.onnx", tmp_path / "calib.npz"
@@ -120,7 +120,7 @@ def test_check_counts_the_weighted_ops_run_quantizes(det_files, tmp_path, capsys
 
 
 def test_check_reasons_name_the_tensor_not_an_ellipsis(tmp_path):
-    from qpasses.preflight import check
+    from qpasses.cli.preflight import check
     from qpasses.testing import parse
 
     text = """
@@ -139,7 +139,7 @@ def test_check_reasons_name_the_tensor_not_an_ellipsis(tmp_path):
 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
-    from qpasses.examples import write_example
+    from qpasses.cli.examples import write_example
 
     return write_example(tmp_path_factory.mktemp("example"))
 

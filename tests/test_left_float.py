@@ -11,7 +11,7 @@ import onnx
 
 from qpasses.api import run_pipeline
 from qpasses.decisions import float_reasons
-from qpasses.explain import explain_lines
+from qpasses.cli.explain import explain_lines
 from qpasses.ir import from_proto
 from qpasses.testing import parse
 

@@ -75,7 +75,7 @@ def _fail_model_disk_full(ws, monkeypatch):
 
 
 def _fail_ort_refuses(ws, monkeypatch):
-    import qpasses.outputs as outputs
+    import qpasses.cli.outputs as outputs
 
     real = outputs._ort_load
 
@@ -114,9 +114,9 @@ def _fail_summary(ws, monkeypatch):
 
 
 def _fail_late_signal(ws, monkeypatch):
-    import qpasses.outputs as outputs
+    import qpasses.cli.outputs as outputs
 
-    from qpasses.process import Interrupted
+    from qpasses.cli.process import Interrupted
 
     def stop(*a, **k):
         raise Interrupted(signal.SIGTERM)
@@ -126,7 +126,7 @@ def _fail_late_signal(ws, monkeypatch):
 
 
 def _fail_late_sigint(ws, monkeypatch):
-    import qpasses.outputs as outputs
+    import qpasses.cli.outputs as outputs
 
     def stop(*a, **k):
         raise KeyboardInterrupt
@@ -192,7 +192,7 @@ def test_a_failure_leaves_no_output_and_the_previous_ones_untouched(case, previo
 @pytest.mark.parametrize("failing", [1, 2, 3, 4])
 def test_a_commit_that_fails_midway_is_undone(failing, previous, tmp_path, capsys, monkeypatch):
     """The failing-th rename into place fails: the ones before it are undone."""
-    import qpasses.outputs as outputs
+    import qpasses.cli.outputs as outputs
 
     ws = Workspace(tmp_path)
     if previous:
@@ -213,7 +213,7 @@ def test_a_commit_that_fails_midway_is_undone(failing, previous, tmp_path, capsy
 
 
 def test_an_undo_that_fails_keeps_the_previous_files_and_says_where(tmp_path, capsys, monkeypatch):
-    import qpasses.outputs as outputs
+    import qpasses.cli.outputs as outputs
 
     ws = Workspace(tmp_path)
     _previous(ws)
@@ -236,7 +236,7 @@ def test_an_undo_that_fails_keeps_the_previous_files_and_says_where(tmp_path, ca
 
 
 def test_a_cleanup_that_fails_is_said_on_the_same_line(tmp_path, capsys, monkeypatch):
-    import qpasses.outputs as outputs
+    import qpasses.cli.outputs as outputs
 
     ws = Workspace(tmp_path)
     _previous(ws)
@@ -327,7 +327,7 @@ def test_a_reproducer_that_cannot_be_written_leaves_nothing(tmp_path, capsys, mo
 # -- signals, in a real process --------------------------------------------------------------------------------
 _SLOW = """
 import os, sys, time
-import qpasses.outputs as outputs
+import qpasses.cli.outputs as outputs
 from qpasses.passes.calibrate import Calibrate
 where, marker = sys.argv[1], sys.argv[2]
 def wait(*a, **k):

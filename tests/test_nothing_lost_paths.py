@@ -360,7 +360,7 @@ def test_devices_fifos_and_sockets_are_refused_without_opening_them(what, tmp_pa
 
 # -- example targets ------------------------------------------------------------------------------------
 def _example_case(tmp_path, what):
-    from qpasses.examples import write_example
+    from qpasses.cli.examples import write_example
 
     d = tmp_path / "ex"
     if what.startswith("present: "):

@@ -7,8 +7,8 @@ import pytest
 from onnx import helper
 
 from qpasses.cli import main
-from qpasses.examples import write_example
-from qpasses.preflight import check
+from qpasses.cli.examples import write_example
+from qpasses.cli.preflight import check
 from qpasses.testing import parse
 
 CONV = """

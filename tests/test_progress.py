@@ -96,7 +96,7 @@ def test_a_stderr_that_went_away_is_not_an_error(monkeypatch):
 def test_every_long_step_reports_in_a_log(quiet, tmp_path):
     """stderr to a file: calibrate, select-by-snr, search-precision and correct-bias each write
     lines (interval 0 here); --quiet: nothing at all."""
-    from qpasses.examples import write_example
+    from qpasses.cli.examples import write_example
 
     model, calib, _ = write_example(tmp_path)
     passes = ("fold-constants,fold-batchnorm,cleanup,annotate-types,propagate-mixed-precision,calibrate,"

@@ -25,7 +25,7 @@ import yaml
 
 from qpasses.cli import _parser
 from qpasses.config import load_config
-from qpasses.examples import write_example
+from qpasses.cli.examples import write_example
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

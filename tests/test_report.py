@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from qpasses.cli import main
-from qpasses.examples import write_example
+from qpasses.cli.examples import write_example
 from qpasses.ir import load
 from qpasses.report import build
 from qpasses.report.layers import layers, precision_cells

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from qpasses.cli import main
-from qpasses.examples import write_example
+from qpasses.cli.examples import write_example
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from qpasses.api import run_pipeline
 from qpasses.config import CalibrationConfig
 from qpasses.context import RunContext
 from qpasses.errors import ModelError, PassFailure, PipelineError, PreconditionError
-from qpasses.examples import example_model
+from qpasses.cli.examples import example_model
 from qpasses.facts import CHECKERS, CLAIMS, check_facts
 from qpasses.ir import from_proto, load, save
 from qpasses.pipeline import QUANTIZE_PIPELINE, PassManager, parse_pipeline, print_pipeline
@@ -199,7 +199,7 @@ def test_reproducer_replays_a_config_caused_failure(tmp_path):
     import subprocess
     import sys
 
-    from qpasses.examples import write_example
+    from qpasses.cli.examples import write_example
 
     model, calib, _ = write_example(tmp_path / "ex")
     cfg = tmp_path / "cfg.json"

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from qpasses.examples import write_example
+from qpasses.cli.examples import write_example
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from qpasses.context import RunContext
 from qpasses.duels import Contender
 from qpasses.evaluate import Reference
 from qpasses.scored_runs import ScoredRuns
-from qpasses.examples import example_data, example_model
+from qpasses.cli.examples import example_data, example_model
 from qpasses.ir import QModel, from_proto
 from qpasses.pipeline import QUANTIZE_PIPELINE
 from qpasses.testing import parse

@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qpasses.cli import main
-from qpasses.examples import write_example
+from qpasses.cli.examples import write_example
 from qpasses.vs_ort import compare, interleaved_latencies, line, ort_qdq_model
 
 

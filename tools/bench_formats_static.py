@@ -41,7 +41,7 @@ CALIB = 16   # calibration feeds for the static pipelines (FP8, int8, QOperator)
 def load(name: str):
     """(float ModelProto, calibration feeds, evaluation feeds)."""
     if name == "example":
-        from qpasses.examples import example_data, example_model
+        from qpasses.cli.examples import example_data, example_model
 
         calib, evald = example_data(CALIB, seed=1), example_data(16, seed=2)
         split = lambda d: [{k: v[i] for k, v in d.items()} for i in range(len(next(iter(d.values()))))]

@@ -7,8 +7,8 @@ from pathlib import Path
 def cmd_report(args) -> int:
     from ..calibration.data import open_data
     from ..objective import parse_metric
-    from ..outputs import Staging, write_text
-    from ..paths import PathGuard
+    from ..cli.outputs import Staging, write_text
+    from ..cli.paths import PathGuard
     from . import build
 
     from ..errors import QpassesError
@@ -16,7 +16,7 @@ def cmd_report(args) -> int:
     objective = parse_metric(args.metric)   # a bad spec stops here, before anything is read
     if args.samples < 1:
         raise QpassesError(f"--samples {args.samples}: give at least 1")
-    guard = PathGuard()   # every path read and written, checked before any work (paths.py)
+    guard = PathGuard()   # every path read and written, checked before any work (cli/paths.py)
     guard.read_file("float model", args.float_model)
     guard.read_file("quantized model", args.quant_model)
     guard.read_data("--data", args.data)

@@ -23,8 +23,8 @@ def add_arguments(parser) -> None:
 
 
 def cmd_per_layer(args) -> int:
-    from ..outputs import Staging, strict_json, write_text
-    from ..paths import PathGuard, escape
+    from ..cli.outputs import Staging, strict_json, write_text
+    from ..cli.paths import PathGuard, escape
     from .provider import compare_per_layer, table
 
     if not args.per_layer:
@@ -36,7 +36,7 @@ def cmd_per_layer(args) -> int:
         raise QpassesError(f"--samples {args.samples}: give at least 1")
     if args.provider == "openvino" and importlib.util.find_spec("openvino") is None:
         raise QpassesError("--provider openvino needs OpenVINO: pip install 'qpasses[openvino]'")
-    guard = PathGuard()   # every path read and written, checked before any work (paths.py)
+    guard = PathGuard()   # every path read and written, checked before any work (cli/paths.py)
     guard.read_file("float model", args.float_model)
     guard.read_file("quantized model", args.quant_model)
     guard.read_data("--data", args.data)

@@ -11,7 +11,7 @@ import pytest
 from onnx import numpy_helper
 
 import qpasses
-from qpasses.examples import example_data, example_model
+from qpasses.cli.examples import example_data, example_model
 from qpasses.passes.lower_qoperator import LowerQOperator, plan_lowering
 from qpasses.pipeline import default_pipeline
 from qpasses.testing import model_from_text, random_feed, run_pass

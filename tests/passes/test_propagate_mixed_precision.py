@@ -258,7 +258,7 @@ def test_shares_link_across_types_is_dropped():
 
 @pytest.mark.parametrize("request_", [{"pool": "int16"}, {"relu1": "uint16"}, {"logits": "uint16"}])
 def test_with_annotate_types_on_the_example_model(request_):
-    from qpasses.examples import example_model
+    from qpasses.cli.examples import example_model
 
     model = from_proto(example_model())
     ctx = RunContext(QuantConfig(mixed_precision=request_), [random_feed(model, seed=s) for s in range(4)])

@@ -355,7 +355,7 @@ def test_refine_codes_never_raises_the_loss_and_keeps_bounds(seed):
 def test_effort_high_reconstructs_in_the_default_pipeline(tmp_path):
     """config effort: high (or --effort high) puts reconstruct-weights where round-weights is."""
     from qpasses.cli import main
-    from qpasses.examples import write_example
+    from qpasses.cli.examples import write_example
     from qpasses.ir import load
     from qpasses.pipeline import default_pipeline
 

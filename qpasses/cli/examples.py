@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .errors import QpassesError
+from ..errors import QpassesError
 
 
 def example_model(seed: int = 0) -> onnx.ModelProto:

@@ -134,7 +134,7 @@ def error_line(exc: BaseException, *, internal: bool, hint: bool = True) -> str:
     text = str(exc).strip() or type(exc).__name__
     if not internal:
         return f"qpasses: error: {escape(text)}"
-    from .errors import PassFailure
+    from ..errors import PassFailure
 
     if not isinstance(exc, PassFailure) and type(exc).__name__ != "OutputRefused":
         text = f"{type(exc).__name__}: {text}"

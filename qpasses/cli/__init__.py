@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import PassFailure, QpassesError, TargetNotMet
+from ..errors import PassFailure, QpassesError, TargetNotMet
 from .outputs import discard_open
 from .process import error_line, guarded, interrupted_line
 
@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     chk.add_argument("--config", help="quantization config (JSON or YAML)")
     chk.set_defaults(func=cmd_check)
 
-    from .report.command import add_parser as add_report
+    from ..report.command import add_parser as add_report
 
     add_report(sub)
     ls = sub.add_parser("passes", help="list every registered pass")
@@ -139,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     cmp_.add_argument("quant_model")
     cmp_.add_argument("--data", required=True, help="input data (.npz, folder)")
     cmp_.add_argument("--metric", help=_METRIC_HELP)
-    from .report.compare_command import add_arguments as add_per_layer
+    from ..report.compare_command import add_arguments as add_per_layer
 
     add_per_layer(cmp_)   # --per-layer, --provider, --report, --samples (report/compare_command.py)
     cmp_.set_defaults(func=cmd_compare)
@@ -151,24 +151,24 @@ _METRIC_HELP = ("objective per output component: snr (default), cosine, top1, or
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 
 
 def cmd_run(args) -> int:
-    from .api import run_pipeline
-    from .context import RunContext
-    from .decisions import float_reasons
-    from .evaluate import compare, eval_reference
-    from .instruments import DumpAfter, Reproducer, TimePasses
-    from .ir import load
-    from .objective import parse_metric
-    from .kernels import worth_counting
+    from ..api import run_pipeline
+    from ..context import RunContext
+    from ..decisions import float_reasons
+    from ..evaluate import compare, eval_reference
+    from ..instruments import DumpAfter, Reproducer, TimePasses
+    from ..ir import load
+    from ..objective import parse_metric
+    from ..kernels import worth_counting
     from .outputs import PREFIX, Staging, check_loads, ort_source, save_staged, strict_json, write_text
-    from .summary import shortfall
+    from ..summary import shortfall
     from .paths import escape, guard_run
-    from .pipeline import default_pipeline, parse_pipeline
+    from ..pipeline import default_pipeline, parse_pipeline
 
     src, out = Path(args.model), Path(args.output)
     if args.quiet:
@@ -200,7 +200,7 @@ def cmd_run(args) -> int:
         ctx.config.effort = args.effort
         ctx.config._given = ctx.config.given | {"effort"}
     if args.executor:   # checked here (one line, nothing written); Ray is reached when a pass needs it
-        from .executors import parse
+        from ..executors import parse
 
         parse(args.executor)
         ctx.config.executor = args.executor
@@ -257,14 +257,14 @@ def cmd_run(args) -> int:
         for line in _objective_lines(objective, report["accuracy"], report["objective"], always=False, overall=False):
             say(f"qpasses: {line}")
     if "types-annotated" in model.facts or "qdq-inserted" in model.facts:
-        from .summary import run_summary
+        from ..summary import run_summary
 
         report["summary"], report["integer_kernels"] = run_summary(model, float_reasons(model), proto, optimized)
         say(f"qpasses: {report['summary']}")
     del session, proto
     if args.vs_onnxruntime:   # a comparison, not the output: a failure is a warning naming onnxruntime's reason
-        from .errors import first_line
-        from .vs_ort import compare as versus, line
+        from ..errors import first_line
+        from ..vs_ort import compare as versus, line
 
         try:
             report["vs_onnxruntime"] = versus(src, staged, ctx.calibration_data)
@@ -274,7 +274,7 @@ def cmd_run(args) -> int:
     if args.time_passes:
         say(timer.table())
     if args.html:   # the per-layer page, on the data the SNR line used
-        from .report import build
+        from ..report import build
 
         write_text(staging.file(args.html, "--html"), build(src, staged, eval_data or ctx.calibration_data,
                    objective=objective, run_report=report), Path(args.html))
@@ -291,7 +291,7 @@ def cmd_run(args) -> int:
 
 def _apply_target(ctx, text: str) -> None:
     """--target METRIC=VALUE into the run's config (accuracy.metric, accuracy.target)."""
-    from .config import ACCURACY_METRICS
+    from ..config import ACCURACY_METRICS
 
     metric, eq, value = text.partition("=")
     try:
@@ -335,8 +335,8 @@ def _eval_reference(source, model_path):
     """Open --eval data and run the float model on the samples the report uses (checked against
     the inputs its onnxruntime session takes, as compare does), before anything is written:
     (the data, the evaluate.Reference)."""
-    from .calibration.data import open_data
-    from .evaluate import Reference, session
+    from ..calibration.data import open_data
+    from ..evaluate import Reference, session
     from .outputs import ort_source
 
     data = open_data(source)
@@ -347,7 +347,7 @@ def _kept_float_outputs(ctx, records):
     """The float outputs calibrate kept (KeptSamples) when they are the input model's on the first
     calibration samples: kept from ``ctx.calibration_data``, after passes that each keep the float
     model's outputs (evaluate.FLOAT_EXACT_PASSES); else None."""
-    from .evaluate import FLOAT_EXACT_PASSES
+    from ..evaluate import FLOAT_EXACT_PASSES
 
     kept = ctx.cache.get("kept_samples")
     if kept is None or kept.source is not ctx.calibration_data:
@@ -366,7 +366,7 @@ _EVAL_SAMPLES = 32   # the SNR line's samples at most (the first ones of the dat
 
 
 def _fmt_db(value: float) -> str:
-    from .objective import format_db
+    from ..objective import format_db
 
     return format_db(value)
 
@@ -385,7 +385,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_passes(args) -> int:
-    from .pipeline import in_pipeline_order
+    from ..pipeline import in_pipeline_order
 
     for cls in in_pipeline_order():  # default pipeline order, then the rest by name
         print(f"{cls.name}: {cls.summary()}")
@@ -403,7 +403,7 @@ def cmd_passes(args) -> int:
 def _default_text(f) -> str:
     import dataclasses
 
-    from .pipeline import _format_value
+    from ..pipeline import _format_value
 
     value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     return _format_value(value)
@@ -411,7 +411,7 @@ def _default_text(f) -> str:
 
 def cmd_explain(args) -> int:
     from .explain import explain_lines
-    from .ir import load
+    from ..ir import load
 
     model = load(args.model)
     for line in explain_lines(model, args.tensor):
@@ -429,13 +429,13 @@ def cmd_example(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from .calibration.data import open_data
-    from .evaluate import compare
-    from .ir import load
-    from .objective import parse_metric
+    from ..calibration.data import open_data
+    from ..evaluate import compare
+    from ..ir import load
+    from ..objective import parse_metric
 
     if args.per_layer or args.provider or args.report or args.samples is not None:
-        from .report.compare_command import cmd_per_layer
+        from ..report.compare_command import cmd_per_layer
 
         return cmd_per_layer(args)
     objective = parse_metric(args.metric)

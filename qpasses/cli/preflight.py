@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .errors import PassFailure, QpassesError, first_line
+from ..errors import PassFailure, QpassesError, first_line
 
 # the passes of the default pipeline up to the final types (calibration needs data: not run)
 TYPE_PIPELINE = "fold-constants,fold-batchnorm,cleanup,annotate-types,propagate-mixed-precision"
@@ -37,8 +37,8 @@ class Preflight:
 def check(path, config=None) -> Preflight:
     """Inspect the model at ``path`` under ``config`` (a path, dict or None). A model or config
     that cannot even be read raises the usual one-line QpassesError."""
-    from .context import RunContext
-    from .ir import constant_bytes, load
+    from ..context import RunContext
+    from ..ir import constant_bytes, load
 
     ctx = RunContext(config)   # a bad config is a user error before anything else
     model = load(path)
@@ -83,7 +83,7 @@ def _input_lines(out: Preflight, model) -> None:
 
 
 def _body_lines(out: Preflight, model) -> None:
-    from .ir import body_graphs
+    from ..ir import body_graphs
 
     bodies = body_graphs(model.graph)
     if not bodies:
@@ -96,7 +96,7 @@ def _body_lines(out: Preflight, model) -> None:
 
 
 def _domain_lines(out: Preflight, model) -> None:
-    from .analysis.scopes import all_nodes
+    from ..analysis.scopes import all_nodes
 
     foreign = Counter((n.domain, n.op) for n in all_nodes(model) if (n.domain or "") not in _DEFAULT_DOMAINS)
     for (domain, op), count in sorted(foreign.items()):
@@ -107,7 +107,7 @@ def _domain_lines(out: Preflight, model) -> None:
 
 def _runs_in_onnxruntime(out: Preflight, path: Path) -> None:
     """Calibration runs the float model in onnxruntime: it must load there."""
-    from .evaluate import session
+    from ..evaluate import session
 
     try:
         session(path, optimize=False)
@@ -120,8 +120,8 @@ def _runs_in_onnxruntime(out: Preflight, path: Path) -> None:
 
 def _types(out: Preflight, model, ctx) -> None:
     """Run the type-deciding passes; report what is quantized, what stays float, what refuses."""
-    from .api import run_pipeline
-    from .ir import constant_bytes
+    from ..api import run_pipeline
+    from ..ir import constant_bytes
 
     notices: list[str] = []
     try:
@@ -157,7 +157,7 @@ def _types(out: Preflight, model, ctx) -> None:
 
 def _pair_sums(out: Preflight, model, config) -> None:
     """The layers whose int16 pair sums can saturate (from the weights alone: activations reach every code)."""
-    from .analysis.saturation import risks, table_layers, verdict
+    from ..analysis.saturation import risks, table_layers, verdict
 
     layers = table_layers(model, config)
     if layers:
@@ -166,8 +166,8 @@ def _pair_sums(out: Preflight, model, config) -> None:
 
 def _opset_line(out: Preflight, model) -> None:
     """The opset the Q/DQ nodes will need (insert-qdq raises it when a type needs more)."""
-    from .qdq import QParams, float_dtype, min_opset
-    from .qtypes import qtype
+    from ..qdq import QParams, float_dtype, min_opset
+    from ..qtypes import qtype
 
     tensors = model.tensors()
     need, why = model.opset, ""
@@ -187,12 +187,12 @@ def _node_states(model, config) -> tuple[dict[str, list[str]], dict[str, Counter
     summary counts it), and for the other nodes a count of their reasons (the saved reason that
     names the node, else why a node of its kind is left float), each reason once as its shape
     (quoted names aside) with the first node's own words."""
-    from .analysis.dtypes import float_tensors
-    from .analysis.scopes import all_nodes
-    from .decisions import float_reasons
-    from .oprules import WEIGHTED_OPS, rule_for
-    from .passes.annotate_types import selected_nodes   # the selection annotate-types made
-    from .summary import reason_shape
+    from ..analysis.dtypes import float_tensors
+    from ..analysis.scopes import all_nodes
+    from ..decisions import float_reasons
+    from ..oprules import WEIGHTED_OPS, rule_for
+    from ..passes.annotate_types import selected_nodes   # the selection annotate-types made
+    from ..summary import reason_shape
 
     reasons, floats_t = float_reasons(model), float_tensors(model)
     selected = {id(node) for node, _ in selected_nodes(model, config)}

@@ -6,7 +6,7 @@ is committed by a rename within one file system. ``commit`` first checks every t
 regular file or a new path, not a file the command read), then renames the staged files into place,
 each existing target first hard-linked (else renamed) into the staging folder; if any step fails,
 the targets committed so far are put back and the folders it created removed. ``discard`` removes
-the staging folders. Signals are handled by ``qpasses.process``: while a commit or its undoing
+the staging folders. Signals are handled by ``qpasses.cli.process``: while a commit or its undoing
 runs they are only recorded, so a commit is never cut in half.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import QpassesError
+from ..errors import QpassesError
 from .paths import PathError, PathGuard
 
 PREFIX = ".qpasses-"
@@ -200,8 +200,8 @@ def remove_tree(folder: Path) -> str | None:
 
 def save_staged(model, staged: Path, target: Path) -> None:
     """``ir.save`` to the staged path; its one-line errors name the target."""
-    from .errors import ModelError
-    from .ir import save
+    from ..errors import ModelError
+    from ..ir import save
 
     try:
         save(model, staged)
@@ -250,7 +250,7 @@ def check_loads(path: Path, target: Path, source: Path | None = None, *, optimiz
     a folding pipeline's output is then as loadable as its input was). Returns the session (to run
     the output model in), None when neither loads. ``optimized_to``: where onnxruntime writes the
     graph it optimized (qpasses.kernels.optimized_kernels reads it)."""
-    from .errors import first_line
+    from ..errors import first_line
 
     try:
         return _ort_load(path, optimized_to)

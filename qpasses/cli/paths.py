@@ -14,7 +14,7 @@ import re
 import stat
 from pathlib import Path
 
-from .errors import QpassesError
+from ..errors import QpassesError
 
 
 class PathError(QpassesError):
@@ -92,7 +92,7 @@ class PathGuard:
 
     def read_data(self, role: str, path) -> None:
         """Calibration/evaluation data: a file, or a folder whose data files are each checked."""
-        from .calibration.data import data_files
+        from ..calibration.data import data_files
 
         path = Path(path)
         st = _stat(path, role)

@@ -1,11 +1,11 @@
 """Explain a tensor's quantization from the table saved in the model."""
 from __future__ import annotations
 
-from .analysis.saturation import decision_line
-from .analysis.scopes import scopes
-from .decisions import float_reasons
-from .errors import QpassesError
-from .ir import QModel
+from ..analysis.saturation import decision_line
+from ..analysis.scopes import scopes
+from ..decisions import float_reasons
+from ..errors import QpassesError
+from ..ir import QModel
 
 
 def explain_lines(model: QModel, tensor: str | None = None) -> list[str]:
