@@ -141,7 +141,7 @@ def run_summary_lines(model: QModel) -> list[str]:
     weighted ops in 8 bits and the tensors kept float (or the weights a weight-only run quantized),
     and a target the search missed."""
     from .decisions import float_reasons
-    from .summary import shortfall, summary_line
+    from .evaluation.summary import shortfall, summary_line
 
     lines = []
     if "types-annotated" in model.facts or "qdq-inserted" in model.facts:

@@ -10,14 +10,14 @@ from . import executors
 from .analysis.sensitivity import eight_bit_share, graph_order, local_errors, promote
 from .analysis.walks import Walk, aimed, fewest
 from .errors import first_line
-from .evaluate import Reference
+from .evaluation.evaluate import Reference
 from .executors import speculate
 from .executors.scoring import objective_score, objective_scores
 from .ir import QModel
 from .pipeline import run_nested, split_after
 from .progress import progress
 from .qdq import require_opset
-from .scored_runs import ScoredRuns
+from .evaluation.scored_runs import ScoredRuns
 
 NAME = "search-precision"
 ORDERS = ("local-error ranking", "graph order")

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import onnx.parser
 
-from .evaluate import session
+from .evaluation.evaluate import session
 from .ir import QModel, from_proto
 
 _NP = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qpasses.evaluate import session
+from qpasses.evaluation.evaluate import session
 
 # 255 * 127 + 255 * 127: what a pair of uint8 x int8 products sums to, and the int16 bound it hits
 PAIR_EXACT, INT16_MAX = 64770, 32767

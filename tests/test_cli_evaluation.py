@@ -10,7 +10,7 @@ import pytest
 from qpasses.calibration.data import open_data
 from qpasses.calibration.kept import KeptSamples
 from qpasses.cli import _kept_float_outputs, main
-from qpasses.evaluate import compare
+from qpasses.evaluation.evaluate import compare
 from qpasses.cli.examples import example_data, write_example
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import pytest
 
-from qpasses.evaluate import session
+from qpasses.evaluation.evaluate import session
 from qpasses.report import localise, provider
 from qpasses.report.backends import with_outputs
 

@@ -6,7 +6,7 @@ import onnx
 import pytest
 
 from qpasses.cli import main
-from qpasses.evaluate import session
+from qpasses.evaluation.evaluate import session
 from qpasses.report import provider
 from qpasses.report.backends import with_outputs
 from qpasses.report.layers import layers

@@ -21,11 +21,11 @@ from qpasses.cli import main
 from qpasses.context import RunContext
 from qpasses.decisions import float_reasons
 from qpasses.errors import ModelError
-from qpasses.evaluate import judging_session, snr_db
+from qpasses.evaluation.evaluate import judging_session, snr_db
 from qpasses.cli.explain import explain_lines
 from qpasses.ir import from_proto, load
 from qpasses.pipeline import QUANTIZE_PIPELINE, parse_pipeline
-from qpasses.summary import summary_line, weighted_ops
+from qpasses.evaluation.summary import summary_line, weighted_ops
 from qpasses.testing import run, run_passes
 from qpasses.verify import check_structure
 

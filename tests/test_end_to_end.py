@@ -4,7 +4,7 @@ import onnx
 import pytest
 
 import qpasses
-from qpasses.evaluate import compare
+from qpasses.evaluation.evaluate import compare
 from qpasses.cli.examples import example_data, example_model
 from qpasses.verify import check_onnx, check_ort
 

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from qpasses.duels import Contender, duel
-from qpasses.evaluate import Reference, compare
+from qpasses.evaluation.duels import Contender, duel
+from qpasses.evaluation.evaluate import Reference, compare
 from qpasses.testing import parse
 
 IDENTITY = """
@@ -119,7 +119,7 @@ g (float[1, 4, 16] x, float[1, 2, 16] c) => (float[1, 6, 16] y) <float k = {100.
 
 def test_split_scores_contenders_by_their_worst_component():
     """Scores 1 % off beside boxes 100x larger: the output's SNR hides them, its components do not."""
-    from qpasses.objective import Objective
+    from qpasses.evaluation.objective import Objective
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.uniform(0, 1, (1, 4, 16)).astype(np.float32),
               "c": rng.normal(0, 1, (1, 2, 16)).astype(np.float32)} for _ in range(8)]

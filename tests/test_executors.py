@@ -157,7 +157,7 @@ def test_select_by_snr_scored_as_tasks_decides_the_same(monkeypatch, tmp_path):
 
 
 def test_replayed_contender_fails_on_the_feed_that_failed():
-    from qpasses.evaluate import Reference
+    from qpasses.evaluation.evaluate import Reference
     from qpasses.executors.scoring import Replayed
 
     feeds = [{"x": np.zeros(1, np.float32)} for _ in range(6)]

@@ -8,7 +8,7 @@ import pytest
 from onnx import numpy_helper
 
 import qpasses
-from qpasses.kernels import integer_kernels
+from qpasses.evaluation.integer_kernels import integer_kernels
 from qpasses.passes.annotate_types import AnnotateTypes
 from qpasses.testing import model_from_text, run_pass
 

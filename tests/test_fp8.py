@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import qpasses
 from qpasses.config import load_config
-from qpasses.evaluate import session, snr_db
+from qpasses.evaluation.evaluate import session, snr_db
 from qpasses.qparams import compute_qparams, dequantize, quantize
 from qpasses.qtypes import qtype
 from qpasses.testing import model_from_text, parse, random_feed, run

@@ -145,7 +145,7 @@ def _run_cli_case(case, folder) -> None:
     import onnx
 
     from qpasses.cli import main
-    from qpasses.evaluate import session
+    from qpasses.evaluation.evaluate import session
 
     folder.mkdir(parents=True, exist_ok=True)
     onnx.save(case.model, folder / "model.onnx")

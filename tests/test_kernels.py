@@ -1,4 +1,4 @@
-"""qpasses.kernels: the weighted ops onnxruntime runs as integer kernels, in the run's summary."""
+"""qpasses.evaluation.integer_kernels: the weighted ops onnxruntime runs as integer kernels, in the run's summary."""
 import json
 
 import pytest

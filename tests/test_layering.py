@@ -11,8 +11,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "qpasses"
 
 FRAMEWORK = ("qpasses.pipeline", "qpasses.registry", "qpasses.context", "qpasses.facts",
              "qpasses.instruments", "qpasses.verify", "qpasses.progress", "qpasses.errors")
-COMMANDS_AND_REPORTS = ("qpasses.passes", "qpasses.cli", "qpasses.report", "qpasses.summary")
-REPORTING = ("qpasses.report", "qpasses.summary", "qpasses.cli")
+COMMANDS_AND_REPORTS = ("qpasses.passes", "qpasses.cli", "qpasses.report", "qpasses.evaluation.summary")
+REPORTING = ("qpasses.report", "qpasses.evaluation.summary", "qpasses.cli")
 # the registry finds the built-in passes by importing their package (discovery, not a dependency on one)
 ALLOWED = {("qpasses.registry", "qpasses.passes")}
 

@@ -89,12 +89,12 @@ def _fail_ort_refuses(ws, monkeypatch):
 
 
 def _fail_compare_crashes(ws, monkeypatch):
-    import qpasses.evaluate
+    import qpasses.evaluation.evaluate
 
     def boom(*a, **k):
         raise RuntimeError("compare broke")
 
-    monkeypatch.setattr(qpasses.evaluate, "compare", boom)
+    monkeypatch.setattr(qpasses.evaluation.evaluate, "compare", boom)
     return 1, "RuntimeError: compare broke (run with --traceback for details)"
 
 

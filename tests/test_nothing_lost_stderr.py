@@ -190,13 +190,13 @@ def test_an_identical_output_reports_inf_as_a_string(tmp_path, capsys):
 @pytest.mark.parametrize("value, written", [(math.nan, None), (math.inf, "inf"), (-math.inf, "-inf"),
                                             (np.float32("nan"), None), (np.float64("-inf"), "-inf")])
 def test_non_finite_numbers_in_the_report(value, written, tmp_path, capsys, monkeypatch):
-    import qpasses.evaluate
+    import qpasses.evaluation.evaluate
 
     def fake(*a, **k):
         return {"samples": 1, "snr_db": value, "outputs": {"y": {"snr_db": value, "max_abs_error": value}},
                 "objective": None}
 
-    monkeypatch.setattr(qpasses.evaluate, "compare", fake)
+    monkeypatch.setattr(qpasses.evaluation.evaluate, "compare", fake)
     ws = Workspace(tmp_path)
     code, lines, _ = run_cli(capsys, ws.run("--report", ws.report))
     assert code == 0, lines

@@ -1,4 +1,4 @@
-"""qpasses.objective: error per output component (Concat pieces found statically), the snr / cosine /
+"""qpasses.evaluation.objective: error per output component (Concat pieces found statically), the snr / cosine /
 top1 / user metrics, and --metric on the command line."""
 import json
 import os
@@ -15,8 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 import qpasses
 from qpasses.cli import main
 from qpasses.decisions import float_reasons
-from qpasses.evaluate import compare, session
-from qpasses.objective import (Component, MetricError, Objective, objective_scores, output_components,
+from qpasses.evaluation.evaluate import compare, session
+from qpasses.evaluation.objective import (Component, MetricError, Objective, objective_scores, output_components,
                                parse_metric)
 
 CHANNELS, ANCHORS, CLASSES = 8, 64, 6

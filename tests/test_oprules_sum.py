@@ -5,7 +5,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import qpasses
-from qpasses.evaluate import judging_session
+from qpasses.evaluation.evaluate import judging_session
 from qpasses.oprules import ACTIVATION, rule_for
 
 SHAPE = [1, 3, 8, 8]

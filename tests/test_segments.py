@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qpasses.calibration import segments
 from qpasses.context import RunContext
 from qpasses.api import run_pipeline
-from qpasses.evaluate import Reference
+from qpasses.evaluation.evaluate import Reference
 from qpasses.ir import from_proto
 from qpasses.testing import parse, random_feed
 

@@ -6,7 +6,7 @@ import pytest
 from qpasses.api import quantize
 from qpasses.calibration.ranges import outward
 from qpasses.calibration.softmax import NEGLIGIBLE, ROW_MAX_SUFFIX
-from qpasses.evaluate import snr_db
+from qpasses.evaluation.evaluate import snr_db
 from qpasses.pipeline import PassManager
 from qpasses.testing import model_from_text, parse, run, run_passes
 from qpasses.verify import check_onnx

@@ -8,9 +8,9 @@ import pytest
 
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
-from qpasses.duels import Contender
-from qpasses.evaluate import Reference
-from qpasses.scored_runs import ScoredRuns
+from qpasses.evaluation.duels import Contender
+from qpasses.evaluation.evaluate import Reference
+from qpasses.evaluation.scored_runs import ScoredRuns
 from qpasses.cli.examples import example_data, example_model
 from qpasses.ir import QModel, from_proto
 from qpasses.pipeline import QUANTIZE_PIPELINE
@@ -130,7 +130,7 @@ def test_copier_copies_as_copy_does():
 
 
 def test_score_per_output_false_keeps_the_objective():
-    from qpasses.objective import Objective
+    from qpasses.evaluation.objective import Objective
 
     float_model = from_proto(example_model())
     quantized, _ = run_pipeline(from_proto(example_model()), None, config=U8S8, calibration_data=_example_feeds())

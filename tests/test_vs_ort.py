@@ -8,7 +8,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qpasses.cli import main
 from qpasses.cli.examples import write_example
-from qpasses.vs_ort import compare, interleaved_latencies, line, ort_qdq_model
+from qpasses.evaluation.vs_ort import compare, interleaved_latencies, line, ort_qdq_model
 
 
 @pytest.fixture(scope="module")

@@ -288,10 +288,10 @@ def _one_line(exc) -> str:
 
 def integer_weighted_kernels(path) -> int | None:
     """How many weighted ops onnxruntime (CPU, default optimization) runs as integer kernels, read off
-    its optimized graph (qpasses.kernels: the same count the run's summary line gives)."""
+    its optimized graph (qpasses.evaluation.integer_kernels: the same count the run's summary line gives)."""
     import onnx
 
-    from qpasses.kernels import integer_kernels
+    from qpasses.evaluation.integer_kernels import integer_kernels
 
     return integer_kernels(onnx.load(str(path)))
 
@@ -354,7 +354,7 @@ def worst_component_snr(model_path, outs_f, outs_q) -> tuple[float | None, float
     error over the eval samples takes it down, in dB (taken on the error-to-signal ratio, as
     search-precision's margin is); (None, None) if it cannot score them."""
     import onnx
-    from qpasses.objective import Objective
+    from qpasses.evaluation.objective import Objective
 
     try:
         model = onnx.load(str(model_path), load_external_data=False)
@@ -370,7 +370,7 @@ def worst_component_snr(model_path, outs_f, outs_q) -> tuple[float | None, float
 def jackknife_se(metric, outs_f, outs_q) -> float:
     """The jackknife standard error of ``metric(outs_f, outs_q)`` over the eval samples: how far the
     task metric of this eval set is from the same model's on another set of that size."""
-    from qpasses.objective import jackknife
+    from qpasses.evaluation.objective import jackknife
 
     return jackknife([metric(outs_f[:i] + outs_f[i + 1:], outs_q[:i] + outs_q[i + 1:]) for i in range(len(outs_f))])
 

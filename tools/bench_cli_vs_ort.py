@@ -152,7 +152,7 @@ def float_pass(model: Path, calib: Path, repeats: int) -> float:
 
 def snr_db(model: Path, quantized: Path, evald: Path) -> float | None:
     """The worst output's SNR of ``quantized`` against ``model`` over the eval samples."""
-    from qpasses.evaluate import snr_db as snr
+    from qpasses.evaluation.evaluate import snr_db as snr
 
     if not quantized.is_file():
         return None

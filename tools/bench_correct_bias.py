@@ -21,7 +21,7 @@ import models as bench_models  # noqa: E402
 import qpasses  # noqa: E402
 from qpasses.api import run_pipeline  # noqa: E402
 from qpasses.context import RunContext  # noqa: E402
-from qpasses.evaluate import session, snr_db  # noqa: E402
+from qpasses.evaluation.evaluate import session, snr_db  # noqa: E402
 from qpasses.instruments import TimePasses  # noqa: E402
 from qpasses.pipeline import QUANTIZE_PIPELINE  # noqa: E402
 

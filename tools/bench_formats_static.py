@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 import qpasses  # noqa: E402
-from qpasses.evaluate import snr_db  # noqa: E402
+from qpasses.evaluation.evaluate import snr_db  # noqa: E402
 
 DEFAULT = ("example", "light_squeezenet", "ppocr_v2_cls", "ppocr_v4_rec", "encoder_block")
 CALIB = 16   # calibration feeds for the static pipelines (FP8, int8, QOperator)

@@ -104,7 +104,7 @@ def bench(name: str, variants: list[str], corpus: Path, acc: Path, options: dict
     import qpasses
     from qpasses.context import RunContext
     from qpasses.decisions import float_reasons
-    from qpasses.summary import weighted_ops
+    from qpasses.evaluation.summary import weighted_ops
 
     path, calib, evalp = model_files(name, corpus, acc)
     if not path.is_file():

@@ -85,7 +85,7 @@ def quantize(variant: str, model_path, feeds: list[dict], out: Path) -> None:
 def outputs(path: Path, feeds: list[dict], *, qemu: bool, tmp: Path) -> list[list]:
     """Every feed's outputs: the QDQ simulation here, or the int8 kernels under qemu Haswell."""
     if not qemu:
-        from qpasses.evaluate import session
+        from qpasses.evaluation.evaluate import session
 
         sess = session(str(path), optimize=False)
         return [sess.run(None, f) for f in feeds]

@@ -9,7 +9,7 @@ model passes onnx.checker and loads in onnxruntime. A failure on either side is 
 and the run goes on.
 
 SNR = 10*log10(sum(ref^2) / sum((ref-q)^2)) per model output over all eval samples concatenated;
-a model's SNR is the minimum over its outputs (as qpasses.evaluate.compare).
+a model's SNR is the minimum over its outputs (as qpasses.evaluation.evaluate.compare).
 
     python tools/bench_vs_ort.py --quick                      # 3 small models, 16 samples
     python tools/bench_vs_ort.py --json bench.json            # default set (~30 min on 2 cores)

@@ -1,5 +1,5 @@
 """Output components: which model outputs are concatenations, and of which pieces (static, from
-the float model). The accuracy objective (qpasses.objective) scores each piece on its own.
+the float model). The accuracy objective (qpasses.evaluation.objective) scores each piece on its own.
 
 An output whose producer -- looking through Identity and Transpose nodes (a Transpose moves the
 axis) -- is a Concat along a non-batch axis (axis 0 is taken as the batch axis), with a static

@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 
 from ..calibration.subgraphs import thread_out
 from ..decisions import leave_float
-from ..evaluate import session
+from ..evaluation.evaluate import session
 from ..graphutil import subgraphs
 from ..ir import QModel
 from ..qparams import dequantize, quantize

@@ -12,7 +12,7 @@ import numpy as np
 from onnx import helper
 
 from ..calibration.data import model_inputs, open_data
-from ..evaluate import session
+from ..evaluation.evaluate import session
 from ..ir import QModel
 
 

@@ -10,11 +10,11 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..decisions import PRECISION_SEARCH
-from ..evaluate import Reference
+from ..evaluation.evaluate import Reference
 from ..executors.scoring import trial_runs
 from ..graphutil import subgraphs
 from ..ir import QModel
-from ..objective import Objective
+from ..evaluation.objective import Objective
 from ..qtypes import qtype
 from ..rounding import Geometry, Hessian, conv_geometry
 from .scopes import scopes

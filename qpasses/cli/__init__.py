@@ -160,13 +160,13 @@ def cmd_run(args) -> int:
     from ..api import run_pipeline
     from ..context import RunContext
     from ..decisions import float_reasons
-    from ..evaluate import compare, eval_reference
+    from ..evaluation.evaluate import compare, eval_reference
     from ..instruments import DumpAfter, Reproducer, TimePasses
     from ..ir import load
-    from ..objective import parse_metric
-    from ..kernels import worth_counting
+    from ..evaluation.objective import parse_metric
+    from ..evaluation.integer_kernels import worth_counting
     from .outputs import PREFIX, Staging, check_loads, ort_source, save_staged, strict_json, write_text
-    from ..summary import shortfall
+    from ..evaluation.summary import shortfall
     from .paths import escape, guard_run
     from ..pipeline import default_pipeline, parse_pipeline
 
@@ -257,14 +257,14 @@ def cmd_run(args) -> int:
         for line in _objective_lines(objective, report["accuracy"], report["objective"], always=False, overall=False):
             say(f"qpasses: {line}")
     if "types-annotated" in model.facts or "qdq-inserted" in model.facts:
-        from ..summary import run_summary
+        from ..evaluation.summary import run_summary
 
         report["summary"], report["integer_kernels"] = run_summary(model, float_reasons(model), proto, optimized)
         say(f"qpasses: {report['summary']}")
     del session, proto
     if args.vs_onnxruntime:   # a comparison, not the output: a failure is a warning naming onnxruntime's reason
         from ..errors import first_line
-        from ..vs_ort import compare as versus, line
+        from ..evaluation.vs_ort import compare as versus, line
 
         try:
             report["vs_onnxruntime"] = versus(src, staged, ctx.calibration_data)
@@ -336,7 +336,7 @@ def _eval_reference(source, model_path):
     the inputs its onnxruntime session takes, as compare does), before anything is written:
     (the data, the evaluate.Reference)."""
     from ..calibration.data import open_data
-    from ..evaluate import Reference, session
+    from ..evaluation.evaluate import Reference, session
     from .outputs import ort_source
 
     data = open_data(source)
@@ -347,7 +347,7 @@ def _kept_float_outputs(ctx, records):
     """The float outputs calibrate kept (KeptSamples) when they are the input model's on the first
     calibration samples: kept from ``ctx.calibration_data``, after passes that each keep the float
     model's outputs (evaluate.FLOAT_EXACT_PASSES); else None."""
-    from ..evaluate import FLOAT_EXACT_PASSES
+    from ..evaluation.evaluate import FLOAT_EXACT_PASSES
 
     kept = ctx.cache.get("kept_samples")
     if kept is None or kept.source is not ctx.calibration_data:
@@ -366,7 +366,7 @@ _EVAL_SAMPLES = 32   # the SNR line's samples at most (the first ones of the dat
 
 
 def _fmt_db(value: float) -> str:
-    from ..objective import format_db
+    from ..evaluation.objective import format_db
 
     return format_db(value)
 
@@ -430,9 +430,9 @@ def cmd_example(args) -> int:
 
 def cmd_compare(args) -> int:
     from ..calibration.data import open_data
-    from ..evaluate import compare
+    from ..evaluation.evaluate import compare
     from ..ir import load
-    from ..objective import parse_metric
+    from ..evaluation.objective import parse_metric
 
     if args.per_layer or args.provider or args.report or args.samples is not None:
         from ..report.compare_command import cmd_per_layer

@@ -249,7 +249,7 @@ def check_loads(path: Path, target: Path, source: Path | None = None, *, optimiz
     onnxruntime cannot load the ``source`` model either (custom ops, types without a CPU kernel:
     a folding pipeline's output is then as loadable as its input was). Returns the session (to run
     the output model in), None when neither loads. ``optimized_to``: where onnxruntime writes the
-    graph it optimized (qpasses.kernels.optimized_kernels reads it)."""
+    graph it optimized (qpasses.evaluation.integer_kernels.optimized_kernels reads it)."""
     from ..errors import first_line
 
     try:

@@ -107,7 +107,7 @@ def _domain_lines(out: Preflight, model) -> None:
 
 def _runs_in_onnxruntime(out: Preflight, path: Path) -> None:
     """Calibration runs the float model in onnxruntime: it must load there."""
-    from ..evaluate import session
+    from ..evaluation.evaluate import session
 
     try:
         session(path, optimize=False)
@@ -192,7 +192,7 @@ def _node_states(model, config) -> tuple[dict[str, list[str]], dict[str, Counter
     from ..decisions import float_reasons
     from ..oprules import WEIGHTED_OPS, rule_for
     from ..passes.annotate_types import selected_nodes   # the selection annotate-types made
-    from ..summary import reason_shape
+    from ..evaluation.summary import reason_shape
 
     reasons, floats_t = float_reasons(model), float_tensors(model)
     selected = {id(node) for node, _ in selected_nodes(model, config)}

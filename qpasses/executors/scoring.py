@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 
 from ..errors import first_line
-from ..duels import Contender
-from ..evaluate import Reference
+from ..evaluation.duels import Contender
+from ..evaluation.evaluate import Reference
 from . import portable
 
 

@@ -14,7 +14,7 @@ from ..calibration.data import open_data
 from ..calibration.segments import SegmentedSession
 from ..conv_pads import auto_pad_of, conv_pads
 from ..errors import CalibrationDataError
-from ..evaluate import rerun_skip_reason
+from ..evaluation.evaluate import rerun_skip_reason
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
 from ..progress import progress

@@ -7,10 +7,10 @@ from typing import ClassVar
 from ..analysis.silu import quantize_gates, quantize_products, silu_chains, silu_gates
 from ..decisions import FLOAT, PRECISION_SEARCH
 from ..errors import CalibrationDataError, first_line
-from ..evaluate import Reference, rerun_skip_reason
+from ..evaluation.evaluate import Reference, rerun_skip_reason
 from ..executors.scoring import trial_score
 from ..ir import QModel
-from ..objective import Objective
+from ..evaluation.objective import Objective
 from ..pipeline import Pass, PassResult
 from ..registry import register
 

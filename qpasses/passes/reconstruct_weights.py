@@ -16,7 +16,7 @@ from ..calibration.data import model_inputs, open_data
 from ..calibration.segments import SegmentedModel
 from ..calibration.subgraphs import thread_out
 from ..errors import CalibrationDataError, ModelError, first_line
-from ..evaluate import rerun_skip_reason, session
+from ..evaluation.evaluate import rerun_skip_reason, session
 from ..graphutil import subgraphs
 from ..ir import QModel
 from ..pipeline import Pass, PassResult, run_nested

@@ -10,7 +10,7 @@ import onnx_graphsurgeon as gs
 from ..analysis.weighted_layers import Target, batches, checked_values, find_targets, measure, restore as _restore
 from ..decisions import PRECISION_SEARCH
 from ..errors import CalibrationDataError, first_line
-from ..evaluate import rerun_skip_reason
+from ..evaluation.evaluate import rerun_skip_reason
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
 from ..qtypes import qtype

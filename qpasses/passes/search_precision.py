@@ -10,9 +10,9 @@ from ..analysis.sensitivity import promote, promotion_groups
 from ..config import ACCURACY_FALLBACKS, ACCURACY_METRICS
 from ..decisions import PRECISION_SEARCH
 from ..errors import CalibrationDataError, first_line
-from ..evaluate import Reference, rerun_skip_reason
+from ..evaluation.evaluate import Reference, rerun_skip_reason
 from ..ir import QModel
-from ..objective import Objective
+from ..evaluation.objective import Objective
 from ..pipeline import Pass, PassResult
 from ..precision_checks import NAME, ORDERS, Checks
 from ..registry import register

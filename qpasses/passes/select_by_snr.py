@@ -11,18 +11,18 @@ from ..analysis.requests import named_tensors
 from ..calibration.data import open_data
 from ..calibration.softmax import ROW_MAX_SUFFIX
 from ..decisions import PRECISION_SEARCH
-from ..duels import Contender, duel
+from ..evaluation.duels import Contender, duel
 from ..errors import CalibrationDataError, first_line
-from ..evaluate import MIN_FEEDS, Reference, rerun_skip_reason
+from ..evaluation.evaluate import MIN_FEEDS, Reference, rerun_skip_reason
 from ..ir import QModel
-from ..objective import Objective
+from ..evaluation.objective import Objective
 from ..pipeline import Pass, PassResult, make_pass, run_nested, split_after
 from ..progress import progress
 from ..registry import register
 from .. import executors
 from ..executors import portable
 from ..executors.scoring import prescored
-from ..scored_runs import ScoredRuns
+from ..evaluation.scored_runs import ScoredRuns
 
 NAME = "select-by-snr"
 CORRECT_BIAS = "correct-bias"

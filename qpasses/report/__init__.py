@@ -18,10 +18,10 @@ def build(float_model, qdq_model, data, *, objective=None, run_report: dict | No
     from ..analysis.saturation import qdq_layers, risks
     from ..calibration.data import open_data
     from ..decisions import PAIR_SUMS, float_reasons
-    from ..evaluate import Reference
+    from ..evaluation.evaluate import Reference
     from ..ir import load
-    from ..objective import parse_metric
-    from ..summary import kept_float, summary_line
+    from ..evaluation.objective import parse_metric
+    from ..evaluation.summary import kept_float, summary_line
     from . import html, layers
 
     names = [str(m) if isinstance(m, (str, Path)) else "(in memory)" for m in (float_model, qdq_model)]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 def cmd_report(args) -> int:
     from ..calibration.data import open_data
-    from ..objective import parse_metric
+    from ..evaluation.objective import parse_metric
     from ..cli.outputs import Staging, write_text
     from ..cli.paths import PathGuard
     from . import build

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 
 from ..analysis.sensitivity import local_errors
-from ..evaluate import session
+from ..evaluation.evaluate import session
 from ..ir import QModel
 from ..qparams import dequantize, quantize
 from ..qtypes import qtype

@@ -79,7 +79,7 @@ def run_case(case: FuzzCase, snr_floor=snr_floor) -> Outcome:
     error: a one-line QpassesError. Anything else is a crash.
     """
     import qpasses
-    from qpasses.evaluate import session
+    from qpasses.evaluation.evaluate import session
 
     try:
         onnx.checker.check_model(case.model)
@@ -142,7 +142,7 @@ ORT_RUN = "ok, onnxruntime's fused QLinear kernel fails at run time (the exact Q
 
 def _snr(names: list[str], refs: list, outs: list) -> dict[str, float]:
     """SNR of each output over every feed."""
-    from qpasses.evaluate import snr_db
+    from qpasses.evaluation.evaluate import snr_db
 
     return {name: snr_db(np.concatenate([np.ravel(r[i]) for r in refs]),
                          np.concatenate([np.ravel(o[i]) for o in outs])) for i, name in enumerate(names)}

@@ -5,7 +5,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
-from qpasses.evaluate import snr_db
+from qpasses.evaluation.evaluate import snr_db
 from qpasses.ir import from_proto
 from qpasses.pipeline import QUANTIZE_PIPELINE
 from qpasses.qparams import dequantize, quantize as quantize_values

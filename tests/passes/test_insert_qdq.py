@@ -15,7 +15,7 @@ import pytest
 
 from cpu_kit import without_u8s8_saturation
 from qpasses import ModelError, PassManager, PreconditionError, TensorQuant
-from qpasses.evaluate import judging_session, session, snr_db
+from qpasses.evaluation.evaluate import judging_session, session, snr_db
 from qpasses.passes.insert_qdq import InsertQDQ, analyse, plan_qdq
 from qpasses.qparams import bias_qparams, compute_qparams, value_range
 from qpasses.decisions import float_reasons

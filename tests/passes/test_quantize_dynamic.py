@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 import qpasses
 from qpasses.errors import ConfigError
 from qpasses.config import load_config
-from qpasses.evaluate import session
+from qpasses.evaluation.evaluate import session
 from qpasses.testing import model_from_text, random_feed, run_pass
 from qpasses.passes.quantize_dynamic import QuantizeDynamic
 

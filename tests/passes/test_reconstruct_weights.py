@@ -10,7 +10,7 @@ from qpasses.analysis.weighted_layers import find_targets
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
 from qpasses.errors import PipelineError
-from qpasses.evaluate import session, snr_db
+from qpasses.evaluation.evaluate import session, snr_db
 from qpasses.ir import load
 from qpasses.pipeline import parse_pipeline
 from qpasses.qparams import quantize as quantize_values

@@ -4,7 +4,7 @@ import pytest
 
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
-from qpasses.evaluate import snr_db
+from qpasses.evaluation.evaluate import snr_db
 from qpasses.pipeline import QUANTIZE_PIPELINE
 from qpasses.qparams import quantize as quantize_values
 from qpasses.rounding import Geometry, conv_geometry, input_rows, round_codes, upper_inverse_cholesky

@@ -11,12 +11,12 @@ from onnx import helper, numpy_helper
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
 from qpasses.decisions import float_reasons
-from qpasses.evaluate import compare
+from qpasses.evaluation.evaluate import compare
 from qpasses.ir import from_proto
-from qpasses.objective import Objective
+from qpasses.evaluation.objective import Objective
 from qpasses.passes.search_precision import SearchPrecision
 from qpasses.pipeline import PassManager
-from qpasses.summary import weighted_ops
+from qpasses.evaluation.summary import weighted_ops
 from qpasses.testing import parse
 
 # A detector head: box coordinates (0..320) and class probabilities (0..1) in one output: one 8-bit
@@ -228,7 +228,7 @@ def test_the_float_outputs_calibrate_kept_are_its_reference(monkeypatch):
         if resumed:
             ctx.cache.clear()
         else:
-            monkeypatch.setattr("qpasses.evaluate.Reference.run", None)   # a float run would fail
+            monkeypatch.setattr("qpasses.evaluation.evaluate.Reference.run", None)   # a float run would fail
         PassManager([SearchPrecision(target=25, confirm_samples=0)]).run(model, ctx)   # its 8 more: read again
         monkeypatch.undo()
         assert resumed or ctx.cache["kept_samples"].feeds   # left for the run's caller (the CLI's SNR line)
@@ -252,7 +252,7 @@ def test_small_outputs_are_checked_on_more_feeds(resumed, options, feeds):
 
 
 def test_the_shortfall_line_says_what_the_score_counted_as():
-    from qpasses.summary import shortfall
+    from qpasses.evaluation.summary import shortfall
 
     decision = {"reached": 24.5, "reached_counted": 23.9, "confidence": 1.0, "metric": "snr", "target": 25.0,
                 "promoted": ["a", "b"]}
@@ -415,7 +415,7 @@ def test_a_missed_target_names_the_tensors_next_in_the_ranking():
 
 
 def test_a_confirmation_that_cannot_run_is_said_not_raised(monkeypatch):
-    from qpasses.evaluate import Reference
+    from qpasses.evaluation.evaluate import Reference
 
     runs_of = Reference.runs_of
 

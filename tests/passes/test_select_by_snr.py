@@ -66,7 +66,7 @@ def select(model, data, config=None, options=""):
 
 
 def quantized_snr(model, data, config=None):
-    from qpasses.evaluate import compare
+    from qpasses.evaluation.evaluate import compare
 
     reference = model.to_proto(metadata=False)
     run_pipeline(model, AFTER, config={**ALL, **(config or {})})
@@ -232,7 +232,7 @@ def test_variants_are_scored_with_q_dq_as_written():
     """The score of the chosen variant is its output SNR in onnxruntime without graph optimizations
     (the simulation, the same on every CPU), not in the fused integer kernels of this CPU: here they
     differ (onnxruntime 1.32's fused uint16 x int8 MatMul loses most of what the grids tell apart)."""
-    from qpasses.evaluate import session, snr_db
+    from qpasses.evaluation.evaluate import session, snr_db
 
     config = {**PER_TENSOR, "activation_type": "uint16"}
     positive = (np.random.default_rng(2).random((64, 32)) + 0.5).astype(np.float32)

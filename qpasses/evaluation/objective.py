@@ -55,7 +55,7 @@ API
     ``output_components(model) -> dict[str, list[Component]]``   the static analysis alone.
     ``parse_metric(spec) -> Objective``   "snr" | "cosine" | "top1" | "module:function"; a bad
         spec raises MetricError (a QpassesError, one line) before anything runs.
-    ``qpasses.evaluate.compare(float_model, test_model, feeds, objective=...)`` (and
+    ``qpasses.evaluation.evaluate.compare(float_model, test_model, feeds, objective=...)`` (and
         ``Reference.score(test_model, objective=...)``) add ``components`` (SNR per component)
         and ``objective`` (the summary) to their result.
 """
@@ -69,8 +69,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .analysis.output_components import Component, output_components
-from .errors import ModelError, QpassesError, first_line
+from ..analysis.output_components import Component, output_components
+from ..errors import ModelError, QpassesError, first_line
 
 BUILTIN_METRICS = ("snr", "cosine", "top1")
 

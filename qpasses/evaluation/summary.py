@@ -6,8 +6,8 @@ from collections import Counter
 
 import onnx
 
-from .oprules import QDQ_OPS as _QDQ, WEIGHTED_OPS
-from .qtypes import EIGHT_BIT, qtype
+from ..oprules import QDQ_OPS as _QDQ, WEIGHTED_OPS
+from ..qtypes import EIGHT_BIT, qtype
 
 _EIGHT_BIT = frozenset(qtype(name).onnx_type for name in EIGHT_BIT)   # the same, as ONNX element types
 
@@ -95,7 +95,7 @@ def summary_line(proto: onnx.ModelProto, floats: dict, kernels: int | None = Non
     """'8-bit: 94 % of weighted ops (47 of 50); kept float: 6 tensors (a, b, c, ...)' (compute
     tensors: ``kept_float``), or, when no
     tensor is quantized, 'nothing quantized: 0 of N compute nodes (...)' with the commonest reason.
-    ``kernels``: how many of them onnxruntime runs as integer kernels (qpasses.kernels), said when
+    ``kernels``: how many of them onnxruntime runs as integer kernels (qpasses.evaluation.integer_kernels), said when
     it differs."""
     quantized, total = weighted_ops(proto)
     runs = f"; onnxruntime runs {kernels} as integer kernels" if kernels is not None and kernels != quantized else ""
@@ -116,7 +116,7 @@ def run_summary(model, floats: dict, proto=None, optimized=None) -> tuple[str, i
     """(summary_line, integer kernels onnxruntime runs) of a model after a run (kernels: only once
     Q/DQ are inserted, else None). ``proto``: the model exported, if it is; ``optimized``: the path
     of the graph onnxruntime optimized from it, if a session wrote one."""
-    from .kernels import integer_kernels, optimized_kernels
+    from .integer_kernels import integer_kernels, optimized_kernels
 
     proto = proto if proto is not None else model.to_proto(metadata=False)
     kernels = None

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .calibration.data import InputSpec, validate
-from .calibration import segments
-from .errors import CalibrationDataError, ModelError
-from .ir import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
+from ..calibration.data import InputSpec, validate
+from ..calibration import segments
+from ..errors import CalibrationDataError, ModelError
+from ..ir import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
 from .scored_runs import ScoredRuns
 
 
@@ -108,7 +108,7 @@ def session_inputs(sess) -> list:
 def checked_feeds(model, data, max_samples: int | None = None) -> list[dict]:
     """The first ``max_samples`` feeds of ``data`` (any data source) checked and normalised against
     the inputs of onnxruntime's session of ``model`` (a session, or what ``session`` opens)."""
-    from .calibration.data import open_data
+    from ..calibration.data import open_data
 
     sess = model if hasattr(model, "get_inputs") else session(model)
     return list(open_data(data).validated(session_inputs(sess), max_samples or 0))
@@ -180,8 +180,8 @@ class Reference:
         out: the feeds calibrate held out of its ranges (``model.decisions["calibration"]
         ["held_out_from"]`` on), else the first ones, taken from ``kept`` (KeptSamples) when it holds
         them; as many as ``run`` takes with ``min_samples`` MIN_FEEDS."""
-        from .calibration.data import open_data
-        from .calibration.sessions import unrunnable
+        from ..calibration.data import open_data
+        from ..calibration.sessions import unrunnable
         start = model.decisions.get("calibration", {}).get("held_out_from")
         reference = None if start else cls.from_kept(kept, model, max_samples, enough_values, MIN_FEEDS)
         if reference is not None:   # calibrate ran the float model on these feeds: no second run
@@ -203,7 +203,7 @@ class Reference:
         """The float outputs on at most ``max_samples`` calibration feeds after the first ``after`` (of
         the held-out ones, with ``held_out``): the ones calibrate kept first (no second float run),
         then read again. None when there are none."""
-        from .calibration.data import open_data
+        from ..calibration.data import open_data
         start = (model.decisions.get("calibration", {}).get("held_out_from") or 0) if held_out else 0
         skip, found = start + after, None
         if not held_out and _kept_usable(kept, model):
@@ -268,7 +268,7 @@ class Reference:
               reuse: ScoredRuns | None = None) -> dict:
         """Run ``test_model`` on the kept feeds: per output SNR and max abs error, and the worst SNR.
 
-        With an ``objective`` (qpasses.objective.Objective, its components bound to the reference
+        With an ``objective`` (qpasses.evaluation.objective.Objective, its components bound to the reference
         model), also ``components`` (the SNR of every output component) and ``objective`` (its
         summary: metric, overall, per-component scores) and ``standard_error`` (the overall score's,
         jackknife over the feeds; a user metric's only with ``per_output=False``); ``per_output=False``:
@@ -367,7 +367,7 @@ def _kept_usable(kept, model: QModel) -> bool:
 def compare(reference_model, test_model, feeds, max_samples: int | None = None, *, objective=None,
             reference: Reference | None = None, judged: bool = False) -> dict:
     """Run both models on every feed; per output: SNR over all samples and max abs error. With an
-    ``objective`` (qpasses.objective.Objective; its output components are taken from
+    ``objective`` (qpasses.evaluation.objective.Objective; its output components are taken from
     ``reference_model`` unless it has them), also per-component SNR and the objective (see
     Reference.score). ``reference``: the reference model's outputs on the feeds, already known
     (``feeds`` and ``max_samples`` are then not read); ``test_model`` may be an open session.
@@ -394,7 +394,7 @@ def eval_reference(model, data, max_samples: int, kept=None) -> Reference:
     """The float ``model``'s outputs on the first ``max_samples`` feeds of ``data``: those of them
     calibrate kept (``kept``, KeptSamples of this very data on a model computing what ``model``
     computes: see FLOAT_EXACT_PASSES), then the rest run here (no session when none is left)."""
-    from .calibration.data import open_data
+    from ..calibration.data import open_data
 
     if kept is None or not kept.feeds:
         return Reference.run(model, open_data(data), max_samples)
