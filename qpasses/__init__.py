@@ -1,7 +1,7 @@
 """qpasses: a compiler-pass framework that turns float ONNX models into quantized QDQ models."""
 from .annotations import Convert, QuantTable, TensorQuant
 from .api import quantize, quantize_static, run_pipeline
-from .config import QuantConfig, load_config
+from .config.quant_config import QuantConfig, load_config
 from .context import RunContext
 from .errors import (CalibrationDataError, ConfigError, ModelError, PassFailure, PipelineError,
                      PreconditionError, QpassesError)

@@ -7,7 +7,7 @@ is a decision saved in the model (``QModel.quant``, ``ranges``, ``decisions``, `
 """
 from __future__ import annotations
 
-from .config import QuantConfig, load_config
+from .config.quant_config import QuantConfig, load_config
 
 
 class Findings:
@@ -37,7 +37,7 @@ class RunContext:
     """The config (target defaults applied), calibration data, a transient cache and the findings."""
 
     def __init__(self, config=None, calibration_data=None):
-        from .targets import apply_target_defaults
+        from .config.targets import apply_target_defaults
 
         self.config: QuantConfig = apply_target_defaults(load_config(config))
         # the data's path, for a reproducer (None when given as Python objects)

@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Collection, Iterable, Mapping
 
 from . import oprules
+from .config.targets import TARGETS_DIR
 from .dataflow import Dataflow
 from .errors import ConfigError
 from .qtypes import qtype
 
-TARGETS_DIR = Path(__file__).parent / "targets"
 RULES = ("all", "inputs")
 
 

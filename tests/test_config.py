@@ -5,7 +5,7 @@ import re
 import pytest
 from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
 
-from qpasses.config import QuantConfig, load_config
+from qpasses.config.quant_config import QuantConfig, load_config
 from qpasses.errors import ConfigError
 
 

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import qpasses
-from qpasses.config import load_config
+from qpasses.config.quant_config import load_config
 from qpasses.evaluation.evaluate import session, snr_db
 from qpasses.qparams import compute_qparams, dequantize, quantize
 from qpasses.qtypes import qtype

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from qpasses.cli import _parser
-from qpasses.config import load_config
+from qpasses.config.quant_config import load_config
 from qpasses.cli.examples import write_example
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import onnx
 import pytest
 
 from qpasses.api import run_pipeline
-from qpasses.config import CalibrationConfig
+from qpasses.config.quant_config import CalibrationConfig
 from qpasses.context import RunContext
 from qpasses.errors import ModelError, PassFailure, PipelineError, PreconditionError
 from qpasses.cli.examples import example_model

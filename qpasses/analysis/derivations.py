@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..annotations import TensorQuant
-from ..config import QuantConfig
+from ..config.quant_config import QuantConfig
 from ..errors import ModelError
 from ..ir import QModel
 from ..qparams import bias_qparams, compute_qparams, is_finite_range

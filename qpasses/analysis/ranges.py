@@ -8,7 +8,7 @@ import onnx_graphsurgeon as gs
 
 from ..annotations import TensorQuant
 from ..calibration.softmax import NEGLIGIBLE, lower_bound, upper_bound
-from ..config import QuantConfig
+from ..config.quant_config import QuantConfig
 from ..errors import ModelError
 from ..ir import QModel
 from .scopes import all_nodes

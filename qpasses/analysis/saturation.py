@@ -322,7 +322,7 @@ def risks(layers: list[PairLayer]) -> list[Risk]:
 
 def verdict(found: list[Risk], cpu: str, checked: int) -> str:
     """One line: the layers whose pair sums can saturate on x86-64 without VNNI, and what ``cpu`` makes of them."""
-    from ..config import PAIR_SATURATING_CPUS
+    from ..config.quant_config import PAIR_SATURATING_CPUS
 
     if not found:
         return f"int16 pair sums: none of {checked} uint8 x int8 layers can saturate on any CPU"

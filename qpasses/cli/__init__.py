@@ -291,7 +291,7 @@ def cmd_run(args) -> int:
 
 def _apply_target(ctx, text: str) -> None:
     """--target METRIC=VALUE into the run's config (accuracy.metric, accuracy.target)."""
-    from ..config import ACCURACY_METRICS
+    from ..config.quant_config import ACCURACY_METRICS
 
     metric, eq, value = text.partition("=")
     try:

@@ -10,7 +10,7 @@ from ..analysis.dtypes import FLOAT_DTYPES, float_tensors
 from ..analysis.requests import requests
 from ..analysis.scopes import all_nodes, scopes
 from ..annotations import Convert, TensorQuant
-from ..config import QuantConfig
+from ..config.quant_config import QuantConfig
 from .. import decisions
 from ..dataflow import dataflow
 from ..graphutil import unique_name
@@ -18,11 +18,11 @@ from ..ir import QModel
 from ..islands import unanchored
 from ..oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, OpRule, QDQ_OPS, WEIGHT, float_output_bias, holds,
                        multiplies_activations, rule_for, selected_op_types, weight_axis)
-from ..overrides import TensorOverride, raise_problems, validate
+from ..config.overrides import TensorOverride, raise_problems, validate
 from ..pipeline import Pass, PassResult
 from ..qtypes import qtype
 from ..registry import register
-from ..targets import apply_target_rules, chosen, load_target
+from ..config.targets import apply_target_rules, chosen, load_target
 from ..upgrade import PER_TENSOR
 
 _OWN_QPARAM_KEYS = {"quant_type", "scale", "zero_point", "symmetric", "rmin", "rmax"}

@@ -13,7 +13,7 @@ from ..calibration.kept import KeptSamples
 from ..calibration.ranges import calibrate_ranges
 from .. import executors
 from ..calibration.softmax import row_max_probes
-from ..config import CALIBRATION_METHODS, CalibrationConfig, QuantConfig, method_given
+from ..config.quant_config import CALIBRATION_METHODS, CalibrationConfig, QuantConfig, method_given
 from ..errors import CalibrationDataError
 from ..ir import QModel
 from ..pipeline import Pass, PassResult

@@ -12,10 +12,10 @@ from ..analysis.requests import named_tensors, pinned
 from ..analysis.ranges import entry_range, fmt as _fmt
 from ..analysis.scopes import UNOBSERVED
 from ..annotations import TensorQuant
-from ..config import QuantConfig
+from ..config.quant_config import QuantConfig
 from ..decisions import leave_float
 from ..ir import QModel
-from ..overrides import raise_problems
+from ..config.overrides import raise_problems
 from ..pipeline import Pass, PassResult
 from ..qparams import compute_qparams, is_finite_range
 from ..registry import register

@@ -12,7 +12,7 @@ from ..mixed_precision import MixedPrecisionPlan, load_constraints, parse_reques
 from ..oprules import holds, rule_for
 from ..pipeline import Pass, PassResult
 from ..registry import register
-from ..targets import apply_target_rules
+from ..config.targets import apply_target_rules
 
 __all__ = ["PropagateMixedPrecision", "apply_plan", "float_tensors", "sharing_nodes"]
 

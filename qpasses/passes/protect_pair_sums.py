@@ -5,12 +5,12 @@ from dataclasses import replace
 from typing import ClassVar
 
 from ..analysis.saturation import risks, seen_type, table_layers
-from ..config import PAIR_SATURATING_CPUS
+from ..config.quant_config import PAIR_SATURATING_CPUS
 from ..decisions import PAIR_SUMS
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
 from ..registry import register
-from ..targets import chosen, user_keys
+from ..config.targets import chosen, user_keys
 
 NAME = "protect-pair-sums"
 SHIFT = 128   # int8 code + 128 = uint8 code, on the same grid

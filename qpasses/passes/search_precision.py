@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from ..analysis.requests import pinned
 from ..analysis.sensitivity import promote, promotion_groups
-from ..config import ACCURACY_FALLBACKS, ACCURACY_METRICS
+from ..config.quant_config import ACCURACY_FALLBACKS, ACCURACY_METRICS
 from ..decisions import PRECISION_SEARCH
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import Reference, rerun_skip_reason

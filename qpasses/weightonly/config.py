@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config_checks import Problems as _Problems, boolean as _boolean, build as _build, number as _number
+from ..config.checks import Problems as _Problems, boolean as _boolean, build as _build, number as _number
 
 
 WEIGHT_ONLY_ALGORITHMS = ("rtn", "hqq", "gptq", "awq")

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from qpasses.config import QuantConfig
+from qpasses.config.quant_config import QuantConfig
 from qpasses.context import RunContext
 from qpasses.decisions import float_reasons
 from qpasses.errors import ConfigError, PreconditionError

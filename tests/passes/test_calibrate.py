@@ -10,7 +10,7 @@ from qpasses.calibration.data import open_data
 from qpasses.calibration.augment import activation_tensors
 from qpasses.calibration.ranges import calibrate_ranges, outward
 from qpasses.calibration.runner import collect_stats
-from qpasses.config import QuantConfig, load_config
+from qpasses.config.quant_config import QuantConfig, load_config
 from qpasses.errors import CalibrationDataError, ConfigError, PipelineError
 from qpasses.ir import from_proto
 from qpasses.passes.calibrate import Calibrate

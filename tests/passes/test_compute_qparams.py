@@ -4,7 +4,7 @@ import onnx.printer
 import pytest
 
 from qpasses.annotations import Convert, QuantTable, TensorQuant
-from qpasses.config import CalibrationConfig, QuantConfig
+from qpasses.config.quant_config import CalibrationConfig, QuantConfig
 from qpasses.context import RunContext
 from qpasses.decisions import float_reasons
 from qpasses.errors import PassFailure, PreconditionError

@@ -5,7 +5,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qpasses.annotations import TensorQuant
-from qpasses.config import QuantConfig, load_config
+from qpasses.config.quant_config import QuantConfig, load_config
 from qpasses.context import RunContext
 from qpasses.errors import PreconditionError
 from qpasses.ir import from_proto

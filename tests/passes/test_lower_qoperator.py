@@ -100,7 +100,7 @@ def test_units_without_a_kernel_stay_qdq_with_a_reason():
 
 def test_format_qoperator_appends_the_lowering(tmp_path):
     assert default_pipeline(True, "static", "qoperator").endswith(",lower-qoperator,cleanup")
-    cfg = qpasses.config.load_config({"quant_format": "QOperator"})
+    cfg = qpasses.load_config({"quant_format": "QOperator"})
     assert cfg.format == "qoperator"
     from qpasses.cli import main
 

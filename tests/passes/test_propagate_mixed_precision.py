@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from example_graphs import ORT_PR_20028
 from qpasses.annotations import Convert, TensorQuant
-from qpasses.config import QuantConfig, load_config
+from qpasses.config.quant_config import QuantConfig, load_config
 from qpasses.context import RunContext
 from qpasses.errors import ConfigError, PreconditionError
 from qpasses.ir import from_proto

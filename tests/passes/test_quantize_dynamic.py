@@ -8,7 +8,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import qpasses
 from qpasses.errors import ConfigError
-from qpasses.config import load_config
+from qpasses.config.quant_config import load_config
 from qpasses.evaluation.evaluate import session
 from qpasses.testing import model_from_text, random_feed, run_pass
 from qpasses.passes.quantize_dynamic import QuantizeDynamic

@@ -9,7 +9,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from qpasses.api import run_pipeline
-from qpasses.config import load_config
+from qpasses.config.quant_config import load_config
 from qpasses.context import RunContext
 from qpasses.errors import CalibrationDataError, ConfigError
 from qpasses.ir import from_proto

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qpasses.cli import main
-from qpasses.config import load_config
+from qpasses.config.quant_config import load_config
 from qpasses.errors import ConfigError
 from qpasses.weightonly.mx import ELEMENTS, block_error, choose_exponents, exponent_bounds, ocp_exponents, quantize_mx
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from qpasses.api import run_pipeline
-from qpasses.config import CalibrationConfig, load_config
+from qpasses.config.quant_config import CalibrationConfig, load_config
 from qpasses.context import RunContext
 from qpasses.passes.select_by_snr import NAME
 from qpasses.testing import model_from_text

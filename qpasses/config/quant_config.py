@@ -7,10 +7,10 @@ import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config_checks import Problems as _Problems, boolean as _boolean, build as _build, number as _number
-from .config_ort import normalise, not_a_mapping
-from .errors import ConfigError
-from .qtypes import QTYPES, qtype
+from .checks import Problems as _Problems, boolean as _boolean, build as _build, number as _number
+from .ort_spellings import normalise, not_a_mapping
+from ..errors import ConfigError
+from ..qtypes import QTYPES, qtype
 
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy", "mse", "pow2")
 
@@ -119,7 +119,7 @@ class QuantConfig:
     accuracy: AccuracyConfig = field(default_factory=AccuracyConfig)
     tensor_overrides: dict = field(default_factory=dict)  # onnxruntime TensorQuantOverrides schema
     mixed_precision: dict = field(default_factory=dict)   # tensor -> type or {quant_type, symmetric}
-    target: str | None = None                     # preset in qpasses/targets/<target>.json
+    target: str | None = None                     # preset in qpasses/config/targets/<target>.json
     cpu: str = "x86-64"                           # one of CPUS: which int8 kernels the model must not saturate
     keep_removable_activations: bool = False      # keep Relu/Clip instead of merging them
     op_types_to_exclude_output_quantization: list[str] = field(default_factory=list)
@@ -168,7 +168,7 @@ class QuantConfig:
         if not isinstance(self.mixed_precision, dict):
             problems.append(not_a_mapping("mixed_precision", self.mixed_precision))
         try:   # issue 18: where calibration shards and scored variants run
-            from .executors import parse
+            from ..executors import parse
 
             parse(self.executor)
         except ConfigError as exc:
@@ -199,7 +199,7 @@ class QuantConfig:
 
 
 def _weight_only(data: dict):
-    from .weightonly.config import build
+    from ..weightonly.config import build
 
     return build(data)
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .analysis.requests import requests
-from .analysis.scopes import all_nodes
-from .errors import ConfigError
-from .oprules import BIAS, RULES, WEIGHT, quantizable_op_types
-from .qtypes import qtype
+from ..analysis.requests import requests
+from ..analysis.scopes import all_nodes
+from ..errors import ConfigError
+from ..oprules import BIAS, RULES, WEIGHT, quantizable_op_types
+from ..qtypes import qtype
 
 OVERRIDE_KEYS = ("quant_type", "scale", "zero_point", "symmetric", "reduce_range", "rmin", "rmax",
                  "axis", "convert")
