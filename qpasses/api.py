@@ -10,7 +10,7 @@ from .instruments import DumpAfter, Instrument, Reproducer, TimePasses, VerifyEa
 from .ir import QModel, load
 from .pipeline import PassManager, default_pipeline
 from .prechecks import LoadableTypes, QuantizableValues
-from .upgrade import prepare_opset, quantizes
+from .quant.upgrade import prepare_opset, quantizes
 
 
 def run_pipeline(model, passes: str | list | None = None, *, config=None, calibration_data=None,

@@ -14,9 +14,9 @@ from .analysis.ranges import tensors_needing_ranges
 from .decisions import float_reasons
 from .errors import ModelError
 from .ir import QModel
-from .oprules import QDQ_OPS
-from .qdq import keeps_float_input
-from .qtypes import qtype
+from .quant.oprules import QDQ_OPS
+from .quant.qdq import keeps_float_input
+from .quant.qtypes import qtype
 
 
 

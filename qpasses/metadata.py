@@ -139,7 +139,7 @@ _ENTRY_TYPES = {   # field -> (test, what it must be); None is allowed for every
 
 
 def _entry_problems(entry) -> list[str]:
-    from .qtypes import QTYPES
+    from .quant.qtypes import QTYPES
 
     if not isinstance(entry, dict):
         return [f"must be a JSON object, got {_short(entry)}"]

@@ -14,7 +14,7 @@ These are the semantics of onnxruntime's MixedPrecisionTensorQuantOverridesFixer
   A tensor produced in one region and read by another gets a single convert to the readers' type (as
   in onnxruntime); its readers outside both regions then read the producer's type, noted in the plan.
 
-Two extensions: (a) ops whose output shares its input's quantization (qpasses.oprules' ``shares``:
+Two extensions: (a) ops whose output shares its input's quantization (qpasses.quant.oprules' ``shares``:
 Reshape, Transpose, MaxPool, ...) are tied to the producer of their data input, so no convert ever sits
 between such an op and its input: regions grow through them (so do other ``shares`` links of the
 table, like a Relu merged into its producer's range); (b) a per-target op-constraint table
@@ -33,17 +33,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Collection, Iterable, Mapping
 
-from . import oprules
+from .quant import oprules
 from .config.targets import TARGETS_DIR
 from .dataflow import Dataflow
 from .errors import ConfigError
-from .qtypes import qtype
+from .quant.qtypes import qtype
 
 RULES = ("all", "inputs")
 
 
 def sharing_ops() -> frozenset[str]:
-    """Op types whose outputs share their data input's quantization (qpasses.oprules' ``shares``)."""
+    """Op types whose outputs share their data input's quantization (qpasses.quant.oprules' ``shares``)."""
     return frozenset(op for op, rule in oprules.RULES.items() if rule.shares)
 
 

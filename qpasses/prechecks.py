@@ -42,7 +42,7 @@ def axis_problems(model, config) -> None:
     """per_channel_axes entries out of the rank of the weights they apply to (one ConfigError)."""
     if not config.per_channel or not config.per_channel_axes:
         return
-    from .oprules import WEIGHT, rule_for
+    from .quant.oprules import WEIGHT, rule_for
 
     problems: dict[str, list[str]] = {}
     for node in model.graph.nodes:

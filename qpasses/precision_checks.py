@@ -16,7 +16,7 @@ from .executors.scoring import objective_score, objective_scores
 from .ir import QModel
 from .pipeline import run_nested, split_after
 from .progress import progress
-from .qdq import require_opset
+from .quant.qdq import require_opset
 from .evaluation.scored_runs import ScoredRuns
 
 NAME = "search-precision"

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from qpasses.calibration.collectors import (Histogram, TensorStats, entropy_range, finalise, kl_thresholds,
                                             minmax_range, mse_range, percentile_range)
-from qpasses.qparams import dequantize, quantize
+from qpasses.quant.qparams import dequantize, quantize
 
 SETTINGS = settings(deadline=None, derandomize=True, max_examples=60)
 METHODS = ("minmax", "percentile", "entropy", "mse", "pow2")

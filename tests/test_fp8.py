@@ -11,8 +11,8 @@ from onnx import TensorProto, helper, numpy_helper
 import qpasses
 from qpasses.config.quant_config import load_config
 from qpasses.evaluation.evaluate import session, snr_db
-from qpasses.qparams import compute_qparams, dequantize, quantize
-from qpasses.qtypes import qtype
+from qpasses.quant.qparams import compute_qparams, dequantize, quantize
+from qpasses.quant.qtypes import qtype
 from qpasses.testing import model_from_text, parse, random_feed, run
 
 FP8 = {"float8e4m3fn": (448.0, TensorProto.FLOAT8E4M3FN), "float8e5m2": (57344.0, TensorProto.FLOAT8E5M2)}
@@ -95,7 +95,7 @@ def test_pipeline_writes_fp8_qdq_that_runs_in_onnxruntime(qt, per_channel):
     assert FP8[qt][1] in types
     scales = [numpy_helper.to_array(i) for i in proto.graph.initializer if i.name == "w1_scale"]
     assert scales and scales[0].size == (4 if per_channel else 1)
-    assert not any(n.op_type == "Relu" for n in proto.graph.node)   # Max(x, 0): see qpasses/fp8.py
+    assert not any(n.op_type == "Relu" for n in proto.graph.node)   # Max(x, 0): see qpasses/quant/fp8.py
     floor = {"float8e4m3fn": 22.0, "float8e5m2": 12.0}[qt]   # 3 / 2 mantissa bits, 6 quantized tensors
     for feed in feeds[:4]:
         ref = run(float_model, feed)[0]
@@ -116,7 +116,7 @@ def test_relu_before_fp8_quantize_is_kept_in_onnxruntime():
     x = {"x": np.random.default_rng(0).standard_normal((1, 2, 4, 4)).astype(np.float32)}
     broken = parse(text, opset=19)
     assert session(broken).run(None, x)[0].min() < 0   # the onnxruntime behaviour qpasses works around
-    from qpasses.fp8 import guard_relus
+    from qpasses.quant.fp8 import guard_relus
     from qpasses.ir import from_proto
 
     model = from_proto(broken)

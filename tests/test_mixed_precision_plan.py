@@ -23,7 +23,7 @@ from qpasses.mixed_precision import (
     TypeInfo, load_constraints, parse_constraints, parse_requests, plan_mixed_precision, sharing_ops,
 )
 from qpasses.passes.propagate_mixed_precision import float_tensors
-from qpasses.qtypes import qtype
+from qpasses.quant.qtypes import qtype
 from qpasses.testing import model_from_text, parse
 
 EXAMPLE = ORT_PR_20028

@@ -6,7 +6,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import qpasses
 from qpasses.evaluation.evaluate import judging_session
-from qpasses.oprules import ACTIVATION, rule_for
+from qpasses.quant.oprules import ACTIVATION, rule_for
 
 SHAPE = [1, 3, 8, 8]
 

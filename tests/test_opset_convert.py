@@ -15,9 +15,9 @@ from qpasses.cli import main
 from qpasses.errors import ModelError
 from qpasses.ir import from_proto
 from qpasses.opset_convert import convert, resize_modes
-from qpasses.qdq import require_opset
+from qpasses.quant.qdq import require_opset
 from qpasses.testing import parse
-from qpasses.upgrade import upgrade_opset
+from qpasses.quant.upgrade import upgrade_opset
 
 
 def _run(proto: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:

@@ -19,10 +19,10 @@ from onnxruntime.quantization.tensor_quant_overrides import TensorQuantOverrides
 import qpasses
 from qpasses.ir import load
 from qpasses.pipeline import default_pipeline, parse_pipeline
-from qpasses.qparams import compute_qparams, value_range
-from qpasses.qtypes import qtype
+from qpasses.quant.qparams import compute_qparams, value_range
+from qpasses.quant.qtypes import qtype
 from qpasses.testing import parse, random_feed
-from qpasses.upgrade import upgrade_opset
+from qpasses.quant.upgrade import upgrade_opset
 
 from example_graphs import ORT_PR_20028
 

@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from qpasses.qparams import (INT32_MAX, bias_min_scale, bias_qparams, compute_qparams, dequantize,
+from qpasses.quant.qparams import (INT32_MAX, bias_min_scale, bias_qparams, compute_qparams, dequantize,
                              fit_scale, midpoint, prepare_range, quantize, round_up_pow2, value_range)
-from qpasses.qtypes import qtype
+from qpasses.quant.qtypes import qtype
 
 PROPS = settings(deadline=None, derandomize=True, max_examples=300)
 TYPES = ["uint8", "int8", "uint16", "int16", "uint4", "int4"]

@@ -11,8 +11,8 @@ import onnx_graphsurgeon as gs
 
 from ..errors import ModelError
 from ..ir import QModel
-from ..qparams import bias_min_scale, compute_qparams
-from ..qtypes import qtype
+from ..quant.qparams import bias_min_scale, compute_qparams
+from ..quant.qtypes import qtype
 from .derivations import bias_reader, qparams_options, scale_read_by
 from .ranges import entry_range
 

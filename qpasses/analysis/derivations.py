@@ -11,8 +11,8 @@ from ..annotations import TensorQuant
 from ..config.quant_config import QuantConfig
 from ..errors import ModelError
 from ..ir import QModel
-from ..qparams import bias_qparams, compute_qparams, is_finite_range
-from ..qtypes import qtype
+from ..quant.qparams import bias_qparams, compute_qparams, is_finite_range
+from ..quant.qtypes import qtype
 from .ranges import activation_range, fmt, weight_range
 
 

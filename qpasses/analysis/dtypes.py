@@ -14,7 +14,7 @@ import onnx
 from onnx import helper
 
 from ..ir import QModel, body_graphs
-from ..oprules import FLOAT, rule_for
+from ..quant.oprules import FLOAT, rule_for
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 FLOAT_ONNX = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)

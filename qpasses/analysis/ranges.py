@@ -12,8 +12,8 @@ from ..config.quant_config import QuantConfig
 from ..errors import ModelError
 from ..ir import QModel
 from .scopes import all_nodes
-from ..qparams import value_range
-from ..qtypes import qtype
+from ..quant.qparams import value_range
+from ..quant.qtypes import qtype
 
 MAX_POOLS = frozenset({"MaxPool", "GlobalMaxPool"})
 CLIPPING_METHODS = ("percentile", "entropy", "mse")

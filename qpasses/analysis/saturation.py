@@ -32,9 +32,9 @@ import onnx_graphsurgeon as gs
 
 from ..decisions import PAIR_SUMS
 from ..ir import QModel
-from ..qdq import QParams, quantized_values
-from ..qparams import compute_qparams
-from ..qtypes import qtype
+from ..quant.qdq import QParams, quantized_values
+from ..quant.qparams import compute_qparams
+from ..quant.qtypes import qtype
 from .derivations import qparams_options
 from .ranges import weight_range
 from .scopes import all_nodes
@@ -118,7 +118,7 @@ def refine_safe(codes: np.ndarray, goal: np.ndarray, h: np.ndarray, partner: np.
     """Codes [G, R, K] (K in ``layout_partners``' order) moved by coordinate descent on the layer loss
     (q - goal) H (q - goal)^T (rounding.refine_codes) within [lo, hi] and with every pair kept safe:
     the first and the second codes of the pairs move in turn, each bounded by its partner's code."""
-    from ..rounding import refine_codes
+    from ..quant.rounding import refine_codes
 
     limit_hi, limit_lo = pair_limits(top)
     first = (partner < 0) | (partner > np.arange(partner.size))

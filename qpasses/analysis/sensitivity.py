@@ -18,9 +18,9 @@ from ..decisions import leave_float
 from ..evaluation.evaluate import session
 from ..graphutil import subgraphs
 from ..ir import QModel
-from ..qparams import dequantize, quantize
-from ..oprules import WEIGHTED_OPS
-from ..qtypes import EIGHT_BIT
+from ..quant.qparams import dequantize, quantize
+from ..quant.oprules import WEIGHTED_OPS
+from ..quant.qtypes import EIGHT_BIT
 from .scopes import scopes
 from .walks import EightBitShare
 

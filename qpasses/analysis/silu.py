@@ -12,7 +12,7 @@ import numpy as np
 from ..annotations import TensorQuant
 from ..decisions import FLOAT
 from ..ir import QModel
-from ..qtypes import EIGHT_BIT
+from ..quant.qtypes import EIGHT_BIT
 
 
 def silu_gates(model: QModel) -> dict[str, str]:

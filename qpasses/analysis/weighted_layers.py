@@ -15,8 +15,8 @@ from ..executors.scoring import trial_runs
 from ..graphutil import subgraphs
 from ..ir import QModel
 from ..evaluation.objective import Objective
-from ..qtypes import qtype
-from ..rounding import Geometry, Hessian, conv_geometry
+from ..quant.qtypes import qtype
+from ..quant.rounding import Geometry, Hessian, conv_geometry
 from .scopes import scopes
 
 OPS = ("Conv", "MatMul", "Gemm")

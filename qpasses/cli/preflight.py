@@ -166,8 +166,8 @@ def _pair_sums(out: Preflight, model, config) -> None:
 
 def _opset_line(out: Preflight, model) -> None:
     """The opset the Q/DQ nodes will need (insert-qdq raises it when a type needs more)."""
-    from ..qdq import QParams, float_dtype, min_opset
-    from ..qtypes import qtype
+    from ..quant.qdq import QParams, float_dtype, min_opset
+    from ..quant.qtypes import qtype
 
     tensors = model.tensors()
     need, why = model.opset, ""
@@ -190,7 +190,7 @@ def _node_states(model, config) -> tuple[dict[str, list[str]], dict[str, Counter
     from ..analysis.dtypes import float_tensors
     from ..analysis.scopes import all_nodes
     from ..decisions import float_reasons
-    from ..oprules import WEIGHTED_OPS, rule_for
+    from ..quant.oprules import WEIGHTED_OPS, rule_for
     from ..passes.annotate_types import selected_nodes   # the selection annotate-types made
     from ..evaluation.summary import reason_shape
 

@@ -22,8 +22,8 @@ import onnx_graphsurgeon as gs
 from ..analysis.requests import requests
 from ..analysis.scopes import all_nodes
 from ..errors import ConfigError
-from ..oprules import BIAS, RULES, WEIGHT, quantizable_op_types
-from ..qtypes import qtype
+from ..quant.oprules import BIAS, RULES, WEIGHT, quantizable_op_types
+from ..quant.qtypes import qtype
 
 OVERRIDE_KEYS = ("quant_type", "scale", "zero_point", "symmetric", "reduce_range", "rmin", "rmax",
                  "axis", "convert")

@@ -10,7 +10,7 @@ from pathlib import Path
 from .checks import Problems as _Problems, boolean as _boolean, build as _build, number as _number
 from .ort_spellings import normalise, not_a_mapping
 from ..errors import ConfigError
-from ..qtypes import QTYPES, qtype
+from ..quant.qtypes import QTYPES, qtype
 
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy", "mse", "pow2")
 

@@ -24,7 +24,7 @@ import onnx_graphsurgeon as gs
 
 from ..analysis.scopes import all_nodes
 from ..errors import ConfigError
-from ..qtypes import qtype
+from ..quant.qtypes import qtype
 
 TARGETS_DIR = Path(__file__).parent / "targets"
 _KEYS = ("description", "defaults", "fixed_output_qparams", "weight_type_with_16bit_activations",

@@ -6,8 +6,8 @@ from collections import Counter
 
 import onnx
 
-from ..oprules import QDQ_OPS as _QDQ, WEIGHTED_OPS
-from ..qtypes import EIGHT_BIT, qtype
+from ..quant.oprules import QDQ_OPS as _QDQ, WEIGHTED_OPS
+from ..quant.qtypes import EIGHT_BIT, qtype
 
 _EIGHT_BIT = frozenset(qtype(name).onnx_type for name in EIGHT_BIT)   # the same, as ONNX element types
 

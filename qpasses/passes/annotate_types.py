@@ -15,15 +15,15 @@ from .. import decisions
 from ..dataflow import dataflow
 from ..graphutil import unique_name
 from ..ir import QModel
-from ..islands import unanchored
-from ..oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, OpRule, QDQ_OPS, WEIGHT, float_output_bias, holds,
+from ..quant.islands import unanchored
+from ..quant.oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, OpRule, QDQ_OPS, WEIGHT, float_output_bias, holds,
                        multiplies_activations, rule_for, selected_op_types, weight_axis)
 from ..config.overrides import TensorOverride, raise_problems, validate
 from ..pipeline import Pass, PassResult
-from ..qtypes import qtype
+from ..quant.qtypes import qtype
 from ..registry import register
 from ..config.targets import apply_target_rules, chosen, load_target
-from ..upgrade import PER_TENSOR
+from ..quant.upgrade import PER_TENSOR
 
 _OWN_QPARAM_KEYS = {"quant_type", "scale", "zero_point", "symmetric", "rmin", "rmax"}
 
@@ -32,7 +32,7 @@ _OWN_QPARAM_KEYS = {"quant_type", "scale", "zero_point", "symmetric", "rmin", "r
 class AnnotateTypes(Pass):
     """Create a table entry (role, type, symmetry, axis, sharing, why) for every tensor the selected ops quantize.
 
-    Reads: the graph, the op rules (qpasses.oprules), the config (types, symmetry, per_channel,
+    Reads: the graph, the op rules (qpasses.quant.oprules), the config (types, symmetry, per_channel,
     reduce_range, op/node selection, quantize_bias, tensor_overrides) and its target preset.
     Writes: ``model.quant``, rebuilt from scratch (no scale/zero_point except fixed ones from overrides
     or the preset); a bias constant read by several quantized nodes is copied so each has its own.
@@ -442,7 +442,7 @@ class TypePlanner:
 
     def drop_islands(self) -> None:
         """Quantized activations no computing op reads or writes, even through quantized data movement,
-        stay float (qpasses.islands): their Q -> DQ would only round. Only under the default op
+        stay float (qpasses.quant.islands): their Q -> DQ would only round. Only under the default op
         selection: an explicit op_types_to_quantize, a target preset (its provider wants every op
         quantized) or force_quantize_no_input_check keeps them."""
         cfg = self.config

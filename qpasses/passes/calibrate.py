@@ -17,7 +17,7 @@ from ..config.quant_config import CALIBRATION_METHODS, CalibrationConfig, QuantC
 from ..errors import CalibrationDataError
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
-from ..qtypes import qtype
+from ..quant.qtypes import qtype
 from ..registry import register
 
 

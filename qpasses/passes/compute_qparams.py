@@ -17,7 +17,7 @@ from ..decisions import leave_float
 from ..ir import QModel
 from ..config.overrides import raise_problems
 from ..pipeline import Pass, PassResult
-from ..qparams import compute_qparams, is_finite_range
+from ..quant.qparams import compute_qparams, is_finite_range
 from ..registry import register
 from . import CONV_RELU_EXAMPLE
 

@@ -12,15 +12,15 @@ from onnx import TensorProto, helper, numpy_helper
 from ..analysis.scopes import scopes
 from ..calibration.data import open_data
 from ..calibration.segments import SegmentedSession
-from ..conv_pads import auto_pad_of, conv_pads
+from ..quant.conv_pads import auto_pad_of, conv_pads
 from ..errors import CalibrationDataError
 from ..evaluation.evaluate import rerun_skip_reason
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
 from ..progress import progress
-from ..qdq import QParams, quantized_values
-from ..qparams import dequantize
-from ..qtypes import qtype
+from ..quant.qdq import QParams, quantized_values
+from ..quant.qparams import dequantize
+from ..quant.qtypes import qtype
 from ..registry import register
 
 NAME = "correct-bias"

@@ -13,11 +13,11 @@ from ..analysis.bias_fixes import clipping_biases
 from ..analysis.dtypes import float_types
 from ..decisions import leave_float
 from ..errors import ModelError, PreconditionError
-from ..fp8 import guard_relus
+from ..quant.fp8 import guard_relus
 from ..ir import QModel, relaxed_gc
 from ..pipeline import Pass, PassResult
 from ..analysis.scopes import scopes
-from ..qdq import (QParams, ScopedPlacement, dequantize_in_bodies, is_quantized, keeps_float_input, make_dq,
+from ..quant.qdq import (QParams, ScopedPlacement, dequantize_in_bodies, is_quantized, keeps_float_input, make_dq,
                    make_q, min_opset, new_namer, producer, qparam_constants, quantized_values, redirect,
                    require_opset, scale_dtype)
 from ..registry import register
@@ -311,7 +311,7 @@ class InsertQDQ(Pass):
     does. A Conv/ConvTranspose/Gemm whose weight stays float reads its input's float value, not the
     DQ (onnxruntime would give that weight a per-tensor int8 grid). With FP8 activations, a Relu
     with one reader becomes Max(x, 0) (onnxruntime drops a Relu before an FP8 QuantizeLinear:
-    qpasses/fp8.py). Scales are stored in the tensor's float type (Q/DQ need it), zero points in the qtype.
+    qpasses/quant/fp8.py). Scales are stored in the tensor's float type (Q/DQ need it), zero points in the qtype.
     Raises the default opset when the types need it (per-axis 13, float16 scales 19,
     int16/uint16/int4/uint4 21, float8 19), rewriting ops with onnx.version_converter if a plain bump is unsafe.
     Invariants: graph inputs/outputs keep names and float types; tensors that already have Q/DQ are
@@ -342,6 +342,6 @@ class InsertQDQ(Pass):
         with relaxed_gc():
             stats.update(apply_plan(model, plan))
         if any(i.how == "pair" and i.qparams.qtype.is_float for i in plan.inserts):
-            stats["relus_as_max"] = guard_relus(model)   # onnxruntime would drop them (qpasses/fp8.py)
+            stats["relus_as_max"] = guard_relus(model)   # onnxruntime would drop them (qpasses/quant/fp8.py)
         stats["opset_raised_to"] = model.opset if raised else 0
         return PassResult(model, True, dict(stats))

@@ -10,7 +10,7 @@ import onnx_graphsurgeon as gs
 from ..graphutil import remove_nodes
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
-from ..qdq import DQ_OP, new_namer
+from ..quant.qdq import DQ_OP, new_namer
 from ..qoperator.kernels import MS, Lowered, lower
 from ..qoperator.units import Unit, find_unit
 from ..registry import register

@@ -9,7 +9,7 @@ from ..annotations import Convert, QuantTable
 from ..dataflow import dataflow
 from ..ir import QModel
 from ..mixed_precision import MixedPrecisionPlan, load_constraints, parse_requests, plan_mixed_precision
-from ..oprules import holds, rule_for
+from ..quant.oprules import holds, rule_for
 from ..pipeline import Pass, PassResult
 from ..registry import register
 from ..config.targets import apply_target_rules

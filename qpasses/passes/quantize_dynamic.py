@@ -12,9 +12,9 @@ from ..facts import claim
 from ..graphutil import overridable_initializers
 from ..ir import QModel, make_constant
 from ..pipeline import Pass, PassResult
-from ..qdq import new_namer, require_opset, to_onnx_storage
-from ..qparams import compute_qparams, quantize, value_range
-from ..qtypes import PER_AXIS_MIN_OPSET, qtype
+from ..quant.qdq import new_namer, require_opset, to_onnx_storage
+from ..quant.qparams import compute_qparams, quantize, value_range
+from ..quant.qtypes import PER_AXIS_MIN_OPSET, qtype
 from ..registry import register
 
 NAME = "quantize-dynamic"

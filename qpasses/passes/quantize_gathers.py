@@ -9,8 +9,8 @@ from ..decisions import FLOAT, leave_float
 from ..gathers import block_lookup_problem, lookup_tables, to_block_lookup, to_row_lookup
 from ..ir import QModel, relaxed_gc
 from ..pipeline import Pass, PassResult
-from ..qdq import Placement, new_namer
-from ..qtypes import qtype
+from ..quant.qdq import Placement, new_namer
+from ..quant.qtypes import qtype
 from ..registry import register
 
 NAME = "quantize-gathers"

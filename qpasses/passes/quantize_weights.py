@@ -11,7 +11,7 @@ from ..errors import CalibrationDataError
 from ..facts import claim
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
-from ..qdq import new_namer, require_opset
+from ..quant.qdq import new_namer, require_opset
 from ..registry import register
 from ..weightonly import awq
 from ..weightonly.emit import QDQ_OPSET, drop_dead_nodes, is_rewrite, output_arrays, to_dequantize, to_matmulnbits

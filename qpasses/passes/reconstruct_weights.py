@@ -21,11 +21,11 @@ from ..graphutil import subgraphs
 from ..ir import QModel
 from ..pipeline import Pass, PassResult, run_nested
 from ..progress import progress
-from ..qdq import QParams, quantized_values, require_opset
-from ..qparams import dequantize
-from ..qtypes import qtype
+from ..quant.qdq import QParams, quantized_values, require_opset
+from ..quant.qparams import dequantize
+from ..quant.qtypes import qtype
 from ..registry import register
-from ..rounding import Hessian, damped, refine_codes, round_codes, target
+from ..quant.rounding import Hessian, damped, refine_codes, round_codes, target
 
 NAME = "reconstruct-weights"
 DECISION = "weight_reconstruction"

@@ -13,9 +13,9 @@ from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import rerun_skip_reason
 from ..ir import QModel
 from ..pipeline import Pass, PassResult
-from ..qtypes import qtype
+from ..quant.qtypes import qtype
 from ..registry import register
-from ..rounding import round_codes
+from ..quant.rounding import round_codes
 
 NAME = "round-weights"
 DECISION = "weight_rounding"

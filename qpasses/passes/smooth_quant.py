@@ -14,7 +14,7 @@ from ..evaluation.evaluate import rerun_skip_reason
 from ..graphutil import overridable_initializers, unique_name, used_names
 from ..ir import QModel, make_constant
 from ..pipeline import Pass, PassResult
-from ..qtypes import qtype
+from ..quant.qtypes import qtype
 from ..registry import register
 
 NAME = "smooth-quant"

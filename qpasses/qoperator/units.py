@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..qdq import DQ_OP, Q_OP, producer
+from ..quant.qdq import DQ_OP, Q_OP, producer
 
 EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
 

@@ -22,8 +22,8 @@ import onnx
 from ..analysis.sensitivity import local_errors
 from ..evaluation.evaluate import session
 from ..ir import QModel
-from ..qparams import dequantize, quantize
-from ..qtypes import qtype
+from ..quant.qparams import dequantize, quantize
+from ..quant.qtypes import qtype
 
 BINS = 64
 

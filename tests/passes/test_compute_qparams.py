@@ -11,7 +11,7 @@ from qpasses.errors import PassFailure, PreconditionError
 from qpasses.ir import from_proto
 from qpasses.passes.compute_qparams import ComputeQParams
 from qpasses.pipeline import PassManager
-from qpasses.qparams import compute_qparams, fit_scale
+from qpasses.quant.qparams import compute_qparams, fit_scale
 from qpasses.testing import model_from_text
 from qpasses.verify import check_onnx
 

@@ -8,7 +8,7 @@ from qpasses.context import RunContext
 from qpasses.evaluation.evaluate import snr_db
 from qpasses.ir import from_proto
 from qpasses.pipeline import QUANTIZE_PIPELINE
-from qpasses.qparams import dequantize, quantize as quantize_values
+from qpasses.quant.qparams import dequantize, quantize as quantize_values
 from qpasses.testing import model_from_text, parse, run, run_passes
 from qpasses.verify import check_onnx
 

@@ -13,8 +13,8 @@ from qpasses.passes.compute_qparams import ComputeQParams
 from qpasses.analysis.bias_fixes import plan_bias_fixes
 from qpasses.passes.fix_bias_scales import FixBiasScales
 from qpasses.pipeline import PassManager
-from qpasses.qparams import INT32_MAX, compute_qparams, dequantize, quantize
-from qpasses.qtypes import qtype
+from qpasses.quant.qparams import INT32_MAX, compute_qparams, dequantize, quantize
+from qpasses.quant.qtypes import qtype
 from qpasses.testing import run as ort_run, run_pass
 from qpasses.verify import check_onnx
 

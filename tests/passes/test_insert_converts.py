@@ -7,7 +7,7 @@ from test_insert_qdq import act_entry, assert_close_to_float, build_table, feeds
 
 from qpasses import Convert, ModelError, PassManager, PreconditionError, TensorQuant
 from qpasses.passes.insert_converts import InsertConverts, analyse, plan_converts
-from qpasses.qparams import compute_qparams
+from qpasses.quant.qparams import compute_qparams
 from qpasses.testing import model_from_text, run_pass
 from qpasses.verify import check_onnx
 

@@ -17,7 +17,7 @@ from cpu_kit import without_u8s8_saturation
 from qpasses import ModelError, PassManager, PreconditionError, TensorQuant
 from qpasses.evaluation.evaluate import judging_session, session, snr_db
 from qpasses.passes.insert_qdq import InsertQDQ, analyse, plan_qdq
-from qpasses.qparams import bias_qparams, compute_qparams, value_range
+from qpasses.quant.qparams import bias_qparams, compute_qparams, value_range
 from qpasses.decisions import float_reasons
 from qpasses.testing import model_from_text, random_feed, run, run_pass
 from qpasses.verify import check_onnx, check_structure
@@ -649,7 +649,7 @@ g (float[2,4] x, float[4] b) => (float[2,4] y) { y = Add(x, b) }""")
     ("Softmax", 13, 21, True), ("GroupNormalization", 18, 21, False),
 ])
 def test_which_ops_survive_a_plain_opset_bump(op, old, new, kept):
-    from qpasses.qdq import signature_kept
+    from qpasses.quant.qdq import signature_kept
 
     assert signature_kept(op, old, new) is kept
 

@@ -13,8 +13,8 @@ from qpasses.errors import PipelineError
 from qpasses.evaluation.evaluate import session, snr_db
 from qpasses.ir import load
 from qpasses.pipeline import parse_pipeline
-from qpasses.qparams import quantize as quantize_values
-from qpasses.rounding import Geometry, Hessian, conv_geometry, input_rows, paired_rows, refine_codes, round_codes
+from qpasses.quant.qparams import quantize as quantize_values
+from qpasses.quant.rounding import Geometry, Hessian, conv_geometry, input_rows, paired_rows, refine_codes, round_codes
 from qpasses.testing import model_from_text, parse, run, run_passes
 from qpasses.verify import check_onnx
 
@@ -278,7 +278,7 @@ def test_an_unknown_algorithm_is_refused():
         parse_pipeline("reconstruct-weights{algorithm=brecq}")
 
 
-# -- the math (qpasses.rounding) ---------------------------------------------------------------
+# -- the math (qpasses.quant.rounding) ---------------------------------------------------------------
 def test_the_moments_give_the_exact_layer_error():
     """error_db from the accumulated moments equals the error computed from the rows themselves,
     and mix=1 / mix=0 give the quantized / float inputs' moments."""

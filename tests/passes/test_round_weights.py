@@ -6,8 +6,8 @@ from qpasses.api import run_pipeline
 from qpasses.context import RunContext
 from qpasses.evaluation.evaluate import snr_db
 from qpasses.pipeline import QUANTIZE_PIPELINE
-from qpasses.qparams import quantize as quantize_values
-from qpasses.rounding import Geometry, conv_geometry, input_rows, round_codes, upper_inverse_cholesky
+from qpasses.quant.qparams import quantize as quantize_values
+from qpasses.quant.rounding import Geometry, conv_geometry, input_rows, round_codes, upper_inverse_cholesky
 from qpasses.testing import model_from_text, parse, run, run_passes
 from qpasses.verify import check_onnx
 

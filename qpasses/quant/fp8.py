@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .analysis.dtypes import float_types
+from ..analysis.dtypes import float_types
 from .qdq import new_namer, scale_dtype
 
 

@@ -19,11 +19,11 @@ from typing import Iterable
 import onnx
 import onnx_graphsurgeon as gs
 
-from .analysis.scopes import all_nodes
-from .errors import ConfigError, ModelError
-from .ir import QModel, from_proto
+from ..analysis.scopes import all_nodes
+from ..errors import ConfigError, ModelError
+from ..ir import QModel, from_proto
 from .oprules import WEIGHT, rule_for, weight_axis
-from .opset_convert import convert, default_opset
+from ..opset_convert import convert, default_opset
 from .qdq import ops_needing_rewrite, require_opset
 from .qtypes import PER_AXIS_MIN_OPSET
 

@@ -16,11 +16,11 @@ import onnx
 import onnx.defs
 import onnx_graphsurgeon as gs
 
-from .analysis.dtypes import float_type_name
-from .errors import ModelError
-from .graphutil import unique_name
-from .ir import QModel, body_graphs, from_proto, model_tensor_map
-from .opset_convert import convert
+from ..analysis.dtypes import float_type_name
+from ..errors import ModelError
+from ..graphutil import unique_name
+from ..ir import QModel, body_graphs, from_proto, model_tensor_map
+from ..opset_convert import convert
 from .oprules import FLOAT_WEIGHT_OPS
 from .qparams import quantize
 from .qtypes import PER_AXIS_MIN_OPSET, QType, qtype
@@ -85,7 +85,7 @@ def to_onnx_storage(values: np.ndarray, qt: QType) -> np.ndarray:
 
 
 def quantized_values(values, qp: QParams) -> np.ndarray:
-    """A float array quantized with ``qp`` (qpasses.qparams.quantize), in its ONNX storage dtype."""
+    """A float array quantized with ``qp`` (qpasses.quant.qparams.quantize), in its ONNX storage dtype."""
     values = np.asarray(values)
     if qp.axis is not None and values.shape[qp.axis] != len(qp.scale):
         raise ModelError(f"shape {list(values.shape)} has {values.shape[qp.axis]} channels on axis "

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 EIGHT_BIT = frozenset({"int8", "uint8"})   # table qtypes that count as 8-bit
 
