@@ -1,11 +1,11 @@
 """qpasses: a compiler-pass framework that turns float ONNX models into quantized QDQ models."""
-from .annotations import Convert, QuantTable, TensorQuant
+from .ir.annotations import Convert, QuantTable, TensorQuant
 from .api import quantize, quantize_static, run_pipeline
 from .config.quant_config import QuantConfig, load_config
 from .context import RunContext
 from .errors import (CalibrationDataError, ConfigError, ModelError, PassFailure, PipelineError,
                      PreconditionError, QpassesError)
-from .ir import QModel, load, save
+from .ir.model import QModel, load, save
 from .pipeline import Pass, PassManager, PassResult, parse_pipeline, print_pipeline
 from .registry import all_passes, register
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from .context import RunContext
 from .instruments import DumpAfter, Instrument, Reproducer, TimePasses, VerifyEach
-from .ir import QModel, load
+from .ir.model import QModel, load
 from .pipeline import PassManager, default_pipeline
 from .prechecks import LoadableTypes, QuantizableValues
 from .quant.upgrade import prepare_opset, quantizes
@@ -94,7 +94,7 @@ def quantize_static(model_input, model_output, calibration_data_reader, *, quant
     out keeps qpasses' default, not onnxruntime's. ``config``: more qpasses keys (a dict). Returns
     the QModel (``summary`` as for ``quantize``)."""
     from .errors import ConfigError
-    from .ir import save
+    from .ir.model import save
 
     if calibration_providers and any(p != "CPUExecutionProvider" for p in calibration_providers):
         raise ConfigError("quantize_static: qpasses calibrates with onnxruntime's CPUExecutionProvider only "
@@ -140,7 +140,7 @@ def run_summary_lines(model: QModel) -> list[str]:
     """What the command line prints about a quantized model without measuring it: the share of
     weighted ops in 8 bits and the tensors kept float (or the weights a weight-only run quantized),
     and a target the search missed."""
-    from .decisions import float_reasons
+    from .ir.decisions import float_reasons
     from .evaluation.summary import shortfall, summary_line
 
     lines = []

@@ -14,8 +14,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from .graphutil import overridable_initializers
-from .ir import body_graphs, constant_dtype, read_values
+from .ir.graphutil import overridable_initializers
+from .ir.model import body_graphs, constant_dtype, read_values
 from .weightonly.matmulnbits import nbits_inputs
 from .weightonly.rtn import quantize_rtn
 

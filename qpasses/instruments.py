@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .errors import ModelError, PassFailure
-from .ir import QModel, save
+from .ir.model import QModel, save
 from .verify import verify
 
 

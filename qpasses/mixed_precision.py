@@ -35,7 +35,7 @@ from typing import Collection, Iterable, Mapping
 
 from .quant import oprules
 from .config.targets import TARGETS_DIR
-from .dataflow import Dataflow
+from .ir.dataflow import Dataflow
 from .errors import ConfigError
 from .quant.qtypes import qtype
 

@@ -137,7 +137,7 @@ def _read_type(model, name: str, node) -> str | None:
 def unloadable_4bit(model) -> list[str]:
     """Nodes reading a 4-bit activation that onnxruntime fuses into a kernel without 4-bit types
     (in the main graph and in its If/Loop/Scan bodies)."""
-    from .ir import body_graphs
+    from .ir.model import body_graphs
 
     problems = []
     for node in [n for g in (model.graph, *body_graphs(model.graph)) for n in g.nodes]:

@@ -13,7 +13,7 @@ from .errors import first_line
 from .evaluation.evaluate import Reference
 from .executors import speculate
 from .executors.scoring import objective_score, objective_scores
-from .ir import QModel
+from .ir.model import QModel
 from .pipeline import run_nested, split_after
 from .progress import progress
 from .quant.qdq import require_opset

@@ -7,7 +7,7 @@ import onnx
 import onnx.parser
 
 from .evaluation.evaluate import session
-from .ir import QModel, from_proto
+from .ir.model import QModel, from_proto
 
 _NP = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
        onnx.TensorProto.DOUBLE: np.float64, onnx.TensorProto.INT64: np.int64,

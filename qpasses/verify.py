@@ -5,7 +5,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .errors import ModelError
-from .ir import QModel, tensor_map
+from .ir.model import QModel, tensor_map
 
 LEVELS = ("structure", "checker", "ort", "reload")
 

@@ -32,7 +32,7 @@ from qpasses import QpassesError
 from qpasses.api import run_pipeline
 from qpasses.cli import main
 from qpasses.cli.examples import example_data, example_model
-from qpasses.ir import save
+from qpasses.ir.model import save
 
 F32 = TensorProto.FLOAT
 

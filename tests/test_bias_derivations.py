@@ -6,7 +6,7 @@ import pytest
 from qpasses.analysis.bias_fixes import clipping_biases
 from qpasses.context import RunContext
 from qpasses.errors import PreconditionError
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.passes.fix_bias_scales import FixBiasScales
 from qpasses.pipeline import PassManager
 from qpasses.testing import parse, random_feed

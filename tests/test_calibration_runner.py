@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qpasses.analysis.dtypes import infer_types
 from qpasses.calibration import ranges, runner, segments
 from qpasses.calibration.kept import KeptSamples
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.testing import random_feed
 
 WIDTH = 32

@@ -13,7 +13,7 @@ from onnx import helper, numpy_helper
 from qpasses import Pass, PassResult, register
 from qpasses.cli import main
 from qpasses.errors import ModelError, PassFailure
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.pipeline import PassManager
 from qpasses.registry import unregister
 

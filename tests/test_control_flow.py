@@ -19,11 +19,11 @@ from qpasses.analysis.scopes import scopes
 from qpasses.calibration.ranges import RANGE_BITS, outward
 from qpasses.cli import main
 from qpasses.context import RunContext
-from qpasses.decisions import float_reasons
+from qpasses.ir.decisions import float_reasons
 from qpasses.errors import ModelError
 from qpasses.evaluation.evaluate import judging_session, snr_db
 from qpasses.cli.explain import explain_lines
-from qpasses.ir import from_proto, load
+from qpasses.ir.model import from_proto, load
 from qpasses.pipeline import QUANTIZE_PIPELINE, parse_pipeline
 from qpasses.evaluation.summary import summary_line, weighted_ops
 from qpasses.testing import run, run_passes

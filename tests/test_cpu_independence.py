@@ -21,7 +21,7 @@ import pytest
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
 from qpasses.cli.examples import example_data, example_model
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.testing import parse
 
 FEEDS = 32

@@ -2,7 +2,7 @@
 import networkx as nx
 import pytest
 
-from qpasses.dataflow import dataflow
+from qpasses.ir.dataflow import dataflow
 from qpasses.testing import model_from_text
 
 MODEL = """

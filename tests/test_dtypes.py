@@ -3,7 +3,7 @@ import pytest
 
 from qpasses.analysis import dtypes
 from qpasses.analysis.dtypes import float_tensors, float_types
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.testing import parse
 
 # gs knows only x and y: Sign is neither a rule op nor a same-dtype op, so the Relu reading its

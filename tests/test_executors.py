@@ -18,7 +18,7 @@ from qpasses.context import RunContext
 from qpasses.errors import ConfigError
 from qpasses.cli.examples import example_data, example_model
 from qpasses.calibration.sharded import sharded_stats
-from qpasses.ir import load, save
+from qpasses.ir.model import load, save
 
 SAMPLES = 23   # not a multiple of the shard counts: uneven shards
 

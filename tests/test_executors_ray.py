@@ -11,7 +11,7 @@ from qpasses.cli.examples import example_data, example_model  # noqa: E402
 from qpasses.calibration import sharded  # noqa: E402
 from qpasses.calibration.sharded import sharded_stats  # noqa: E402
 from qpasses.executors.ray import runtime_env  # noqa: E402
-from qpasses.ir import load, save  # noqa: E402
+from qpasses.ir.model import load, save  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def test_search_precision_on_ray_decides_the_same(cluster, tmp_path, monkeypatch
 
     from qpasses.context import RunContext
     from qpasses.executors import speculate
-    from qpasses.ir import from_proto
+    from qpasses.ir.model import from_proto
     from qpasses.pipeline import PassManager
     from qpasses.testing import parse
 

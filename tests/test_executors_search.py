@@ -12,7 +12,7 @@ from qpasses import executors
 from qpasses.analysis.walks import EightBitShare
 from qpasses.context import Findings, RunContext
 from qpasses.executors import speculate
-from qpasses.ir import from_proto, save
+from qpasses.ir.model import from_proto, save
 from qpasses.evaluation.objective import Objective
 from qpasses.passes.search_precision import SearchPrecision
 from qpasses.precision_checks import Checks

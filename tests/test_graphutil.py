@@ -6,9 +6,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from qpasses.errors import ModelError
-from qpasses.graphutil import (consumers, node_reads, producers, remove_nodes, replace_all_uses, topological_order,
+from qpasses.ir.graphutil import (consumers, node_reads, producers, remove_nodes, replace_all_uses, topological_order,
                                toposort, unique_name, used_names)
-from qpasses.ir import from_proto, make_constant
+from qpasses.ir.model import from_proto, make_constant
 from qpasses.testing import model_from_text
 from qpasses.verify import check_onnx, check_structure
 

@@ -10,9 +10,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import qpasses
 from qpasses import ModelError, TensorQuant
-from qpasses.annotations import Convert
-from qpasses.ir import from_proto, load, max_ort_ir_version, save
-from qpasses.metadata import read_saved
+from qpasses.ir.annotations import Convert
+from qpasses.ir.model import from_proto, load, max_ort_ir_version, save
+from qpasses.ir.metadata import read_saved
 from qpasses.testing import parse, random_feed, run
 from qpasses.verify import check_onnx, check_ort
 
@@ -183,7 +183,7 @@ def test_public_api_exports():
 
 
 def test_long_metadata_is_packed_and_reads_back(tmp_path):
-    from qpasses import metadata
+    from qpasses.ir import metadata
 
     text = json.dumps({f"t{i}": "why " * 20 for i in range(400)})
     stored = metadata.pack(text)

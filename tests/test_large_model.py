@@ -10,10 +10,11 @@ import gc
 import onnx_graphsurgeon as gs
 
 import qpasses
-from qpasses import ModelError, ir, pipeline
+from qpasses import ModelError, pipeline
+from qpasses.ir import model as ir
 from qpasses.analysis.dtypes import infer_types
 from qpasses.calibration import runner, segments
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.testing import parse, random_feed, run
 from qpasses.verify import check_onnx
 

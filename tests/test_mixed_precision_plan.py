@@ -17,7 +17,7 @@ from onnxruntime.quantization.execution_providers.qnn.mixed_precision_overrides_
 from onnxruntime.quantization.tensor_quant_overrides import TensorQuantOverridesHelper
 
 from example_graphs import ORT_PR_20028
-from qpasses.dataflow import dataflow
+from qpasses.ir.dataflow import dataflow
 from qpasses.errors import ConfigError
 from qpasses.mixed_precision import (
     TypeInfo, load_constraints, parse_constraints, parse_requests, plan_mixed_precision, sharing_ops,
@@ -447,7 +447,7 @@ def test_random_dags_extended_plans_are_consistent(case):
 # -- determinism ---------------------------------------------------------------------------------
 _SCRIPT = """
 import json
-from qpasses.dataflow import dataflow
+from qpasses.ir.dataflow import dataflow
 from qpasses.mixed_precision import parse_constraints, parse_requests, plan_mixed_precision
 from qpasses.passes.propagate_mixed_precision import float_tensors
 from qpasses.testing import model_from_text

@@ -1,4 +1,4 @@
-"""Raising old opsets without changing results (qpasses.opset_convert, upgrade.prepare_opset): each
+"""Raising old opsets without changing results (qpasses.ir.opset_convert, upgrade.prepare_opset): each
 rewrite checked in onnxruntime against the original model, and the CLI on opset-10 models with
 Resize and Split and default per-channel weights."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from onnx import helper
 
 from qpasses.cli import main
 from qpasses.errors import ModelError
-from qpasses.ir import from_proto
-from qpasses.opset_convert import convert, resize_modes
+from qpasses.ir.model import from_proto
+from qpasses.ir.opset_convert import convert, resize_modes
 from qpasses.quant.qdq import require_opset
 from qpasses.testing import parse
 from qpasses.quant.upgrade import upgrade_opset

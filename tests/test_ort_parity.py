@@ -17,7 +17,7 @@ from onnxruntime.quantization.quant_utils import (compute_data_quant_params, com
 from onnxruntime.quantization.tensor_quant_overrides import TensorQuantOverridesHelper
 
 import qpasses
-from qpasses.ir import load
+from qpasses.ir.model import load
 from qpasses.pipeline import default_pipeline, parse_pipeline
 from qpasses.quant.qparams import compute_qparams, value_range
 from qpasses.quant.qtypes import qtype

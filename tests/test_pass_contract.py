@@ -11,7 +11,7 @@ import pytest
 
 from qpasses.context import RunContext
 from qpasses.facts import check_facts
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.pipeline import PassManager, make_pass
 from qpasses.registry import all_passes
 from qpasses.testing import parse, random_feed

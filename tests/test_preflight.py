@@ -49,7 +49,7 @@ def test_the_example_can_be_quantized(example, capsys):
 
 def test_the_report_agrees_with_what_run_quantizes(example, tmp_path, capsys):
     """Every tensor preflight counts as quantized is in the table of the model run writes."""
-    from qpasses.ir import load
+    from qpasses.ir.model import load
 
     report = check(example[0])
     out = tmp_path / "q.onnx"

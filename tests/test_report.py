@@ -7,7 +7,7 @@ import pytest
 
 from qpasses.cli import main
 from qpasses.cli.examples import write_example
-from qpasses.ir import load
+from qpasses.ir.model import load
 from qpasses.report import build
 from qpasses.report.layers import layers, precision_cells
 from qpasses.testing import model_from_text

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qpasses.analysis.saturation import (clip_pairs, from_k_rows, k_rows, pair_limits, qdq_layers, risks,
                                          risky_pairs, row_channels, table_layers)
 from qpasses.evaluation.evaluate import session
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.testing import run_passes
 
 

@@ -10,7 +10,7 @@ from qpasses.calibration import segments
 from qpasses.context import RunContext
 from qpasses.api import run_pipeline
 from qpasses.evaluation.evaluate import Reference
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.testing import parse, random_feed
 
 # a chain with what cuts must carry: a value read many nodes later, a second graph input read

@@ -13,7 +13,7 @@ from qpasses.context import RunContext
 from qpasses.errors import ModelError, PassFailure, PipelineError, PreconditionError
 from qpasses.cli.examples import example_model
 from qpasses.facts import CHECKERS, CLAIMS, check_facts
-from qpasses.ir import from_proto, load, save
+from qpasses.ir.model import from_proto, load, save
 from qpasses.pipeline import QUANTIZE_PIPELINE, PassManager, parse_pipeline, print_pipeline
 from qpasses.registry import all_passes
 

@@ -14,7 +14,7 @@ from fuzzgen.cases import cases
 from qpasses import QpassesError
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
-from qpasses.ir import from_proto, load, save
+from qpasses.ir.model import from_proto, load, save
 from qpasses.pipeline import QUANTIZE_PIPELINE, parse_pipeline
 from qpasses.testing import random_feed
 

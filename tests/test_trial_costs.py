@@ -12,7 +12,7 @@ from qpasses.evaluation.duels import Contender
 from qpasses.evaluation.evaluate import Reference
 from qpasses.evaluation.scored_runs import ScoredRuns
 from qpasses.cli.examples import example_data, example_model
-from qpasses.ir import QModel, from_proto
+from qpasses.ir.model import QModel, from_proto
 from qpasses.pipeline import QUANTIZE_PIPELINE
 from qpasses.testing import parse
 

@@ -10,7 +10,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
-from qpasses.ir import constant_dtype, from_proto, read_values
+from qpasses.ir.model import constant_dtype, from_proto, read_values
 from qpasses.weightonly import rtn
 from qpasses.weightonly.blocks import columns_of, minmax_params
 from qpasses.weightonly.matmulnbits import pack_b, pack_codes

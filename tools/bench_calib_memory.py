@@ -124,7 +124,7 @@ def child(tool: str, method: str, samples: int, model_path: str) -> dict:
 
     if tool == "qpasses":
         from qpasses.context import RunContext
-        from qpasses.ir import load
+        from qpasses.ir.model import load
         from qpasses.passes.calibrate import Calibrate
 
         base, cpu0 = peak_rss_mb(), _cpu_seconds()

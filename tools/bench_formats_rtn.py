@@ -81,7 +81,7 @@ def phase_lines(proto, repeats: int) -> list[str]:
     import onnx_graphsurgeon as gs
     from onnxruntime.quantization import matmul_nbits_quantizer as mq
 
-    from qpasses import ir
+    from qpasses.ir import model as ir
     from qpasses.passes import quantize_weights as qw
     from qpasses.pipeline import PassManager
     from qpasses.weightonly import parallel, targets

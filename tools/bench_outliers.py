@@ -103,7 +103,7 @@ def task(name: str, path: Path, outs_f, outs_q) -> tuple[str, float]:
 def bench(name: str, variants: list[str], corpus: Path, acc: Path, options: dict[str, str], config=None) -> list[dict]:
     import qpasses
     from qpasses.context import RunContext
-    from qpasses.decisions import float_reasons
+    from qpasses.ir.decisions import float_reasons
     from qpasses.evaluation.summary import weighted_ops
 
     path, calib, evalp = model_files(name, corpus, acc)

@@ -35,7 +35,7 @@ from qpasses.calibration.ranges import calibrate_ranges  # noqa: E402
 from qpasses.cli.examples import example_data, example_model  # noqa: E402
 from qpasses.calibration import sharded  # noqa: E402
 from qpasses.executors import speculate  # noqa: E402
-from qpasses.ir import load, save  # noqa: E402
+from qpasses.ir.model import load, save  # noqa: E402
 
 CORPUS = Path.home() / ".cache" / "qp-corpus"
 ORT_METHOD = {"minmax": "MinMax", "percentile": "Percentile"}

@@ -103,7 +103,7 @@ def outputs(path: Path, feeds: list[dict], *, qemu: bool, tmp: Path) -> list[lis
 def at_risk(path: Path) -> str:
     import onnx
     from qpasses.analysis.saturation import qdq_layers, risks
-    from qpasses.ir import from_proto
+    from qpasses.ir.model import from_proto
 
     model = from_proto(onnx.load(str(path)))
     layers = qdq_layers(model)

@@ -77,7 +77,7 @@ def measure(src: Path, profile: bool = False) -> dict:
     import onnx_graphsurgeon as gs
 
     import qpasses
-    from qpasses import ir
+    from qpasses.ir import model as ir
     from qpasses.context import RunContext
     from qpasses.pipeline import make_pass
 

@@ -10,7 +10,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..errors import ModelError
-from ..ir import QModel
+from ..ir.model import QModel
 from ..quant.qparams import bias_min_scale, compute_qparams
 from ..quant.qtypes import qtype
 from .derivations import bias_reader, qparams_options, scale_read_by

@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..annotations import TensorQuant
+from ..ir.annotations import TensorQuant
 from ..config.quant_config import QuantConfig
 from ..errors import ModelError
-from ..ir import QModel
+from ..ir.model import QModel
 from ..quant.qparams import bias_qparams, compute_qparams, is_finite_range
 from ..quant.qtypes import qtype
 from .ranges import activation_range, fmt, weight_range

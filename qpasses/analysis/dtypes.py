@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..ir import QModel, body_graphs
+from ..ir.model import QModel, body_graphs
 from ..quant.oprules import FLOAT, rule_for
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ir import QModel
+from ..ir.model import QModel
 
 MAX_RATIO = 16.0   # an input 16x narrower than the widest keeps under 16 of the grid's 256 steps
 

@@ -64,7 +64,7 @@ def output_components(model) -> dict[str, list[Component]]:
 
 
 def _proto(model) -> onnx.ModelProto:
-    from ..ir import QModel
+    from ..ir.model import QModel
 
     if isinstance(model, QModel):
         return model.to_proto(metadata=False, weights={})   # big weights as stubs: not copied

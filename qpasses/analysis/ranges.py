@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..annotations import TensorQuant
+from ..ir.annotations import TensorQuant
 from ..calibration.softmax import NEGLIGIBLE, lower_bound, upper_bound
 from ..config.quant_config import QuantConfig
 from ..errors import ModelError
-from ..ir import QModel
+from ..ir.model import QModel
 from .scopes import all_nodes
 from ..quant.qparams import value_range
 from ..quant.qtypes import qtype

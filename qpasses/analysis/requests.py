@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import onnx_graphsurgeon as gs
 
-from ..ir import QModel
+from ..ir.model import QModel
 from ..quant.oprules import FLOAT, FLOAT_WEIGHT_OPS, RULES, rule_for
 from .dtypes import float_tensors
 from .scopes import all_nodes, scopes

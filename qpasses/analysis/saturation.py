@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..decisions import PAIR_SUMS
-from ..ir import QModel
+from ..ir.decisions import PAIR_SUMS
+from ..ir.model import QModel
 from ..quant.qdq import QParams, quantized_values
 from ..quant.qparams import compute_qparams
 from ..quant.qtypes import qtype

@@ -1,6 +1,6 @@
 """Where each tensor of a model with If/Loop/Scan bodies lives (cached per model generation).
 
-The quantization table (qpasses.annotations) is keyed by tensor name, in bodies as in the main
+The quantization table (qpasses.ir.annotations) is keyed by tensor name, in bodies as in the main
 graph. ONNX keeps names unique within a graph (SSA) and forbids a body to redefine a name of an
 enclosing graph, but sibling bodies (the two branches of an If, two Loops) may each define the
 same name. Hence the key scheme:
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..graphutil import holds_graph
-from ..ir import QModel, body_graphs
+from ..ir.graphutil import holds_graph
+from ..ir.model import QModel, body_graphs
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..calibration.subgraphs import thread_out
-from ..decisions import leave_float
+from ..ir.decisions import leave_float
 from ..evaluation.evaluate import session
-from ..graphutil import subgraphs
-from ..ir import QModel
+from ..ir.graphutil import subgraphs
+from ..ir.model import QModel
 from ..quant.qparams import dequantize, quantize
 from ..quant.oprules import WEIGHTED_OPS
 from ..quant.qtypes import EIGHT_BIT

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..annotations import TensorQuant
-from ..decisions import FLOAT
-from ..ir import QModel
+from ..ir.annotations import TensorQuant
+from ..ir.decisions import FLOAT
+from ..ir.model import QModel
 from ..quant.qtypes import EIGHT_BIT
 
 

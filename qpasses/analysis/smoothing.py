@@ -13,7 +13,7 @@ from onnx import helper
 
 from ..calibration.data import model_inputs, open_data
 from ..evaluation.evaluate import session
-from ..ir import QModel
+from ..ir.model import QModel
 
 
 @dataclass

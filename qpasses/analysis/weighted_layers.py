@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..decisions import PRECISION_SEARCH
+from ..ir.decisions import PRECISION_SEARCH
 from ..evaluation.evaluate import Reference
 from ..executors.scoring import trial_runs
-from ..graphutil import subgraphs
-from ..ir import QModel
+from ..ir.graphutil import subgraphs
+from ..ir.model import QModel
 from ..evaluation.objective import Objective
 from ..quant.qtypes import qtype
 from ..quant.rounding import Geometry, Hessian, conv_geometry

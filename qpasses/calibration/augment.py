@@ -12,7 +12,7 @@ import onnx
 from onnx import helper
 
 from ..analysis.dtypes import infer_types
-from ..graphutil import unique_name
+from ..ir.graphutil import unique_name
 from .tensor_types import FLOAT_TYPES
 
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from functools import partial
 
-from ..ir import QModel
+from ..ir.model import QModel
 from .collectors import finalise
 from .kept import KeptSamples
 from .runner import collect_stats

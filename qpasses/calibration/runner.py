@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CalibrationDataError
-from ..ir import QModel
+from ..ir.model import QModel
 from . import segments
 from .augment import activation_tensors, augment, derived_ranges
 from .collectors import HISTOGRAM_METHODS, TensorStats, histogram_bins

@@ -23,8 +23,8 @@ import onnx
 from onnx import helper
 
 from ..errors import ModelError, first_line
-from ..graphutil import node_reads
-from ..ir import QModel, constant_bytes
+from ..ir.graphutil import node_reads
+from ..ir.model import QModel, constant_bytes
 from .data import model_inputs
 from .sessions import RunError, session_options, unrunnable
 from ..analysis.dtypes import infer_types

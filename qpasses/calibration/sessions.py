@@ -9,7 +9,7 @@ import onnx
 from onnx import TensorProto
 
 from ..errors import first_line
-from ..ir import IN_MEMORY, QModel
+from ..ir.model import IN_MEMORY, QModel
 
 
 class RunError(Exception):

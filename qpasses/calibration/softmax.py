@@ -24,8 +24,8 @@ from contextlib import contextmanager
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..graphutil import consumers
-from ..ir import QModel
+from ..ir.graphutil import consumers
+from ..ir.model import QModel
 
 ROW_MAX_SUFFIX = "::softmax_row_max"
 NEGLIGIBLE = 20.0

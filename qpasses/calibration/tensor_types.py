@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from ..ir import QModel
+from ..ir.model import QModel
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE})
 

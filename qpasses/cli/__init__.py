@@ -159,10 +159,10 @@ def _version() -> str:
 def cmd_run(args) -> int:
     from ..api import run_pipeline
     from ..context import RunContext
-    from ..decisions import float_reasons
+    from ..ir.decisions import float_reasons
     from ..evaluation.evaluate import compare, eval_reference
     from ..instruments import DumpAfter, Reproducer, TimePasses
-    from ..ir import load
+    from ..ir.model import load
     from ..evaluation.objective import parse_metric
     from ..evaluation.integer_kernels import worth_counting
     from .outputs import PREFIX, Staging, check_loads, ort_source, save_staged, strict_json, write_text
@@ -411,7 +411,7 @@ def _default_text(f) -> str:
 
 def cmd_explain(args) -> int:
     from .explain import explain_lines
-    from ..ir import load
+    from ..ir.model import load
 
     model = load(args.model)
     for line in explain_lines(model, args.tensor):
@@ -431,7 +431,7 @@ def cmd_example(args) -> int:
 def cmd_compare(args) -> int:
     from ..calibration.data import open_data
     from ..evaluation.evaluate import compare
-    from ..ir import load
+    from ..ir.model import load
     from ..evaluation.objective import parse_metric
 
     if args.per_layer or args.provider or args.report or args.samples is not None:

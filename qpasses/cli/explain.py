@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from ..analysis.saturation import decision_line
 from ..analysis.scopes import scopes
-from ..decisions import float_reasons
+from ..ir.decisions import float_reasons
 from ..errors import QpassesError
-from ..ir import QModel
+from ..ir.model import QModel
 
 
 def explain_lines(model: QModel, tensor: str | None = None) -> list[str]:

@@ -201,7 +201,7 @@ def remove_tree(folder: Path) -> str | None:
 def save_staged(model, staged: Path, target: Path) -> None:
     """``ir.save`` to the staged path; its one-line errors name the target."""
     from ..errors import ModelError
-    from ..ir import save
+    from ..ir.model import save
 
     try:
         save(model, staged)

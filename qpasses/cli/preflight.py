@@ -3,7 +3,7 @@
 The op selection is not re-derived here: the type-deciding head of the default pipeline
 (``TYPE_PIPELINE``) runs on the loaded model with the user's config, through ``run_pipeline``,
 so the opset upgrade and the up-front refusals (prechecks.py) run exactly as in ``qpasses run``.
-What stays float and why is then read from the saved decisions (decisions.py), as ``explain`` does.
+What stays float and why is then read from the saved decisions (ir/decisions.py), as ``explain`` does.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def check(path, config=None) -> Preflight:
     """Inspect the model at ``path`` under ``config`` (a path, dict or None). A model or config
     that cannot even be read raises the usual one-line QpassesError."""
     from ..context import RunContext
-    from ..ir import constant_bytes, load
+    from ..ir.model import constant_bytes, load
 
     ctx = RunContext(config)   # a bad config is a user error before anything else
     model = load(path)
@@ -83,7 +83,7 @@ def _input_lines(out: Preflight, model) -> None:
 
 
 def _body_lines(out: Preflight, model) -> None:
-    from ..ir import body_graphs
+    from ..ir.model import body_graphs
 
     bodies = body_graphs(model.graph)
     if not bodies:
@@ -121,7 +121,7 @@ def _runs_in_onnxruntime(out: Preflight, path: Path) -> None:
 def _types(out: Preflight, model, ctx) -> None:
     """Run the type-deciding passes; report what is quantized, what stays float, what refuses."""
     from ..api import run_pipeline
-    from ..ir import constant_bytes
+    from ..ir.model import constant_bytes
 
     notices: list[str] = []
     try:
@@ -189,7 +189,7 @@ def _node_states(model, config) -> tuple[dict[str, list[str]], dict[str, Counter
     (quoted names aside) with the first node's own words."""
     from ..analysis.dtypes import float_tensors
     from ..analysis.scopes import all_nodes
-    from ..decisions import float_reasons
+    from ..ir.decisions import float_reasons
     from ..quant.oprules import WEIGHTED_OPS, rule_for
     from ..passes.annotate_types import selected_nodes   # the selection annotate-types made
     from ..evaluation.summary import reason_shape

@@ -11,7 +11,7 @@ import onnx
 from ..calibration.data import InputSpec, validate
 from ..calibration import segments
 from ..errors import CalibrationDataError, ModelError
-from ..ir import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
+from ..ir.model import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
 from .scored_runs import ScoredRuns
 
 

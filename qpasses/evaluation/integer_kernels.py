@@ -44,7 +44,7 @@ def integer_kernels(proto: onnx.ModelProto) -> int | None:
 
 def worth_counting(proto: onnx.ModelProto) -> bool:
     """Whether the optimized copy ``integer_kernels`` reads is worth its time for a summary line."""
-    from ..ir import tensor_bytes
+    from ..ir.model import tensor_bytes
 
     return len(proto.graph.node) <= MAX_NODES and tensor_bytes(proto) <= MAX_BYTES
 

@@ -6,7 +6,7 @@ import hashlib
 
 import numpy as np
 
-from ..ir import QModel
+from ..ir.model import QModel
 
 
 class ScoredRuns:

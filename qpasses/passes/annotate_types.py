@@ -9,12 +9,12 @@ import onnx_graphsurgeon as gs
 from ..analysis.dtypes import FLOAT_DTYPES, float_tensors
 from ..analysis.requests import requests
 from ..analysis.scopes import all_nodes, scopes
-from ..annotations import Convert, TensorQuant
+from ..ir.annotations import Convert, TensorQuant
 from ..config.quant_config import QuantConfig
-from .. import decisions
-from ..dataflow import dataflow
-from ..graphutil import unique_name
-from ..ir import QModel
+from ..ir import decisions
+from ..ir.dataflow import dataflow
+from ..ir.graphutil import unique_name
+from ..ir.model import QModel
 from ..quant.islands import unanchored
 from ..quant.oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, OpRule, QDQ_OPS, WEIGHT, float_output_bias, holds,
                        multiplies_activations, rule_for, selected_op_types, weight_axis)
@@ -37,7 +37,7 @@ class AnnotateTypes(Pass):
     Writes: ``model.quant``, rebuilt from scratch (no scale/zero_point except fixed ones from overrides
     or the preset); a bias constant read by several quantized nodes is copied so each has its own.
     Nodes inside If/Loop/Scan bodies are selected as the main graph's are; a tensor name several
-    bodies define stays float, with its reason (the key scheme: qpasses.annotations).
+    bodies define stays float, with its reason (the key scheme: qpasses.ir.annotations).
     Invariants: only float tensors get entries; ``shares`` and ``derived_from`` name table entries;
     invalid overrides or node names raise one ConfigError before anything changes.
     """

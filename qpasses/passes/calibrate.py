@@ -15,7 +15,7 @@ from .. import executors
 from ..calibration.softmax import row_max_probes
 from ..config.quant_config import CALIBRATION_METHODS, CalibrationConfig, QuantConfig, method_given
 from ..errors import CalibrationDataError
-from ..ir import QModel
+from ..ir.model import QModel
 from ..pipeline import Pass, PassResult
 from ..quant.qtypes import qtype
 from ..registry import register

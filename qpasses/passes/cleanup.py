@@ -8,8 +8,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from ..graphutil import node_reads, overridable_initializers, remove_nodes, replace_all_uses, topological_order
-from ..ir import QModel, model_tensor_map
+from ..ir.graphutil import node_reads, overridable_initializers, remove_nodes, replace_all_uses, topological_order
+from ..ir.model import QModel, model_tensor_map
 from ..pipeline import Pass, PassResult
 from ..registry import register
 

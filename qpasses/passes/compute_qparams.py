@@ -11,10 +11,10 @@ from ..analysis.mixed_ranges import mixed_range_concats
 from ..analysis.requests import named_tensors, pinned
 from ..analysis.ranges import entry_range, fmt as _fmt
 from ..analysis.scopes import UNOBSERVED
-from ..annotations import TensorQuant
+from ..ir.annotations import TensorQuant
 from ..config.quant_config import QuantConfig
-from ..decisions import leave_float
-from ..ir import QModel
+from ..ir.decisions import leave_float
+from ..ir.model import QModel
 from ..config.overrides import raise_problems
 from ..pipeline import Pass, PassResult
 from ..quant.qparams import compute_qparams, is_finite_range

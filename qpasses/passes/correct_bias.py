@@ -15,7 +15,7 @@ from ..calibration.segments import SegmentedSession
 from ..quant.conv_pads import auto_pad_of, conv_pads
 from ..errors import CalibrationDataError
 from ..evaluation.evaluate import rerun_skip_reason
-from ..ir import QModel
+from ..ir.model import QModel
 from ..pipeline import Pass, PassResult
 from ..progress import progress
 from ..quant.qdq import QParams, quantized_values

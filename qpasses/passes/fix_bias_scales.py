@@ -8,7 +8,7 @@ import numpy as np
 
 from ..analysis.bias_fixes import bias_fixes
 from ..analysis.derivations import rederive
-from ..ir import QModel
+from ..ir.model import QModel
 from ..pipeline import Pass, PassResult
 from ..registry import register
 

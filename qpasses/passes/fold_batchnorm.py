@@ -6,8 +6,8 @@ from typing import ClassVar
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..graphutil import overridable_initializers, remove_nodes, topological_order, unique_name, used_names
-from ..ir import QModel, make_constant
+from ..ir.graphutil import overridable_initializers, remove_nodes, topological_order, unique_name, used_names
+from ..ir.model import QModel, make_constant
 from ..pipeline import Pass, PassResult
 from ..registry import register
 

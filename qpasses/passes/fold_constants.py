@@ -9,8 +9,8 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 
-from ..graphutil import has_subgraph, overridable_initializers, remove_nodes, replace_all_uses, topological_order
-from ..ir import QModel, choose_ir_version, make_constant
+from ..ir.graphutil import has_subgraph, overridable_initializers, remove_nodes, replace_all_uses, topological_order
+from ..ir.model import QModel, choose_ir_version, make_constant
 from ..pipeline import Pass, PassResult
 from ..registry import register
 

@@ -9,7 +9,7 @@ import onnx_graphsurgeon as gs
 
 from ..errors import ModelError, QpassesError
 from ..facts import claim
-from ..ir import QModel, relaxed_gc
+from ..ir.model import QModel, relaxed_gc
 from ..pipeline import Pass, PassResult
 from ..quant.qdq import (Placement, QParams, dequantizer, float_dtype, make_dq, make_q, min_opset,
                    new_namer, qparam_constants, redirect, require_opset, scale_dtype)

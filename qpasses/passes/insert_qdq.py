@@ -11,10 +11,10 @@ import onnx_graphsurgeon as gs
 
 from ..analysis.bias_fixes import clipping_biases
 from ..analysis.dtypes import float_types
-from ..decisions import leave_float
+from ..ir.decisions import leave_float
 from ..errors import ModelError, PreconditionError
 from ..quant.fp8 import guard_relus
-from ..ir import QModel, relaxed_gc
+from ..ir.model import QModel, relaxed_gc
 from ..pipeline import Pass, PassResult
 from ..analysis.scopes import scopes
 from ..quant.qdq import (QParams, ScopedPlacement, dequantize_in_bodies, is_quantized, keeps_float_input, make_dq,

@@ -7,8 +7,8 @@ from typing import ClassVar
 import onnx
 import onnx_graphsurgeon as gs
 
-from ..graphutil import remove_nodes
-from ..ir import QModel
+from ..ir.graphutil import remove_nodes
+from ..ir.model import QModel
 from ..pipeline import Pass, PassResult
 from ..quant.qdq import DQ_OP, new_namer
 from ..qoperator.kernels import MS, Lowered, lower

@@ -5,9 +5,9 @@ from dataclasses import field
 from typing import ClassVar
 
 from ..analysis.dtypes import float_tensors
-from ..annotations import Convert, QuantTable
-from ..dataflow import dataflow
-from ..ir import QModel
+from ..ir.annotations import Convert, QuantTable
+from ..ir.dataflow import dataflow
+from ..ir.model import QModel
 from ..mixed_precision import MixedPrecisionPlan, load_constraints, parse_requests, plan_mixed_precision
 from ..quant.oprules import holds, rule_for
 from ..pipeline import Pass, PassResult

@@ -6,8 +6,8 @@ from typing import ClassVar
 
 from ..analysis.saturation import risks, seen_type, table_layers
 from ..config.quant_config import PAIR_SATURATING_CPUS
-from ..decisions import PAIR_SUMS
-from ..ir import QModel
+from ..ir.decisions import PAIR_SUMS
+from ..ir.model import QModel
 from ..pipeline import Pass, PassResult
 from ..registry import register
 from ..config.targets import chosen, user_keys

@@ -9,8 +9,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..facts import claim
-from ..graphutil import overridable_initializers
-from ..ir import QModel, make_constant
+from ..ir.graphutil import overridable_initializers
+from ..ir.model import QModel, make_constant
 from ..pipeline import Pass, PassResult
 from ..quant.qdq import new_namer, require_opset, to_onnx_storage
 from ..quant.qparams import compute_qparams, quantize, value_range

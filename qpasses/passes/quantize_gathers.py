@@ -5,9 +5,9 @@ import fnmatch
 from dataclasses import field
 from typing import ClassVar
 
-from ..decisions import FLOAT, leave_float
+from ..ir.decisions import FLOAT, leave_float
 from ..gathers import block_lookup_problem, lookup_tables, to_block_lookup, to_row_lookup
-from ..ir import QModel, relaxed_gc
+from ..ir.model import QModel, relaxed_gc
 from ..pipeline import Pass, PassResult
 from ..quant.qdq import Placement, new_namer
 from ..quant.qtypes import qtype

@@ -5,11 +5,11 @@ from dataclasses import field
 from typing import ClassVar
 
 from ..analysis.silu import quantize_gates, quantize_products, silu_chains, silu_gates
-from ..decisions import FLOAT, PRECISION_SEARCH
+from ..ir.decisions import FLOAT, PRECISION_SEARCH
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import Reference, rerun_skip_reason
 from ..executors.scoring import trial_score
-from ..ir import QModel
+from ..ir.model import QModel
 from ..evaluation.objective import Objective
 from ..pipeline import Pass, PassResult
 from ..registry import register

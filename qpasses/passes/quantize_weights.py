@@ -6,10 +6,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..decisions import leave_float
+from ..ir.decisions import leave_float
 from ..errors import CalibrationDataError
 from ..facts import claim
-from ..ir import QModel
+from ..ir.model import QModel
 from ..pipeline import Pass, PassResult
 from ..quant.qdq import new_namer, require_opset
 from ..registry import register

@@ -17,8 +17,8 @@ from ..calibration.segments import SegmentedModel
 from ..calibration.subgraphs import thread_out
 from ..errors import CalibrationDataError, ModelError, first_line
 from ..evaluation.evaluate import rerun_skip_reason, session
-from ..graphutil import subgraphs
-from ..ir import QModel
+from ..ir.graphutil import subgraphs
+from ..ir.model import QModel
 from ..pipeline import Pass, PassResult, run_nested
 from ..progress import progress
 from ..quant.qdq import QParams, quantized_values, require_opset

@@ -8,10 +8,10 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..analysis.weighted_layers import Target, batches, checked_values, find_targets, measure, restore as _restore
-from ..decisions import PRECISION_SEARCH
+from ..ir.decisions import PRECISION_SEARCH
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import rerun_skip_reason
-from ..ir import QModel
+from ..ir.model import QModel
 from ..pipeline import Pass, PassResult
 from ..quant.qtypes import qtype
 from ..registry import register

@@ -8,10 +8,10 @@ from typing import ClassVar
 from ..analysis.requests import pinned
 from ..analysis.sensitivity import promote, promotion_groups
 from ..config.quant_config import ACCURACY_FALLBACKS, ACCURACY_METRICS
-from ..decisions import PRECISION_SEARCH
+from ..ir.decisions import PRECISION_SEARCH
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import Reference, rerun_skip_reason
-from ..ir import QModel
+from ..ir.model import QModel
 from ..evaluation.objective import Objective
 from ..pipeline import Pass, PassResult
 from ..precision_checks import NAME, ORDERS, Checks

@@ -10,11 +10,11 @@ import numpy as np
 from ..analysis.requests import named_tensors
 from ..calibration.data import open_data
 from ..calibration.softmax import ROW_MAX_SUFFIX
-from ..decisions import PRECISION_SEARCH
+from ..ir.decisions import PRECISION_SEARCH
 from ..evaluation.duels import Contender, duel
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import MIN_FEEDS, Reference, rerun_skip_reason
-from ..ir import QModel
+from ..ir.model import QModel
 from ..evaluation.objective import Objective
 from ..pipeline import Pass, PassResult, make_pass, run_nested, split_after
 from ..progress import progress

@@ -11,8 +11,8 @@ import onnx_graphsurgeon as gs
 from ..analysis.smoothing import capture, choose, rereadable
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import rerun_skip_reason
-from ..graphutil import overridable_initializers, unique_name, used_names
-from ..ir import QModel, make_constant
+from ..ir.graphutil import overridable_initializers, unique_name, used_names
+from ..ir.model import QModel, make_constant
 from ..pipeline import Pass, PassResult
 from ..quant.qtypes import qtype
 from ..registry import register

@@ -18,9 +18,9 @@ import onnx_graphsurgeon as gs
 
 from ..analysis.dtypes import float_type_name
 from ..errors import ModelError
-from ..graphutil import unique_name
-from ..ir import QModel, body_graphs, from_proto, model_tensor_map
-from ..opset_convert import convert
+from ..ir.graphutil import unique_name
+from ..ir.model import QModel, body_graphs, from_proto, model_tensor_map
+from ..ir.opset_convert import convert
 from .oprules import FLOAT_WEIGHT_OPS
 from .qparams import quantize
 from .qtypes import PER_AXIS_MIN_OPSET, QType, qtype
@@ -364,7 +364,7 @@ def require_opset(model: QModel, opset: int) -> bool:
     """Raise the model's default opset to ``opset`` without changing what its nodes compute.
 
     A plain bump when every op keeps its signature and meaning; otherwise the graph is rewritten
-    (qpasses.opset_convert: onnx.version_converter turns Split/Squeeze/Reduce* attributes into inputs,
+    (qpasses.ir.opset_convert: onnx.version_converter turns Split/Squeeze/Reduce* attributes into inputs,
     ...; qpasses keeps Resize-10's coordinates and Hardmax's axis). Either way, Resize's empty
     roi/scales become absent inputs when crossing opset 13.
     Raises ModelError naming the op when that is impossible. Returns True if the opset changed.

@@ -8,7 +8,7 @@ pass that decides Q/DQ types or inserts Q/DQ) and says so in a one-line notice; 
 
 Per-channel weights need opset 13 (QuantizeLinear's ``axis``). A quantizing pipeline whose default
 per-channel weights meet a model below 13 raises it to 13 before the first pass (so the op rules see
-the opset the output will have), rewriting what changes meaning on the way (qpasses.opset_convert);
+the opset the output will have), rewriting what changes meaning on the way (qpasses.ir.opset_convert);
 where that cannot be expressed, the weights go per-tensor with a one-line notice, unless the user
 asked for per-channel weights (then it is an error naming the node).
 """
@@ -21,9 +21,9 @@ import onnx_graphsurgeon as gs
 
 from ..analysis.scopes import all_nodes
 from ..errors import ConfigError, ModelError
-from ..ir import QModel, from_proto
+from ..ir.model import QModel, from_proto
 from .oprules import WEIGHT, rule_for, weight_axis
-from ..opset_convert import convert, default_opset
+from ..ir.opset_convert import convert, default_opset
 from .qdq import ops_needing_rewrite, require_opset
 from .qtypes import PER_AXIS_MIN_OPSET
 
@@ -43,7 +43,7 @@ def upgrade_opset(model: QModel | onnx.ModelProto) -> tuple[QModel | onnx.ModelP
 
     A QModel is upgraded in place (its graph is replaced; the quantization table and other side
     tables are kept); a ModelProto is left alone and a converted copy is returned. A Resize or
-    Upsample with no opset-11 form (qpasses.opset_convert) takes the model to opset 10 instead.
+    Upsample with no opset-11 form (qpasses.ir.opset_convert) takes the model to opset 10 instead.
     """
     old = model.opset if isinstance(model, QModel) else default_opset(model)
     if old >= QDQ_MIN_OPSET:

@@ -21,7 +21,7 @@ import onnx
 
 from ..analysis.sensitivity import local_errors
 from ..evaluation.evaluate import session
-from ..ir import QModel
+from ..ir.model import QModel
 from ..quant.qparams import dequantize, quantize
 from ..quant.qtypes import qtype
 

@@ -66,7 +66,7 @@ def has_vnni() -> bool | None:
 def compare_per_layer(float_model, qdq_model, data, *, provider: str = "ort-int8", samples: int = SAMPLES) -> dict:
     """The per-layer comparison as a JSON-able dict (see the module docstring)."""
     from ..evaluation.evaluate import checked_feeds, session
-    from ..ir import load
+    from ..ir.model import load
     from .layers import quantized_activations, quantized_names
 
     fmodel = load(float_model) if isinstance(float_model, (str, Path)) else float_model

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir import constant_dtype, read_values
+from ..ir.model import constant_dtype, read_values
 
 FLOAT_KINDS = ("float32", "float16")
 

@@ -4,7 +4,7 @@ import pytest
 
 from qpasses.config.quant_config import QuantConfig
 from qpasses.context import RunContext
-from qpasses.decisions import float_reasons
+from qpasses.ir.decisions import float_reasons
 from qpasses.errors import ConfigError, PreconditionError
 from qpasses.passes.annotate_types import AnnotateTypes
 from qpasses.testing import assert_same_outputs, model_from_text, random_feed, run_pass, run_passes
@@ -411,7 +411,7 @@ def test_no_op_model():
 
 def test_table_survives_a_save_round_trip():
     model, _ = annotate(FAMILIES["conv"][0], per_channel=True)
-    from qpasses.ir import from_proto
+    from qpasses.ir.model import from_proto
 
     again = from_proto(model.to_proto())
     assert again.quant == model.quant and again.quant["w"].axis == 0

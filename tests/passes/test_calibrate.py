@@ -12,7 +12,7 @@ from qpasses.calibration.ranges import calibrate_ranges, outward
 from qpasses.calibration.runner import collect_stats
 from qpasses.config.quant_config import QuantConfig, load_config
 from qpasses.errors import CalibrationDataError, ConfigError, PipelineError
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.passes.calibrate import Calibrate
 from qpasses.pipeline import PassManager, parse_pipeline, print_pipeline
 from qpasses.testing import model_from_text, parse, random_feed, run, run_pass, run_passes

@@ -4,7 +4,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from qpasses import PassManager, TensorQuant
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.passes.cleanup import Cleanup
 from qpasses.testing import assert_same_outputs, model_from_text, random_feed, run_pass
 from qpasses.verify import check_onnx, check_structure

@@ -3,12 +3,12 @@ import numpy as np
 import onnx.printer
 import pytest
 
-from qpasses.annotations import Convert, QuantTable, TensorQuant
+from qpasses.ir.annotations import Convert, QuantTable, TensorQuant
 from qpasses.config.quant_config import CalibrationConfig, QuantConfig
 from qpasses.context import RunContext
-from qpasses.decisions import float_reasons
+from qpasses.ir.decisions import float_reasons
 from qpasses.errors import PassFailure, PreconditionError
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.passes.compute_qparams import ComputeQParams
 from qpasses.pipeline import PassManager
 from qpasses.quant.qparams import compute_qparams, fit_scale

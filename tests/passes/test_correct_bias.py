@@ -6,7 +6,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
 from qpasses.evaluation.evaluate import snr_db
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.pipeline import QUANTIZE_PIPELINE
 from qpasses.quant.qparams import dequantize, quantize as quantize_values
 from qpasses.testing import model_from_text, parse, run, run_passes

@@ -6,9 +6,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
-from qpasses.decisions import float_reasons
+from qpasses.ir.decisions import float_reasons
 from qpasses.evaluation.evaluate import snr_db
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.passes.equalize_cross_layer import (EqualizeCrossLayer, from_input_channel_view, input_channel_view,
                                                  pair_scale)
 from qpasses.pipeline import QUANTIZE_PIPELINE

@@ -4,11 +4,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qpasses.annotations import TensorQuant
+from qpasses.ir.annotations import TensorQuant
 from qpasses.config.quant_config import QuantConfig, load_config
 from qpasses.context import RunContext
 from qpasses.errors import PreconditionError
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.passes.compute_qparams import ComputeQParams
 from qpasses.analysis.bias_fixes import plan_bias_fixes
 from qpasses.passes.fix_bias_scales import FixBiasScales

@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qpasses import PassManager
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.passes.fold_batchnorm import FoldBatchnorm
 from qpasses.context import RunContext
 from qpasses.testing import assert_same_outputs, model_from_text, random_feed, run_pass

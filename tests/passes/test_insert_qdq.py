@@ -18,7 +18,7 @@ from qpasses import ModelError, PassManager, PreconditionError, TensorQuant
 from qpasses.evaluation.evaluate import judging_session, session, snr_db
 from qpasses.passes.insert_qdq import InsertQDQ, analyse, plan_qdq
 from qpasses.quant.qparams import bias_qparams, compute_qparams, value_range
-from qpasses.decisions import float_reasons
+from qpasses.ir.decisions import float_reasons
 from qpasses.testing import model_from_text, random_feed, run, run_pass
 from qpasses.verify import check_onnx, check_structure
 
@@ -393,7 +393,7 @@ def test_initializer_listed_as_input_stays_feedable():
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])],
         [onnx.numpy_helper.from_array(np.array([1.0, -1.0], np.float32), "c")]),
         opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=10)
-    from qpasses.ir import from_proto
+    from qpasses.ir.model import from_proto
 
     model = from_proto(proto)
     for name in ("x", "c", "y"):
@@ -417,7 +417,7 @@ def test_a_gemm_whose_weight_is_also_an_input_reads_the_dequantized_input():
         [onnx.numpy_helper.from_array(np.array([[0.5, -1.0], [2.0, 0.25]], np.float32), "w")]),
         opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=10)
     from qpasses.facts import fact_problems
-    from qpasses.ir import from_proto
+    from qpasses.ir.model import from_proto
 
     model = from_proto(proto)
     for name in ("x", "w", "y"):

@@ -9,11 +9,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from example_graphs import ORT_PR_20028
-from qpasses.annotations import Convert, TensorQuant
+from qpasses.ir.annotations import Convert, TensorQuant
 from qpasses.config.quant_config import QuantConfig, load_config
 from qpasses.context import RunContext
 from qpasses.errors import ConfigError, PreconditionError
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.passes.propagate_mixed_precision import PropagateMixedPrecision, float_tensors, sharing_nodes
 from qpasses.pipeline import PassManager
 from qpasses.registry import all_passes

@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import qpasses
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.passes.quantize_gathers import QuantizeGathers
 from qpasses.testing import run, run_pass
 

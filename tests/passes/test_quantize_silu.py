@@ -5,7 +5,7 @@ import pytest
 
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.passes.quantize_silu import QuantizeSilu
 from qpasses.pipeline import PassManager
 from qpasses.testing import parse
@@ -88,7 +88,7 @@ def test_an_explicit_op_selection_is_left_alone():
 
 def test_a_run_resumed_around_it_gives_the_same_bytes(tmp_path):
     """Around it, and around select-by-snr and search-precision before it."""
-    from qpasses.ir import load, save
+    from qpasses.ir.model import load, save
     from qpasses.pipeline import QUANTIZE_PIPELINE
 
     def run(model, passes):

@@ -11,7 +11,7 @@ from qpasses.api import run_pipeline
 from qpasses.context import RunContext
 from qpasses.errors import PipelineError
 from qpasses.evaluation.evaluate import session, snr_db
-from qpasses.ir import load
+from qpasses.ir.model import load
 from qpasses.pipeline import parse_pipeline
 from qpasses.quant.qparams import quantize as quantize_values
 from qpasses.quant.rounding import Geometry, Hessian, conv_geometry, input_rows, paired_rows, refine_codes, round_codes
@@ -189,7 +189,7 @@ def test_the_saved_model_holds_what_the_pass_chose(tmp_path):
     run_passes(f"{PRELUDE},reconstruct-weights,{THEN}", whole, {}, feeds)
     first = model_from_text(CONV)
     run_passes(f"{PRELUDE},reconstruct-weights", first, {}, feeds)
-    from qpasses.ir import save
+    from qpasses.ir.model import save
     resumed = load(str(save(first, tmp_path / "half.onnx")))
     run_passes(f"reconstruct-weights,{THEN}", resumed, {}, feeds)
     assert resumed.to_proto().SerializeToString() == whole.to_proto().SerializeToString()
@@ -356,7 +356,7 @@ def test_effort_high_reconstructs_in_the_default_pipeline(tmp_path):
     """config effort: high (or --effort high) puts reconstruct-weights where round-weights is."""
     from qpasses.cli import main
     from qpasses.cli.examples import write_example
-    from qpasses.ir import load
+    from qpasses.ir.model import load
     from qpasses.pipeline import default_pipeline
 
     high = default_pipeline(True, effort="high").split(",")

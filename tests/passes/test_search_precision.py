@@ -10,9 +10,9 @@ from onnx import helper, numpy_helper
 
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
-from qpasses.decisions import float_reasons
+from qpasses.ir.decisions import float_reasons
 from qpasses.evaluation.evaluate import compare
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.evaluation.objective import Objective
 from qpasses.passes.search_precision import SearchPrecision
 from qpasses.pipeline import PassManager

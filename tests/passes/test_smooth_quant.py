@@ -6,7 +6,7 @@ from onnx import TensorProto, helper, numpy_helper
 from qpasses.api import run_pipeline
 from qpasses.context import RunContext
 from qpasses.evaluation.evaluate import snr_db
-from qpasses.ir import from_proto
+from qpasses.ir.model import from_proto
 from qpasses.analysis.smoothing import ChannelStats, choose, layer_error, outlier_ratio, smoothing_scale
 from qpasses.passes.smooth_quant import SmoothQuant
 from qpasses.pipeline import QUANTIZE_PIPELINE

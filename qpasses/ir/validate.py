@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .errors import ModelError
+from ..errors import ModelError
 
 MAX_ELEMENTS = 2**48   # 256 T elements: far beyond any model, far below an int64 byte count
 MIN_OPSET = 7   # onnxruntime runs opset 7 and newer; quantizing pipelines upgrade below 10 (upgrade.py)

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .errors import ModelError, first_line
+from ..errors import ModelError, first_line
 from .graphutil import unique_name
 
 _DEFAULT = ("", "ai.onnx")

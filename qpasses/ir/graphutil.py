@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 
 import onnx_graphsurgeon as gs
 
-from .errors import ModelError
+from ..errors import ModelError
 
 
 # -- reads and subgraphs ---------------------------------------------------------------------
@@ -80,7 +80,7 @@ def graph_output_names(graph: gs.Graph) -> set[str]:
 
 def overridable_initializers(model) -> set[str]:
     """Initializers the model also lists as graph inputs: the user may feed them, so they are
-    not constants (qpasses.ir records them only for IR >= 4, where ONNX gives them that meaning)."""
+    not constants (qpasses.ir.model records them only for IR >= 4, where ONNX gives them that meaning)."""
     return set(model.input_initializers)
 
 

@@ -1,7 +1,7 @@
 """Decisions saved with the model that more than one pass writes (``QModel.decisions``)."""
 from __future__ import annotations
 
-from .ir import QModel
+from .model import QModel
 
 FLOAT = "float"
 PRECISION_SEARCH = "precision_search"   # search-precision's: metric, target, aim, promotions

@@ -14,7 +14,7 @@ import json
 import numbers
 import zlib
 
-from .errors import ModelError
+from ..errors import ModelError
 
 QUANT_TABLE_KEY = "qpasses.quant_table"
 FACTS_KEY = "qpasses.facts"
@@ -139,7 +139,7 @@ _ENTRY_TYPES = {   # field -> (test, what it must be); None is allowed for every
 
 
 def _entry_problems(entry) -> list[str]:
-    from .quant.qtypes import QTYPES
+    from ..quant.qtypes import QTYPES
 
     if not isinstance(entry, dict):
         return [f"must be a JSON object, got {_short(entry)}"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from .ir import QModel
+from .model import QModel
 
 
 class Dataflow:
