@@ -2,12 +2,12 @@
 from .ir.annotations import Convert, QuantTable, TensorQuant
 from .api import quantize, quantize_static, run_pipeline
 from .config.quant_config import QuantConfig, load_config
-from .context import RunContext
+from .core.context import RunContext
 from .errors import (CalibrationDataError, ConfigError, ModelError, PassFailure, PipelineError,
                      PreconditionError, QpassesError)
 from .ir.model import QModel, load, save
-from .pipeline import Pass, PassManager, PassResult, parse_pipeline, print_pipeline
-from .registry import all_passes, register
+from .core.pipeline import Pass, PassManager, PassResult, parse_pipeline, print_pipeline
+from .core.registry import all_passes, register
 
 __version__ = "0.1.0"
 __all__ = [

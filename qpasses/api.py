@@ -5,11 +5,11 @@ import sys
 
 import numpy as np
 
-from .context import RunContext
-from .instruments import DumpAfter, Instrument, Reproducer, TimePasses, VerifyEach
+from .core.context import RunContext
+from .core.instruments import DumpAfter, Instrument, Reproducer, TimePasses, VerifyEach
 from .ir.model import QModel, load
-from .pipeline import PassManager, default_pipeline
-from .prechecks import LoadableTypes, QuantizableValues
+from .core.pipeline import PassManager, default_pipeline
+from .core.prechecks import LoadableTypes, QuantizableValues
 from .quant.upgrade import prepare_opset, quantizes
 
 
@@ -21,7 +21,7 @@ def run_pipeline(model, passes: str | list | None = None, *, config=None, calibr
     ``model`` is a path, ModelProto or QModel (edited in place). ``calibration_data`` is a path
     (.npz, folder) or any iterable of ``{input_name: array}`` dicts or a CalibrationDataReader.
     ``dump_after`` and ``reproducer`` are folders (or instruments writing elsewhere, as the CLI's
-    staged ones). A quantizing pipeline first refuses what would give a broken model (prechecks.py).
+    staged ones). A quantizing pipeline first refuses what would give a broken model (core/prechecks.py).
     ``notify(line)`` receives notices (default: printed on stderr).
     Give ``ctx`` (a RunContext, instead of config and data) to read the findings afterwards.
     Returns ``(model, records)``.
@@ -46,7 +46,7 @@ def run_pipeline(model, passes: str | list | None = None, *, config=None, calibr
         instruments.append(reproducer if isinstance(reproducer, Instrument) else Reproducer(reproducer))
     manager = PassManager(passes, instruments)
     names = [p.name for p in manager.passes]
-    if quantizes(names):   # refuse up front what would give a broken model (prechecks.py)
+    if quantizes(names):   # refuse up front what would give a broken model (core/prechecks.py)
         manager.instruments[:0] = [QuantizableValues(), LoadableTypes(names)]
     # a quantizing pipeline upgrades opset < 10 to 11, as onnxruntime's quantizer does, and to 13 for
     # per-channel weights (upgrade.py)

@@ -14,8 +14,8 @@ from .evaluation.evaluate import Reference
 from .executors import speculate
 from .executors.scoring import objective_score, objective_scores
 from .ir.model import QModel
-from .pipeline import run_nested, split_after
-from .progress import progress
+from .core.pipeline import run_nested, split_after
+from .core.progress import progress
 from .quant.qdq import require_opset
 from .evaluation.scored_runs import ScoredRuns
 

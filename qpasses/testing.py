@@ -63,7 +63,7 @@ def assert_same_outputs(before, after, feed, rtol: float = 1e-6, atol: float = 1
 def run_pass(p, model: QModel, config=None, data=None, *, ctx=None):
     """``p.run(model, ctx)`` with ``ctx`` or a new ``RunContext(config, data)``: one pass on its own
     (no PassManager, so no fact checks). Give a ``ctx`` to read its findings afterwards."""
-    from .context import RunContext
+    from .core.context import RunContext
 
     return p.run(model, ctx if ctx is not None else RunContext(config, data))
 
@@ -71,8 +71,8 @@ def run_pass(p, model: QModel, config=None, data=None, *, ctx=None):
 def run_passes(passes, model: QModel, config=None, data=None, *, ctx=None, instruments=()):
     """``PassManager(passes, instruments).run(model, ctx)`` with ``ctx`` or a new
     ``RunContext(config, data)``; returns the records."""
-    from .context import RunContext
-    from .pipeline import PassManager
+    from .core.context import RunContext
+    from .core.pipeline import PassManager
 
     return PassManager(passes, instruments).run(model, ctx if ctx is not None else RunContext(config, data))
 

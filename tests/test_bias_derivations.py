@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 from qpasses.analysis.bias_fixes import clipping_biases
-from qpasses.context import RunContext
+from qpasses.core.context import RunContext
 from qpasses.errors import PreconditionError
 from qpasses.ir.model import from_proto
 from qpasses.passes.fix_bias_scales import FixBiasScales
-from qpasses.pipeline import PassManager
+from qpasses.core.pipeline import PassManager
 from qpasses.testing import parse, random_feed
 
 # W is read by a Gather (whose output a Reshape moves on) and by a Gemm with a big bias: the tiny

@@ -14,8 +14,8 @@ from qpasses import Pass, PassResult, register
 from qpasses.cli import main
 from qpasses.errors import ModelError, PassFailure
 from qpasses.ir.model import from_proto
-from qpasses.pipeline import PassManager
-from qpasses.registry import unregister
+from qpasses.core.pipeline import PassManager
+from qpasses.core.registry import unregister
 
 D, F, S, VOCAB = 64, 128, 16, 100
 WEIGHT_ONLY = {"mode": "weight_only", "weight_only": {"bits": 4, "block_size": 32, "symmetric": True,
@@ -147,7 +147,7 @@ def test_the_final_check_names_the_pass_and_an_untouched_input_is_a_model_error(
 
 def test_dynamic_quantization_claims_the_nodes_it_rewrote(encoder_files):
     from qpasses.api import run_pipeline
-    from qpasses.facts import fact_problems
+    from qpasses.core.facts import fact_problems
 
     model, records = run_pipeline(str(encoder_files / "enc.onnx"),
                                   config={"mode": "dynamic", "nodes_to_exclude": ["/MatMul_2"]})
@@ -167,7 +167,7 @@ def test_a_conv_whose_weight_stays_float_may_read_the_float_input():
     """insert-qdq leaves a Conv with a float weight the float value of its input (onnxruntime would
     give the weight a coarser grid otherwise): the Q/DQ claim allows that reader, and only it."""
     from qpasses.api import run_pipeline
-    from qpasses.facts import fact_problems
+    from qpasses.core.facts import fact_problems
     from qpasses.testing import parse
 
     text = """

@@ -87,7 +87,7 @@ def test_bad_input_exits_2_with_one_line(case, example, tmp_path, capsys):
 
 
 def test_passes_lists_every_registered_pass(capsys):
-    from qpasses.registry import all_passes
+    from qpasses.core.registry import all_passes
 
     code, out, _ = _run(capsys, "passes")
     assert code == 0

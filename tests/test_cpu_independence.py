@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from qpasses.api import run_pipeline
-from qpasses.context import RunContext
+from qpasses.core.context import RunContext
 from qpasses.cli.examples import example_data, example_model
 from qpasses.ir.model import from_proto
 from qpasses.testing import parse

@@ -6,7 +6,7 @@ import pytest
 import qpasses
 from qpasses.evaluation.evaluate import compare
 from qpasses.cli.examples import example_data, example_model
-from qpasses.verify import check_onnx, check_ort
+from qpasses.core.verify import check_onnx, check_ort
 
 
 def _feeds(n, seed):

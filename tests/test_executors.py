@@ -14,7 +14,7 @@ from qpasses.calibration.kept import KeptSamples
 from qpasses.calibration.ranges import calibrate_ranges
 from qpasses.calibration.runner import collect_stats
 from qpasses.config.quant_config import load_config
-from qpasses.context import RunContext
+from qpasses.core.context import RunContext
 from qpasses.errors import ConfigError
 from qpasses.cli.examples import example_data, example_model
 from qpasses.calibration.sharded import sharded_stats

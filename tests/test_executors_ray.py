@@ -64,10 +64,10 @@ def test_search_precision_on_ray_decides_the_same(cluster, tmp_path, monkeypatch
     model bytes are the local run's (a model where it keeps four of twelve tensors float)."""
     from test_executors_search import BRANCHY, _feeds as branchy_feeds
 
-    from qpasses.context import RunContext
+    from qpasses.core.context import RunContext
     from qpasses.executors import speculate
     from qpasses.ir.model import from_proto
-    from qpasses.pipeline import PassManager
+    from qpasses.core.pipeline import PassManager
     from qpasses.testing import parse
 
     monkeypatch.setattr(speculate, "width", lambda workers, build, score: workers)   # not from timings

@@ -10,7 +10,7 @@ from qpasses.ir.graphutil import (consumers, node_reads, producers, remove_nodes
                                toposort, unique_name, used_names)
 from qpasses.ir.model import from_proto, make_constant
 from qpasses.testing import model_from_text
-from qpasses.verify import check_onnx, check_structure
+from qpasses.core.verify import check_onnx, check_structure
 
 DIAMOND = """
 g (float[2] x) => (float[2] y) {

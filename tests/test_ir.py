@@ -14,7 +14,7 @@ from qpasses.ir.annotations import Convert
 from qpasses.ir.model import from_proto, load, max_ort_ir_version, save
 from qpasses.ir.metadata import read_saved
 from qpasses.testing import parse, random_feed, run
-from qpasses.verify import check_onnx, check_ort
+from qpasses.core.verify import check_onnx, check_ort
 
 WITH_INPUT_INIT = """
 <ir_version: 10, opset_import: ["" : 17], producer_name: "unit", producer_version: "9">

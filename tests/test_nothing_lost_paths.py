@@ -199,7 +199,7 @@ def _dump_onto(ws, what):
         (d / "002_fold-batchnorm.onnx").symlink_to(ws.calib)
         return ws.run("--dump-after", d), "--dump-after would overwrite the calibration data"
     if what == "a dump hard-links the model":
-        from qpasses.pipeline import default_pipeline
+        from qpasses.core.pipeline import default_pipeline
 
         last = default_pipeline(quantize=True).split(",")
         os.link(ws.model, d / f"{len(last):03d}_{last[-1]}.onnx")   # the last pass's dump

@@ -18,7 +18,7 @@ from onnxruntime.quantization.tensor_quant_overrides import TensorQuantOverrides
 
 import qpasses
 from qpasses.ir.model import load
-from qpasses.pipeline import default_pipeline, parse_pipeline
+from qpasses.core.pipeline import default_pipeline, parse_pipeline
 from qpasses.quant.qparams import compute_qparams, value_range
 from qpasses.quant.qtypes import qtype
 from qpasses.testing import parse, random_feed

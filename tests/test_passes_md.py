@@ -6,7 +6,7 @@ from typing import ClassVar
 import pytest
 
 from qpasses import Pass, PassResult, register
-from qpasses.registry import unregister
+from qpasses.core.registry import unregister
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,9 +5,9 @@ from typing import ClassVar
 
 from qpasses import Pass, PassResult, register
 from qpasses.cli import main
-from qpasses.pipeline import default_pipeline
-from qpasses.pipeline import in_pipeline_order
-from qpasses.registry import all_passes, unregister
+from qpasses.core.pipeline import default_pipeline
+from qpasses.core.pipeline import in_pipeline_order
+from qpasses.core.registry import all_passes, unregister
 
 ROOT = Path(__file__).resolve().parents[1]
 

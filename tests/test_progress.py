@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from qpasses.progress import Progress, progress
+from qpasses.core.progress import Progress, progress
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qpasses.calibration import segments
-from qpasses.context import RunContext
+from qpasses.core.context import RunContext
 from qpasses.api import run_pipeline
 from qpasses.evaluation.evaluate import Reference
 from qpasses.ir.model import from_proto

@@ -7,9 +7,9 @@ from qpasses.api import quantize
 from qpasses.calibration.ranges import outward
 from qpasses.calibration.softmax import NEGLIGIBLE, ROW_MAX_SUFFIX
 from qpasses.evaluation.evaluate import snr_db
-from qpasses.pipeline import PassManager
+from qpasses.core.pipeline import PassManager
 from qpasses.testing import model_from_text, parse, run, run_passes
-from qpasses.verify import check_onnx
+from qpasses.core.verify import check_onnx
 
 # attention-like scores plus an additive padding mask (0 or -10000 per key)
 MASKED = """

@@ -9,13 +9,13 @@ import pytest
 
 from qpasses.api import run_pipeline
 from qpasses.config.quant_config import CalibrationConfig
-from qpasses.context import RunContext
+from qpasses.core.context import RunContext
 from qpasses.errors import ModelError, PassFailure, PipelineError, PreconditionError
 from qpasses.cli.examples import example_model
-from qpasses.facts import CHECKERS, CLAIMS, check_facts
+from qpasses.core.facts import CHECKERS, CLAIMS, check_facts
 from qpasses.ir.model import from_proto, load, save
-from qpasses.pipeline import QUANTIZE_PIPELINE, PassManager, parse_pipeline, print_pipeline
-from qpasses.registry import all_passes
+from qpasses.core.pipeline import QUANTIZE_PIPELINE, PassManager, parse_pipeline, print_pipeline
+from qpasses.core.registry import all_passes
 
 
 def _feeds(n: int, seed: int = 0) -> list[dict]:
@@ -133,7 +133,7 @@ def test_fact_checkers_catch_a_broken_decision():
 
 def test_verify_each_names_the_pass_that_broke_a_fact():
     from qpasses import Pass, PassResult, register
-    from qpasses.registry import unregister
+    from qpasses.core.registry import unregister
 
     @register
     class BreakTable(Pass):
@@ -185,7 +185,7 @@ def test_bad_pipeline_text_is_one_clear_error(text, message):
 
 
 def test_nested_pipelines_are_timed_and_verified():
-    from qpasses.instruments import TimePasses
+    from qpasses.core.instruments import TimePasses
 
     timer = TimePasses()
     run_pipeline(from_proto(example_model()), "annotate-types,calibrate,select-by-snr",
@@ -253,7 +253,7 @@ def test_cleanup_forgets_what_it_removes_so_its_facts_hold():
 
 
 def test_instruments_of_one_run_do_not_leak_into_the_next():
-    from qpasses.instruments import TimePasses
+    from qpasses.core.instruments import TimePasses
 
     ctx = RunContext({}, _feeds(4))
     timer = TimePasses()

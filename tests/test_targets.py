@@ -2,7 +2,7 @@
 import pytest
 
 from qpasses.config.quant_config import QuantConfig, load_config
-from qpasses.context import RunContext
+from qpasses.core.context import RunContext
 from qpasses.errors import ConfigError
 from qpasses.passes.annotate_types import AnnotateTypes
 from qpasses.config.targets import apply_target_rules, known_targets, load_target

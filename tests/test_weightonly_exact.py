@@ -9,7 +9,7 @@ from onnx import helper, numpy_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from qpasses.api import run_pipeline
-from qpasses.context import RunContext
+from qpasses.core.context import RunContext
 from qpasses.ir.model import constant_dtype, from_proto, read_values
 from qpasses.weightonly import rtn
 from qpasses.weightonly.blocks import columns_of, minmax_params

@@ -250,7 +250,7 @@ def _child(tool: Tool, bm: BenchModel, n_calib: int | None, out_path: str, log_p
             if qp_src:
                 sys.path.insert(0, qp_src)
             import qpasses
-            from qpasses.registry import all_passes
+            from qpasses.core.registry import all_passes
 
             all_passes()   # pass modules load on first use: an import, not timed (as the others')
             result["qpasses_file"] = qpasses.__file__

@@ -83,7 +83,7 @@ def _reset_peak() -> bool:
 
 def child(src: str, dst: str, width: int) -> dict:
     import qpasses
-    from qpasses.instruments import TimePasses
+    from qpasses.core.instruments import TimePasses
 
     class PeakPerPass(TimePasses):
         """Pass times, plus each pass's own peak RSS (VmHWM reset before it); passes a pass runs

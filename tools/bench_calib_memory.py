@@ -123,7 +123,7 @@ def child(tool: str, method: str, samples: int, model_path: str) -> dict:
     import qpasses.passes.calibrate  # noqa: F401
 
     if tool == "qpasses":
-        from qpasses.context import RunContext
+        from qpasses.core.context import RunContext
         from qpasses.ir.model import load
         from qpasses.passes.calibrate import Calibrate
 

@@ -46,7 +46,7 @@ os.environ.setdefault("QPASSES_NO_PROGRESS", "1")
 logging.disable(logging.WARNING)
 
 from qpasses.api import run_pipeline  # noqa: E402
-from qpasses.context import RunContext  # noqa: E402
+from qpasses.core.context import RunContext  # noqa: E402
 
 from bench_formats_rtn import kernel_lines, phase_lines, timed_pair  # noqa: E402  (tools/bench_formats_rtn.py)
 

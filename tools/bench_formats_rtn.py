@@ -9,7 +9,7 @@ import time
 import numpy as np
 from onnx import numpy_helper
 
-from qpasses.context import RunContext
+from qpasses.core.context import RunContext
 
 
 def timed_pair(a, b, repeats: int, cpu: list | None = None):
@@ -83,7 +83,7 @@ def phase_lines(proto, repeats: int) -> list[str]:
 
     from qpasses.ir import model as ir
     from qpasses.passes import quantize_weights as qw
-    from qpasses.pipeline import PassManager
+    from qpasses.core.pipeline import PassManager
     from qpasses.weightonly import parallel, targets
 
     spent: dict[str, float] = {}

@@ -38,7 +38,7 @@ VARIANTS = {"base": (), "sq": ("smooth-quant",), "cle": ("equalize-cross-layer",
 
 def pipeline_with(extra: tuple[str, ...], options: dict[str, str]) -> str:
     """QUANTIZE_PIPELINE without the passes of VARIANTS, then ``extra`` inserted after its first cleanup."""
-    from qpasses.pipeline import QUANTIZE_PIPELINE
+    from qpasses.core.pipeline import QUANTIZE_PIPELINE
 
     own = {p for v in VARIANTS.values() for p in v}
     parts = [p for p in QUANTIZE_PIPELINE.split(",") if p.split("{")[0] not in own]
@@ -102,7 +102,7 @@ def task(name: str, path: Path, outs_f, outs_q) -> tuple[str, float]:
 
 def bench(name: str, variants: list[str], corpus: Path, acc: Path, options: dict[str, str], config=None) -> list[dict]:
     import qpasses
-    from qpasses.context import RunContext
+    from qpasses.core.context import RunContext
     from qpasses.ir.decisions import float_reasons
     from qpasses.evaluation.summary import weighted_ops
 

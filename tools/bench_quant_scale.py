@@ -119,7 +119,7 @@ def child_ort(model: str, data: str, out: str) -> dict:
 
 def child_qp(model: str, data, out: str, config, profile: bool = False) -> dict:
     import qpasses
-    from qpasses.instruments import TimePasses
+    from qpasses.core.instruments import TimePasses
 
     row: dict = {"rss_base_mb": peak_rss_mb()}
     timer = TimePasses()

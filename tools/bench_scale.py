@@ -78,8 +78,8 @@ def measure(src: Path, profile: bool = False) -> dict:
 
     import qpasses
     from qpasses.ir import model as ir
-    from qpasses.context import RunContext
-    from qpasses.pipeline import make_pass
+    from qpasses.core.context import RunContext
+    from qpasses.core.pipeline import make_pass
 
     spent = {"gs_import": 0.0, "gs_export": 0.0}
 

@@ -122,8 +122,8 @@ def _child(side: str, model_path: str, calib_dir: str, samples: int, cfg, out_pa
             result["seconds"] = time.perf_counter() - start
         else:
             import qpasses
-            from qpasses.pipeline import QUANTIZE_PIPELINE
-            from qpasses.registry import all_passes
+            from qpasses.core.pipeline import QUANTIZE_PIPELINE
+            from qpasses.core.registry import all_passes
 
             all_passes()   # the pass modules load on first use: an import, excluded like onnxruntime's
             without = set((cfg or {}).get(WITHOUT, ()))

@@ -353,7 +353,7 @@ def fold(model: onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
     basic offline graph optimisation (constant folding, Conv+BN fusion, Dropout removal)."""
     try:
         import qpasses
-        from qpasses.registry import all_passes
+        from qpasses.core.registry import all_passes
 
         if {"fold-constants", "fold-batchnorm", "cleanup"} <= set(all_passes()):
             qm, _ = qpasses.run_pipeline(model, "fold-constants,fold-batchnorm,cleanup")

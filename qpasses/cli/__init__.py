@@ -158,17 +158,17 @@ def _version() -> str:
 
 def cmd_run(args) -> int:
     from ..api import run_pipeline
-    from ..context import RunContext
+    from ..core.context import RunContext
     from ..ir.decisions import float_reasons
     from ..evaluation.evaluate import compare, eval_reference
-    from ..instruments import DumpAfter, Reproducer, TimePasses
+    from ..core.instruments import DumpAfter, Reproducer, TimePasses
     from ..ir.model import load
     from ..evaluation.objective import parse_metric
     from ..evaluation.integer_kernels import worth_counting
     from .outputs import PREFIX, Staging, check_loads, ort_source, save_staged, strict_json, write_text
     from ..evaluation.summary import shortfall
     from .paths import escape, guard_run
-    from ..pipeline import default_pipeline, parse_pipeline
+    from ..core.pipeline import default_pipeline, parse_pipeline
 
     src, out = Path(args.model), Path(args.output)
     if args.quiet:
@@ -385,7 +385,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_passes(args) -> int:
-    from ..pipeline import in_pipeline_order
+    from ..core.pipeline import in_pipeline_order
 
     for cls in in_pipeline_order():  # default pipeline order, then the rest by name
         print(f"{cls.name}: {cls.summary()}")
@@ -403,7 +403,7 @@ def cmd_passes(args) -> int:
 def _default_text(f) -> str:
     import dataclasses
 
-    from ..pipeline import _format_value
+    from ..core.pipeline import _format_value
 
     value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     return _format_value(value)

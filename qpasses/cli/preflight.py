@@ -2,7 +2,7 @@
 
 The op selection is not re-derived here: the type-deciding head of the default pipeline
 (``TYPE_PIPELINE``) runs on the loaded model with the user's config, through ``run_pipeline``,
-so the opset upgrade and the up-front refusals (prechecks.py) run exactly as in ``qpasses run``.
+so the opset upgrade and the up-front refusals (core/prechecks.py) run exactly as in ``qpasses run``.
 What stays float and why is then read from the saved decisions (ir/decisions.py), as ``explain`` does.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Preflight:
 def check(path, config=None) -> Preflight:
     """Inspect the model at ``path`` under ``config`` (a path, dict or None). A model or config
     that cannot even be read raises the usual one-line QpassesError."""
-    from ..context import RunContext
+    from ..core.context import RunContext
     from ..ir.model import constant_bytes, load
 
     ctx = RunContext(config)   # a bad config is a user error before anything else

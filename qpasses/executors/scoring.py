@@ -76,7 +76,7 @@ def objective_score(reference: Reference, model, objective, reuse=None) -> dict:
 
 def _trial(model, then: str, ctx, edit=None) -> bytes:
     """A copy of ``model`` (``edit`` applied to it) made a QDQ model by the passes ``then``."""
-    from ..pipeline import run_nested
+    from ..core.pipeline import run_nested
     trial = model.copy(share_weights=True)
     if edit is not None:
         edit(trial)

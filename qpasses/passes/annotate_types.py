@@ -19,9 +19,9 @@ from ..quant.islands import unanchored
 from ..quant.oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, OpRule, QDQ_OPS, WEIGHT, float_output_bias, holds,
                        multiplies_activations, rule_for, selected_op_types, weight_axis)
 from ..config.overrides import TensorOverride, raise_problems, validate
-from ..pipeline import Pass, PassResult
+from ..core.pipeline import Pass, PassResult
 from ..quant.qtypes import qtype
-from ..registry import register
+from ..core.registry import register
 from ..config.targets import apply_target_rules, chosen, load_target
 from ..quant.upgrade import PER_TENSOR
 

@@ -16,9 +16,9 @@ from ..calibration.softmax import row_max_probes
 from ..config.quant_config import CALIBRATION_METHODS, CalibrationConfig, QuantConfig, method_given
 from ..errors import CalibrationDataError
 from ..ir.model import QModel
-from ..pipeline import Pass, PassResult
+from ..core.pipeline import Pass, PassResult
 from ..quant.qtypes import qtype
-from ..registry import register
+from ..core.registry import register
 
 
 KEEP_SAMPLES = 32   # feeds kept with the float outputs for select-by-snr (at most 64 MB)

@@ -16,9 +16,9 @@ from ..config.quant_config import QuantConfig
 from ..ir.decisions import leave_float
 from ..ir.model import QModel
 from ..config.overrides import raise_problems
-from ..pipeline import Pass, PassResult
+from ..core.pipeline import Pass, PassResult
 from ..quant.qparams import compute_qparams, is_finite_range
-from ..registry import register
+from ..core.registry import register
 from . import CONV_RELU_EXAMPLE
 
 NAME = "compute-qparams"

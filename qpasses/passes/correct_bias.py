@@ -16,12 +16,12 @@ from ..quant.conv_pads import auto_pad_of, conv_pads
 from ..errors import CalibrationDataError
 from ..evaluation.evaluate import rerun_skip_reason
 from ..ir.model import QModel
-from ..pipeline import Pass, PassResult
-from ..progress import progress
+from ..core.pipeline import Pass, PassResult
+from ..core.progress import progress
 from ..quant.qdq import QParams, quantized_values
 from ..quant.qparams import dequantize
 from ..quant.qtypes import qtype
-from ..registry import register
+from ..core.registry import register
 
 NAME = "correct-bias"
 DECISION = "bias_correction"   # model.decisions key: who decided, and whether biases were corrected

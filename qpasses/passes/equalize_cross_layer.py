@@ -9,8 +9,8 @@ import onnx_graphsurgeon as gs
 
 from ..ir.graphutil import overridable_initializers, unique_name, used_names
 from ..ir.model import QModel, make_constant
-from ..pipeline import Pass, PassResult
-from ..registry import register
+from ..core.pipeline import Pass, PassResult
+from ..core.registry import register
 
 NAME = "equalize-cross-layer"
 DECISION = "cross_layer_equalization"   # model.decisions key: the pairs equalized (a second run does nothing)

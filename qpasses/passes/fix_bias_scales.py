@@ -9,8 +9,8 @@ import numpy as np
 from ..analysis.bias_fixes import bias_fixes
 from ..analysis.derivations import rederive
 from ..ir.model import QModel
-from ..pipeline import Pass, PassResult
-from ..registry import register
+from ..core.pipeline import Pass, PassResult
+from ..core.registry import register
 
 NAME = "fix-bias-scales"
 

@@ -8,8 +8,8 @@ import onnx_graphsurgeon as gs
 
 from ..ir.graphutil import overridable_initializers, remove_nodes, topological_order, unique_name, used_names
 from ..ir.model import QModel, make_constant
-from ..pipeline import Pass, PassResult
-from ..registry import register
+from ..core.pipeline import Pass, PassResult
+from ..core.registry import register
 
 PRODUCERS = ("Conv", "ConvTranspose", "Gemm")
 

@@ -11,8 +11,8 @@ from onnx import helper, numpy_helper
 
 from ..ir.graphutil import has_subgraph, overridable_initializers, remove_nodes, replace_all_uses, topological_order
 from ..ir.model import QModel, choose_ir_version, make_constant
-from ..pipeline import Pass, PassResult
-from ..registry import register
+from ..core.pipeline import Pass, PassResult
+from ..core.registry import register
 
 # Never folded: quantization ops (their outputs are what quantization is about) and random ops.
 NEVER_FOLD = frozenset({

@@ -8,12 +8,12 @@ from typing import ClassVar
 import onnx_graphsurgeon as gs
 
 from ..errors import ModelError, QpassesError
-from ..facts import claim
+from ..core.facts import claim
 from ..ir.model import QModel, relaxed_gc
-from ..pipeline import Pass, PassResult
+from ..core.pipeline import Pass, PassResult
 from ..quant.qdq import (Placement, QParams, dequantizer, float_dtype, make_dq, make_q, min_opset,
                    new_namer, qparam_constants, redirect, require_opset, scale_dtype)
-from ..registry import register
+from ..core.registry import register
 
 NAME = "insert-converts"
 FACT = "converts-inserted"

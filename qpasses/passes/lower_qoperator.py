@@ -9,11 +9,11 @@ import onnx_graphsurgeon as gs
 
 from ..ir.graphutil import remove_nodes
 from ..ir.model import QModel
-from ..pipeline import Pass, PassResult
+from ..core.pipeline import Pass, PassResult
 from ..quant.qdq import DQ_OP, new_namer
 from ..qoperator.kernels import MS, Lowered, lower
 from ..qoperator.units import Unit, find_unit
-from ..registry import register
+from ..core.registry import register
 
 NAME = "lower-qoperator"
 

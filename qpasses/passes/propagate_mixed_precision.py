@@ -10,8 +10,8 @@ from ..ir.dataflow import dataflow
 from ..ir.model import QModel
 from ..mixed_precision import MixedPrecisionPlan, load_constraints, parse_requests, plan_mixed_precision
 from ..quant.oprules import holds, rule_for
-from ..pipeline import Pass, PassResult
-from ..registry import register
+from ..core.pipeline import Pass, PassResult
+from ..core.registry import register
 from ..config.targets import apply_target_rules
 
 __all__ = ["PropagateMixedPrecision", "apply_plan", "float_tensors", "sharing_nodes"]

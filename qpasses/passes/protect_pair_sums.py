@@ -8,8 +8,8 @@ from ..analysis.saturation import risks, seen_type, table_layers
 from ..config.quant_config import PAIR_SATURATING_CPUS
 from ..ir.decisions import PAIR_SUMS
 from ..ir.model import QModel
-from ..pipeline import Pass, PassResult
-from ..registry import register
+from ..core.pipeline import Pass, PassResult
+from ..core.registry import register
 from ..config.targets import chosen, user_keys
 
 NAME = "protect-pair-sums"

@@ -8,14 +8,14 @@ from typing import ClassVar
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..facts import claim
+from ..core.facts import claim
 from ..ir.graphutil import overridable_initializers
 from ..ir.model import QModel, make_constant
-from ..pipeline import Pass, PassResult
+from ..core.pipeline import Pass, PassResult
 from ..quant.qdq import new_namer, require_opset, to_onnx_storage
 from ..quant.qparams import compute_qparams, quantize, value_range
 from ..quant.qtypes import PER_AXIS_MIN_OPSET, qtype
-from ..registry import register
+from ..core.registry import register
 
 NAME = "quantize-dynamic"
 DECISIONS, FACT = "dynamic", "dynamic-quantized"

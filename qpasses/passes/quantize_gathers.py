@@ -8,10 +8,10 @@ from typing import ClassVar
 from ..ir.decisions import FLOAT, leave_float
 from ..gathers import block_lookup_problem, lookup_tables, to_block_lookup, to_row_lookup
 from ..ir.model import QModel, relaxed_gc
-from ..pipeline import Pass, PassResult
+from ..core.pipeline import Pass, PassResult
 from ..quant.qdq import Placement, new_namer
 from ..quant.qtypes import qtype
-from ..registry import register
+from ..core.registry import register
 
 NAME = "quantize-gathers"
 DECISION = "gathers"

@@ -11,8 +11,8 @@ from ..evaluation.evaluate import Reference, rerun_skip_reason
 from ..executors.scoring import trial_score
 from ..ir.model import QModel
 from ..evaluation.objective import Objective
-from ..pipeline import Pass, PassResult
-from ..registry import register
+from ..core.pipeline import Pass, PassResult
+from ..core.registry import register
 
 NAME = "quantize-silu"
 DECISION = "silu_gates"

@@ -19,12 +19,12 @@ from ..errors import CalibrationDataError, ModelError, first_line
 from ..evaluation.evaluate import rerun_skip_reason, session
 from ..ir.graphutil import subgraphs
 from ..ir.model import QModel
-from ..pipeline import Pass, PassResult, run_nested
-from ..progress import progress
+from ..core.pipeline import Pass, PassResult, run_nested
+from ..core.progress import progress
 from ..quant.qdq import QParams, quantized_values, require_opset
 from ..quant.qparams import dequantize
 from ..quant.qtypes import qtype
-from ..registry import register
+from ..core.registry import register
 from ..quant.rounding import Hessian, damped, refine_codes, round_codes, target
 
 NAME = "reconstruct-weights"

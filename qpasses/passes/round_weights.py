@@ -12,9 +12,9 @@ from ..ir.decisions import PRECISION_SEARCH
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import rerun_skip_reason
 from ..ir.model import QModel
-from ..pipeline import Pass, PassResult
+from ..core.pipeline import Pass, PassResult
 from ..quant.qtypes import qtype
-from ..registry import register
+from ..core.registry import register
 from ..quant.rounding import round_codes
 
 NAME = "round-weights"

@@ -13,9 +13,9 @@ from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import Reference, rerun_skip_reason
 from ..ir.model import QModel
 from ..evaluation.objective import Objective
-from ..pipeline import Pass, PassResult
+from ..core.pipeline import Pass, PassResult
 from ..precision_checks import NAME, ORDERS, Checks
-from ..registry import register
+from ..core.registry import register
 
 DECISION = PRECISION_SEARCH
 # The default target: a model whose worst output component is below 12 dB SNR is unusable on the

@@ -16,9 +16,9 @@ from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import MIN_FEEDS, Reference, rerun_skip_reason
 from ..ir.model import QModel
 from ..evaluation.objective import Objective
-from ..pipeline import Pass, PassResult, make_pass, run_nested, split_after
-from ..progress import progress
-from ..registry import register
+from ..core.pipeline import Pass, PassResult, make_pass, run_nested, split_after
+from ..core.progress import progress
+from ..core.registry import register
 from .. import executors
 from ..executors import portable
 from ..executors.scoring import prescored

@@ -14,9 +14,9 @@ from qpasses.config.quant_config import QuantConfig, load_config
 from qpasses.errors import CalibrationDataError, ConfigError, PipelineError
 from qpasses.ir.model import from_proto
 from qpasses.passes.calibrate import Calibrate
-from qpasses.pipeline import PassManager, parse_pipeline, print_pipeline
+from qpasses.core.pipeline import PassManager, parse_pipeline, print_pipeline
 from qpasses.testing import model_from_text, parse, random_feed, run, run_pass, run_passes
-from qpasses.verify import check_onnx
+from qpasses.core.verify import check_onnx
 
 METHODS = ("minmax", "percentile", "entropy", "mse", "pow2")
 

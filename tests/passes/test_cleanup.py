@@ -7,7 +7,7 @@ from qpasses import PassManager, TensorQuant
 from qpasses.ir.model import from_proto
 from qpasses.passes.cleanup import Cleanup
 from qpasses.testing import assert_same_outputs, model_from_text, random_feed, run_pass
-from qpasses.verify import check_onnx, check_structure
+from qpasses.core.verify import check_onnx, check_structure
 
 
 def _clean(m):

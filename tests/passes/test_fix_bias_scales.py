@@ -6,17 +6,17 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qpasses.ir.annotations import TensorQuant
 from qpasses.config.quant_config import QuantConfig, load_config
-from qpasses.context import RunContext
+from qpasses.core.context import RunContext
 from qpasses.errors import PreconditionError
 from qpasses.ir.model import from_proto
 from qpasses.passes.compute_qparams import ComputeQParams
 from qpasses.analysis.bias_fixes import plan_bias_fixes
 from qpasses.passes.fix_bias_scales import FixBiasScales
-from qpasses.pipeline import PassManager
+from qpasses.core.pipeline import PassManager
 from qpasses.quant.qparams import INT32_MAX, compute_qparams, dequantize, quantize
 from qpasses.quant.qtypes import qtype
 from qpasses.testing import run as ort_run, run_pass
-from qpasses.verify import check_onnx
+from qpasses.core.verify import check_onnx
 
 X_RANGE = (0.0, 12.75)
 TINY = 1e-7

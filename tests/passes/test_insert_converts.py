@@ -9,7 +9,7 @@ from qpasses import Convert, ModelError, PassManager, PreconditionError, TensorQ
 from qpasses.passes.insert_converts import InsertConverts, analyse, plan_converts
 from qpasses.quant.qparams import compute_qparams
 from qpasses.testing import model_from_text, run_pass
-from qpasses.verify import check_onnx
+from qpasses.core.verify import check_onnx
 
 MIXED = """
 g (float[2,4] x) => (float[2,4] y, float[2,4] z) { [sq] a = Mul(x, x)  [t] y = Tanh(a)  [n] z = Neg(a) }"""
@@ -141,7 +141,7 @@ def test_convert_without_qdq_is_a_one_line_error():
 
 
 def test_converts_claim_is_checked_on_the_graph():
-    from qpasses.facts import check_facts, fact_problems
+    from qpasses.core.facts import check_facts, fact_problems
 
     _, model, _ = with_convert(MIXED, ["t"])
     PassManager("insert-converts").run(model)   # checks the claim at the end of the run

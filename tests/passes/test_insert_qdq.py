@@ -20,7 +20,7 @@ from qpasses.passes.insert_qdq import InsertQDQ, analyse, plan_qdq
 from qpasses.quant.qparams import bias_qparams, compute_qparams, value_range
 from qpasses.ir.decisions import float_reasons
 from qpasses.testing import model_from_text, random_feed, run, run_pass
-from qpasses.verify import check_onnx, check_structure
+from qpasses.core.verify import check_onnx, check_structure
 
 UPDATE_GOLDEN = bool(os.environ.get("QPASSES_UPDATE_GOLDEN"))
 FEED_SEEDS = range(4)
@@ -416,7 +416,7 @@ def test_a_gemm_whose_weight_is_also_an_input_reads_the_dequantized_input():
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 2])],
         [onnx.numpy_helper.from_array(np.array([[0.5, -1.0], [2.0, 0.25]], np.float32), "w")]),
         opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=10)
-    from qpasses.facts import fact_problems
+    from qpasses.core.facts import fact_problems
     from qpasses.ir.model import from_proto
 
     model = from_proto(proto)

@@ -4,10 +4,10 @@ import onnxruntime as ort
 import pytest
 
 from qpasses.api import run_pipeline
-from qpasses.context import RunContext
+from qpasses.core.context import RunContext
 from qpasses.ir.model import from_proto
 from qpasses.passes.quantize_silu import QuantizeSilu
-from qpasses.pipeline import PassManager
+from qpasses.core.pipeline import PassManager
 from qpasses.testing import parse
 
 SILU = """
@@ -89,7 +89,7 @@ def test_an_explicit_op_selection_is_left_alone():
 def test_a_run_resumed_around_it_gives_the_same_bytes(tmp_path):
     """Around it, and around select-by-snr and search-precision before it."""
     from qpasses.ir.model import load, save
-    from qpasses.pipeline import QUANTIZE_PIPELINE
+    from qpasses.core.pipeline import QUANTIZE_PIPELINE
 
     def run(model, passes):
         return run_pipeline(model, passes, ctx=RunContext(None, _feeds()))[0]

@@ -3,13 +3,13 @@ import numpy as np
 import pytest
 
 from qpasses.api import run_pipeline
-from qpasses.context import RunContext
+from qpasses.core.context import RunContext
 from qpasses.evaluation.evaluate import snr_db
-from qpasses.pipeline import QUANTIZE_PIPELINE
+from qpasses.core.pipeline import QUANTIZE_PIPELINE
 from qpasses.quant.qparams import quantize as quantize_values
 from qpasses.quant.rounding import Geometry, conv_geometry, input_rows, round_codes, upper_inverse_cholesky
 from qpasses.testing import model_from_text, parse, run, run_passes
-from qpasses.verify import check_onnx
+from qpasses.core.verify import check_onnx
 
 WITHOUT = QUANTIZE_PIPELINE.replace("round-weights,", "")
 WITH = QUANTIZE_PIPELINE

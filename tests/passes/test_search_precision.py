@@ -9,13 +9,13 @@ import pytest
 from onnx import helper, numpy_helper
 
 from qpasses.api import run_pipeline
-from qpasses.context import RunContext
+from qpasses.core.context import RunContext
 from qpasses.ir.decisions import float_reasons
 from qpasses.evaluation.evaluate import compare
 from qpasses.ir.model import from_proto
 from qpasses.evaluation.objective import Objective
 from qpasses.passes.search_precision import SearchPrecision
-from qpasses.pipeline import PassManager
+from qpasses.core.pipeline import PassManager
 from qpasses.evaluation.summary import weighted_ops
 from qpasses.testing import parse
 

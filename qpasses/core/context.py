@@ -7,7 +7,7 @@ is a decision saved in the model (``QModel.quant``, ``ranges``, ``decisions``, `
 """
 from __future__ import annotations
 
-from .config.quant_config import QuantConfig, load_config
+from ..config.quant_config import QuantConfig, load_config
 
 
 class Findings:
@@ -37,13 +37,13 @@ class RunContext:
     """The config (target defaults applied), calibration data, a transient cache and the findings."""
 
     def __init__(self, config=None, calibration_data=None):
-        from .config.targets import apply_target_defaults
+        from ..config.targets import apply_target_defaults
 
         self.config: QuantConfig = apply_target_defaults(load_config(config))
         # the data's path, for a reproducer (None when given as Python objects)
         self.data_source = _path_or_none(calibration_data)
         if calibration_data is not None and not hasattr(calibration_data, "validated"):
-            from .calibration.data import open_data
+            from ..calibration.data import open_data
 
             calibration_data = open_data(calibration_data)
         self.calibration_data = calibration_data

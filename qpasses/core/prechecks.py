@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .errors import ConfigError, ModelError
+from ..errors import ConfigError, ModelError
 from .instruments import Instrument
 
 FLOAT32_LIMIT = float(np.finfo(np.float32).max) / 2   # a range [-x, x] must fit in float32
@@ -42,7 +42,7 @@ def axis_problems(model, config) -> None:
     """per_channel_axes entries out of the rank of the weights they apply to (one ConfigError)."""
     if not config.per_channel or not config.per_channel_axes:
         return
-    from .quant.oprules import WEIGHT, rule_for
+    from ..quant.oprules import WEIGHT, rule_for
 
     problems: dict[str, list[str]] = {}
     for node in model.graph.nodes:
@@ -137,7 +137,7 @@ def _read_type(model, name: str, node) -> str | None:
 def unloadable_4bit(model) -> list[str]:
     """Nodes reading a 4-bit activation that onnxruntime fuses into a kernel without 4-bit types
     (in the main graph and in its If/Loop/Scan bodies)."""
-    from .ir.model import body_graphs
+    from ..ir.model import body_graphs
 
     problems = []
     for node in [n for g in (model.graph, *body_graphs(model.graph)) for n in g.nodes]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import onnx
 import onnx_graphsurgeon as gs
 
-from .errors import ModelError
-from .ir.model import QModel, tensor_map
+from ..errors import ModelError
+from ..ir.model import QModel, tensor_map
 
 LEVELS = ("structure", "checker", "ort", "reload")
 

@@ -8,10 +8,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .errors import ModelError, PassFailure, PipelineError, PreconditionError, QpassesError
+from ..errors import ModelError, PassFailure, PipelineError, PreconditionError, QpassesError
 from .facts import CLAIMS
 from .context import RunContext
-from .ir.model import QModel, constant_bytes, relaxed_gc
+from ..ir.model import QModel, constant_bytes, relaxed_gc
 from .registry import all_passes, establishers, get_pass
 
 

@@ -9,8 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import ModelError, PassFailure
-from .ir.model import QModel, save
+from ..errors import ModelError, PassFailure
+from ..ir.model import QModel, save
 from .verify import verify
 
 

@@ -25,7 +25,7 @@ def register(cls):
 
 
 def _load_builtin_passes() -> None:
-    from . import passes
+    from .. import passes
 
     for info in pkgutil.iter_modules(passes.__path__):
         importlib.import_module(f"{passes.__name__}.{info.name}")
@@ -41,16 +41,19 @@ def all_passes() -> dict[str, type]:
 
 
 def get_pass(name: str) -> type:
-    from .errors import PipelineError
+    from ..errors import PipelineError
 
     if name in _PASSES:
         return _PASSES[name]
     module = name.replace("-", "_")
     if module.isidentifier():   # a built-in pass lives in qpasses/passes/<name>.py: import only that one
+        from .. import passes
+
+        wanted = f"{passes.__name__}.{module}"
         try:
-            importlib.import_module(f"{__package__}.passes.{module}")
+            importlib.import_module(wanted)
         except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__}.passes.{module}":
+            if exc.name != wanted:
                 raise
         if name in _PASSES:
             return _PASSES[name]
