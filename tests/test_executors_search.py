@@ -15,7 +15,7 @@ from qpasses.executors import speculate
 from qpasses.ir.model import from_proto, save
 from qpasses.evaluation.objective import Objective
 from qpasses.passes.search_precision import SearchPrecision
-from qpasses.precision_checks import Checks
+from qpasses.passes.search_precision.checks import Checks
 from qpasses.core.pipeline import PassManager
 from qpasses.testing import parse
 

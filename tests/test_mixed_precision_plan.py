@@ -19,7 +19,7 @@ from onnxruntime.quantization.tensor_quant_overrides import TensorQuantOverrides
 from example_graphs import ORT_PR_20028
 from qpasses.ir.dataflow import dataflow
 from qpasses.errors import ConfigError
-from qpasses.mixed_precision import (
+from qpasses.passes.propagate_mixed_precision.plan import (
     TypeInfo, load_constraints, parse_constraints, parse_requests, plan_mixed_precision, sharing_ops,
 )
 from qpasses.passes.propagate_mixed_precision import float_tensors
@@ -448,7 +448,7 @@ def test_random_dags_extended_plans_are_consistent(case):
 _SCRIPT = """
 import json
 from qpasses.ir.dataflow import dataflow
-from qpasses.mixed_precision import parse_constraints, parse_requests, plan_mixed_precision
+from qpasses.passes.propagate_mixed_precision.plan import parse_constraints, parse_requests, plan_mixed_precision
 from qpasses.passes.propagate_mixed_precision import float_tensors
 from qpasses.testing import model_from_text
 out = []

@@ -225,7 +225,7 @@ def test_findings_are_write_only_for_passes():
 
     import qpasses.passes
 
-    for path in Path(qpasses.passes.__file__).parent.glob("*.py"):
+    for path in Path(qpasses.passes.__file__).parent.rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and (node.attr in ("as_dict", "_data") or (

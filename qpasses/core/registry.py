@@ -46,7 +46,7 @@ def get_pass(name: str) -> type:
     if name in _PASSES:
         return _PASSES[name]
     module = name.replace("-", "_")
-    if module.isidentifier():   # a built-in pass lives in qpasses/passes/<name>.py: import only that one
+    if module.isidentifier():   # a built-in pass is qpasses/passes/<name>.py or <name>/: import only that one
         from .. import passes
 
         wanted = f"{passes.__name__}.{module}"

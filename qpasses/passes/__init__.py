@@ -1,4 +1,5 @@
-"""Built-in passes: one module per pass, named after it (insert_qdq.py <-> insert-qdq)."""
+"""Built-in passes: one module per pass, named after it (insert_qdq.py <-> insert-qdq); a pass with
+machinery of its own is a package holding it (search_precision/checks.py)."""
 
 # A Conv (weight, bias) + Relu: the docs example of the passes that compute and insert qparams.
 CONV_RELU_EXAMPLE = """

@@ -191,7 +191,7 @@ g (float[1, 64] x) => (float[1, 64] y) <float k = {3.0}>
 def test_trials_raise_the_opset_once_with_the_same_decision(monkeypatch):
     import onnx.version_converter
 
-    import qpasses.precision_checks as search_precision
+    import qpasses.passes.search_precision.checks as search_precision
 
     real, calls = onnx.version_converter.convert_version, []
 
@@ -404,7 +404,7 @@ def test_held_out_checks_are_confirmed_on_the_held_out_feeds_after_them():
 
 
 def test_a_missed_target_names_the_tensors_next_in_the_ranking():
-    from qpasses.precision_checks import Checks
+    from qpasses.passes.search_precision.checks import Checks
 
     checks = Checks.__new__(Checks)   # the ranking alone: the local errors, largest first
     checks.local_db = {"a": -3.04, "b": -5.0, "c": -7.5, "d": -9.0, "e": -10.0, "f": -11.0, "g": -12.0}

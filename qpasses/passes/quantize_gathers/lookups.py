@@ -14,10 +14,10 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from .ir.graphutil import overridable_initializers
-from .ir.model import body_graphs, constant_dtype, read_values
-from .weightonly.matmulnbits import nbits_inputs
-from .weightonly.rtn import quantize_rtn
+from ...ir.graphutil import overridable_initializers
+from ...ir.model import body_graphs, constant_dtype, read_values
+from ...weightonly.matmulnbits import nbits_inputs
+from ...weightonly.rtn import quantize_rtn
 
 FLOAT_KINDS = ("float32", "float16")
 MIN_ROW = 8   # values per row: a scale per shorter row (a table of row scales) saves nothing
