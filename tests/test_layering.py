@@ -1,6 +1,7 @@
 """The package's layers import in one direction: no import cycle between modules (imports inside
 functions count: a lazy import is still a dependency), the framework imports no pass, command or
-report, and analyses import nothing from reporting."""
+report, the IR imports nothing built on it, and analyses import nothing from reporting. The top of
+qpasses/ holds the public entry points only; the rest sits in the sub-package of its layer."""
 import ast
 from pathlib import Path
 
@@ -12,6 +13,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "qpasses"
 FRAMEWORK = ("qpasses.core", "qpasses.errors")
 COMMANDS_AND_REPORTS = ("qpasses.passes", "qpasses.cli", "qpasses.report", "qpasses.evaluation.summary")
 REPORTING = ("qpasses.report", "qpasses.evaluation.summary", "qpasses.cli")
+IR = ("qpasses.ir",)
+# the IR is read by every layer; it needs only the quantized types the table it stores names (quant.qtypes)
+ABOVE_THE_IR = ("qpasses.core", "qpasses.passes", "qpasses.cli", "qpasses.report", "qpasses.evaluation",
+                "qpasses.config", "qpasses.calibration", "qpasses.analysis", "qpasses.executors", "qpasses.api",
+                "qpasses.weightonly", "qpasses.qoperator")
+MAX_TOP_MODULES = 10   # __init__, __main__, api, errors, testing: the public entry points
 # the registry finds the built-in passes by importing their package (discovery, not a dependency on one)
 ALLOWED = {("qpasses.core.registry", "qpasses.passes")}
 
@@ -67,6 +74,12 @@ def test_framework_imports_no_pass_command_or_report(module):
     assert not bad, f"{module} (framework) imports {bad}"
 
 
+@pytest.mark.parametrize("module", [m for m in sorted(GRAPH) if _under(m, IR)])
+def test_the_ir_imports_nothing_built_on_it(module):
+    bad = sorted(t for t in GRAPH.successors(module) if _under(t, ABOVE_THE_IR))
+    assert not bad, f"{module} (IR) imports {bad}"
+
+
 @pytest.mark.parametrize("module", [m for m in sorted(GRAPH) if _under(m, ("qpasses.analysis",))])
 def test_analyses_import_no_reporting_and_no_pass(module):
     bad = sorted(t for t in GRAPH.successors(module) if _under(t, REPORTING + ("qpasses.passes",)))
@@ -77,3 +90,10 @@ def test_a_cycle_would_be_found():
     graph = GRAPH.copy()
     graph.add_edge("qpasses.ir.model", "qpasses.core.pipeline")
     assert any(len(c) > 1 for c in nx.strongly_connected_components(graph))
+
+
+def test_the_top_level_holds_few_modules():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert {"__init__.py", "api.py", "errors.py"} <= set(top)
+    assert len(top) <= MAX_TOP_MODULES, (f"{len(top)} modules at the top of qpasses/ (at most {MAX_TOP_MODULES}): "
+                                         f"move each into the sub-package of its layer: {top}")
