@@ -1,13 +1,13 @@
 """qpasses: a compiler-pass framework that turns float ONNX models into quantized QDQ models."""
-from .ir.annotations import Convert, QuantTable, TensorQuant
 from .api import quantize, quantize_static, run_pipeline
 from .config.quant_config import QuantConfig, load_config
 from .core.context import RunContext
-from .errors import (CalibrationDataError, ConfigError, ModelError, PassFailure, PipelineError,
-                     PreconditionError, QpassesError)
-from .ir.model import QModel, load, save
 from .core.pipeline import Pass, PassManager, PassResult, parse_pipeline, print_pipeline
 from .core.registry import all_passes, register
+from .errors import (CalibrationDataError, ConfigError, ModelError, PassFailure, PipelineError,
+                     PreconditionError, QpassesError)
+from .ir.annotations import Convert, QuantTable, TensorQuant
+from .ir.model import QModel, load, save
 
 __version__ = "0.1.0"
 __all__ = [

@@ -7,9 +7,9 @@ import numpy as np
 
 from .core.context import RunContext
 from .core.instruments import DumpAfter, Instrument, Reproducer, TimePasses, VerifyEach
-from .ir.model import QModel, load
 from .core.pipeline import PassManager, default_pipeline
 from .core.prechecks import LoadableTypes, QuantizableValues
+from .ir.model import QModel, load
 from .quant.upgrade import prepare_opset, quantizes
 
 
@@ -140,8 +140,8 @@ def run_summary_lines(model: QModel) -> list[str]:
     """What the command line prints about a quantized model without measuring it: the share of
     weighted ops in 8 bits and the tensors kept float (or the weights a weight-only run quantized),
     and a target the search missed."""
-    from .ir.decisions import float_reasons
     from .evaluation.summary import shortfall, summary_line
+    from .ir.decisions import float_reasons
 
     lines = []
     if "types-annotated" in model.facts or "qdq-inserted" in model.facts:

@@ -5,10 +5,10 @@ import pytest
 
 from qpasses.analysis.bias_fixes import clipping_biases
 from qpasses.core.context import RunContext
+from qpasses.core.pipeline import PassManager
 from qpasses.errors import PreconditionError
 from qpasses.ir.model import from_proto
 from qpasses.passes.fix_bias_scales import FixBiasScales
-from qpasses.core.pipeline import PassManager
 from qpasses.testing import parse, random_feed
 
 # W is read by a Gather (whose output a Reshape moves on) and by a Gemm with a big bias: the tiny

@@ -12,10 +12,10 @@ from onnx import helper, numpy_helper
 
 from qpasses import Pass, PassResult, register
 from qpasses.cli import main
-from qpasses.errors import ModelError, PassFailure
-from qpasses.ir.model import from_proto
 from qpasses.core.pipeline import PassManager
 from qpasses.core.registry import unregister
+from qpasses.errors import ModelError, PassFailure
+from qpasses.ir.model import from_proto
 
 D, F, S, VOCAB = 64, 128, 16, 100
 WEIGHT_ONLY = {"mode": "weight_only", "weight_only": {"bits": 4, "block_size": 32, "symmetric": True,

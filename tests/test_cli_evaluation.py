@@ -10,8 +10,8 @@ import pytest
 from qpasses.calibration.data import open_data
 from qpasses.calibration.kept import KeptSamples
 from qpasses.cli import _kept_float_outputs, main
-from qpasses.evaluation.evaluate import compare
 from qpasses.cli.examples import example_data, write_example
+from qpasses.evaluation.evaluate import compare
 
 
 @pytest.fixture(scope="module")

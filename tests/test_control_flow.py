@@ -18,16 +18,16 @@ import qpasses
 from qpasses.analysis.scopes import scopes
 from qpasses.calibration.ranges import RANGE_BITS, outward
 from qpasses.cli import main
+from qpasses.cli.explain import explain_lines
 from qpasses.core.context import RunContext
-from qpasses.ir.decisions import float_reasons
+from qpasses.core.pipeline import QUANTIZE_PIPELINE, parse_pipeline
+from qpasses.core.verify import check_structure
 from qpasses.errors import ModelError
 from qpasses.evaluation.evaluate import judging_session, snr_db
-from qpasses.cli.explain import explain_lines
-from qpasses.ir.model import from_proto, load
-from qpasses.core.pipeline import QUANTIZE_PIPELINE, parse_pipeline
 from qpasses.evaluation.summary import summary_line, weighted_ops
+from qpasses.ir.decisions import float_reasons
+from qpasses.ir.model import from_proto, load
 from qpasses.testing import run, run_passes
-from qpasses.core.verify import check_structure
 
 F = TensorProto.FLOAT
 RNG = np.random.default_rng(0)

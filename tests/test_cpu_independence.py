@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from qpasses.api import run_pipeline
-from qpasses.core.context import RunContext
 from qpasses.cli.examples import example_data, example_model
+from qpasses.core.context import RunContext
 from qpasses.ir.model import from_proto
 from qpasses.testing import parse
 

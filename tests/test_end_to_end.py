@@ -4,9 +4,9 @@ import onnx
 import pytest
 
 import qpasses
-from qpasses.evaluation.evaluate import compare
 from qpasses.cli.examples import example_data, example_model
 from qpasses.core.verify import check_onnx, check_ort
+from qpasses.evaluation.evaluate import compare
 
 
 def _feeds(n, seed):

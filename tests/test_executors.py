@@ -13,11 +13,11 @@ from qpasses.calibration.collectors import Histogram, TensorStats
 from qpasses.calibration.kept import KeptSamples
 from qpasses.calibration.ranges import calibrate_ranges
 from qpasses.calibration.runner import collect_stats
+from qpasses.calibration.sharded import sharded_stats
+from qpasses.cli.examples import example_data, example_model
 from qpasses.config.quant_config import load_config
 from qpasses.core.context import RunContext
 from qpasses.errors import ConfigError
-from qpasses.cli.examples import example_data, example_model
-from qpasses.calibration.sharded import sharded_stats
 from qpasses.ir.model import load, save
 
 SAMPLES = 23   # not a multiple of the shard counts: uneven shards

@@ -6,10 +6,10 @@ ray = pytest.importorskip("ray")
 
 from qpasses import executors  # noqa: E402
 from qpasses.api import run_pipeline  # noqa: E402
-from qpasses.calibration.runner import collect_stats  # noqa: E402
-from qpasses.cli.examples import example_data, example_model  # noqa: E402
 from qpasses.calibration import sharded  # noqa: E402
+from qpasses.calibration.runner import collect_stats  # noqa: E402
 from qpasses.calibration.sharded import sharded_stats  # noqa: E402
+from qpasses.cli.examples import example_data, example_model  # noqa: E402
 from qpasses.executors.ray import runtime_env  # noqa: E402
 from qpasses.ir.model import load, save  # noqa: E402
 
@@ -65,9 +65,9 @@ def test_search_precision_on_ray_decides_the_same(cluster, tmp_path, monkeypatch
     from test_executors_search import BRANCHY, _feeds as branchy_feeds
 
     from qpasses.core.context import RunContext
+    from qpasses.core.pipeline import PassManager
     from qpasses.executors import speculate
     from qpasses.ir.model import from_proto
-    from qpasses.core.pipeline import PassManager
     from qpasses.testing import parse
 
     monkeypatch.setattr(speculate, "width", lambda workers, build, score: workers)   # not from timings

@@ -11,12 +11,12 @@ import pytest
 from qpasses import executors
 from qpasses.analysis.walks import EightBitShare
 from qpasses.core.context import Findings, RunContext
+from qpasses.core.pipeline import PassManager
+from qpasses.evaluation.objective import Objective
 from qpasses.executors import speculate
 from qpasses.ir.model import from_proto, save
-from qpasses.evaluation.objective import Objective
 from qpasses.passes.search_precision import SearchPrecision
 from qpasses.passes.search_precision.checks import Checks
-from qpasses.core.pipeline import PassManager
 from qpasses.testing import parse
 
 BRANCHES = 6

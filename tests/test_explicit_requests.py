@@ -17,8 +17,8 @@ from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
 from example_graphs import ORT_PR_20028
 from qpasses.cli import main
-from qpasses.quant.oprules import RULES
 from qpasses.config.targets import load_target
+from qpasses.quant.oprules import RULES
 from qpasses.testing import parse, random_feed
 
 

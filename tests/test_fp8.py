@@ -116,8 +116,8 @@ def test_relu_before_fp8_quantize_is_kept_in_onnxruntime():
     x = {"x": np.random.default_rng(0).standard_normal((1, 2, 4, 4)).astype(np.float32)}
     broken = parse(text, opset=19)
     assert session(broken).run(None, x)[0].min() < 0   # the onnxruntime behaviour qpasses works around
-    from qpasses.quant.fp8 import guard_relus
     from qpasses.ir.model import from_proto
+    from qpasses.quant.fp8 import guard_relus
 
     model = from_proto(broken)
     assert guard_relus(model) == 1 and guard_relus(model) == 0

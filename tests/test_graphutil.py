@@ -5,12 +5,12 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto, helper
 
+from qpasses.core.verify import check_onnx, check_structure
 from qpasses.errors import ModelError
 from qpasses.ir.graphutil import (consumers, node_reads, producers, remove_nodes, replace_all_uses, topological_order,
-                               toposort, unique_name, used_names)
+                                  toposort, unique_name, used_names)
 from qpasses.ir.model import from_proto, make_constant
 from qpasses.testing import model_from_text
-from qpasses.core.verify import check_onnx, check_structure
 
 DIAMOND = """
 g (float[2] x) => (float[2] y) {

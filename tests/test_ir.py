@@ -10,11 +10,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 import qpasses
 from qpasses import ModelError, TensorQuant
-from qpasses.ir.annotations import Convert
-from qpasses.ir.model import from_proto, load, max_ort_ir_version, save
-from qpasses.ir.metadata import read_saved
-from qpasses.testing import parse, random_feed, run
 from qpasses.core.verify import check_onnx, check_ort
+from qpasses.ir.annotations import Convert
+from qpasses.ir.metadata import read_saved
+from qpasses.ir.model import from_proto, load, max_ort_ir_version, save
+from qpasses.testing import parse, random_feed, run
 
 WITH_INPUT_INIT = """
 <ir_version: 10, opset_import: ["" : 17], producer_name: "unit", producer_version: "9">

@@ -11,13 +11,13 @@ import onnx_graphsurgeon as gs
 
 import qpasses
 from qpasses import ModelError
-from qpasses.core import pipeline
-from qpasses.ir import model as ir
 from qpasses.analysis.dtypes import infer_types
 from qpasses.calibration import runner, segments
+from qpasses.core import pipeline
+from qpasses.core.verify import check_onnx
+from qpasses.ir import model as ir
 from qpasses.ir.model import from_proto
 from qpasses.testing import parse, random_feed, run
-from qpasses.core.verify import check_onnx
 
 # A deep graph with what a cut must respect: a sequence value live over many nodes (no cut while
 # it is live), an If branch reading an outer-scope value, a second graph input read late, a graph

@@ -10,8 +10,8 @@ import numpy as np
 import onnx
 
 from qpasses.api import run_pipeline
-from qpasses.ir.decisions import float_reasons
 from qpasses.cli.explain import explain_lines
+from qpasses.ir.decisions import float_reasons
 from qpasses.ir.model import from_proto
 from qpasses.testing import parse
 

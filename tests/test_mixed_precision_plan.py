@@ -12,17 +12,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnxruntime.quantization import QuantType
 from onnxruntime.quantization.execution_providers.qnn.mixed_precision_overrides_utils import (
-    MixedPrecisionTensorQuantOverridesFixer,
-)
+                                                                                              MixedPrecisionTensorQuantOverridesFixer,
+                                                                                              )
 from onnxruntime.quantization.tensor_quant_overrides import TensorQuantOverridesHelper
 
 from example_graphs import ORT_PR_20028
-from qpasses.ir.dataflow import dataflow
 from qpasses.errors import ConfigError
-from qpasses.passes.propagate_mixed_precision.plan import (
-    TypeInfo, load_constraints, parse_constraints, parse_requests, plan_mixed_precision, sharing_ops,
-)
+from qpasses.ir.dataflow import dataflow
 from qpasses.passes.propagate_mixed_precision import float_tensors
+from qpasses.passes.propagate_mixed_precision.plan import (
+                                                           TypeInfo, load_constraints, parse_constraints, parse_requests, plan_mixed_precision, sharing_ops,
+                                                           )
 from qpasses.quant.qtypes import qtype
 from qpasses.testing import model_from_text, parse
 
@@ -448,8 +448,8 @@ def test_random_dags_extended_plans_are_consistent(case):
 _SCRIPT = """
 import json
 from qpasses.ir.dataflow import dataflow
-from qpasses.passes.propagate_mixed_precision.plan import parse_constraints, parse_requests, plan_mixed_precision
 from qpasses.passes.propagate_mixed_precision import float_tensors
+from qpasses.passes.propagate_mixed_precision.plan import parse_constraints, parse_requests, plan_mixed_precision
 from qpasses.testing import model_from_text
 out = []
 for text, req in json.loads(input()):

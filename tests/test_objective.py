@@ -14,10 +14,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 import qpasses
 from qpasses.cli import main
-from qpasses.ir.decisions import float_reasons
 from qpasses.evaluation.evaluate import compare, session
 from qpasses.evaluation.objective import (Component, MetricError, Objective, objective_scores, output_components,
-                               parse_metric)
+                                          parse_metric)
+from qpasses.ir.decisions import float_reasons
 
 CHANNELS, ANCHORS, CLASSES = 8, 64, 6
 

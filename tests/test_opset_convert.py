@@ -16,8 +16,8 @@ from qpasses.errors import ModelError
 from qpasses.ir.model import from_proto
 from qpasses.ir.opset_convert import convert, resize_modes
 from qpasses.quant.qdq import require_opset
-from qpasses.testing import parse
 from qpasses.quant.upgrade import upgrade_opset
+from qpasses.testing import parse
 
 
 def _run(proto: onnx.ModelProto, x: np.ndarray) -> list[np.ndarray]:

@@ -10,19 +10,19 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 from onnxruntime.quantization.execution_providers.qnn.mixed_precision_overrides_utils import (
-    MixedPrecisionTensorQuantOverridesFixer,
-)
+                                                                                              MixedPrecisionTensorQuantOverridesFixer,
+                                                                                              )
 from onnxruntime.quantization.quant_utils import (compute_data_quant_params, compute_scale_zp,
                                                   get_qmin_qmax_for_qType, update_opset_version)
 from onnxruntime.quantization.tensor_quant_overrides import TensorQuantOverridesHelper
 
 import qpasses
-from qpasses.ir.model import load
 from qpasses.core.pipeline import default_pipeline, parse_pipeline
+from qpasses.ir.model import load
 from qpasses.quant.qparams import compute_qparams, value_range
 from qpasses.quant.qtypes import qtype
-from qpasses.testing import parse, random_feed
 from qpasses.quant.upgrade import upgrade_opset
+from qpasses.testing import parse, random_feed
 
 from example_graphs import ORT_PR_20028
 

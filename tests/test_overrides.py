@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 from onnxruntime.quantization import QuantType
 
+from qpasses.config.overrides import parse_overrides, validate
 from qpasses.config.quant_config import QuantConfig
 from qpasses.errors import ConfigError
-from qpasses.config.overrides import parse_overrides, validate
 from qpasses.testing import model_from_text
 
 MODEL = """

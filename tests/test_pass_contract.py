@@ -11,9 +11,9 @@ import pytest
 
 from qpasses.core.context import RunContext
 from qpasses.core.facts import check_facts
-from qpasses.ir.model import from_proto
 from qpasses.core.pipeline import PassManager, make_pass
 from qpasses.core.registry import all_passes
+from qpasses.ir.model import from_proto
 from qpasses.testing import parse, random_feed
 
 # Passes whose documented example is not a rewrite (they choose or measure; the example shows that)

@@ -4,10 +4,10 @@ from typing import ClassVar
 import pytest
 
 from qpasses import Pass, PassManager, PassResult, parse_pipeline, print_pipeline, register
-from qpasses.errors import PassFailure, PipelineError, PreconditionError
 from qpasses.core.instruments import DumpAfter, Reproducer, TimePasses, VerifyEach
-from qpasses.ir.model import load
 from qpasses.core.registry import all_passes, unregister
+from qpasses.errors import PassFailure, PipelineError, PreconditionError
+from qpasses.ir.model import load
 from qpasses.testing import model_from_text
 
 TINY = """

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from qpasses.quant.qparams import (INT32_MAX, bias_min_scale, bias_qparams, compute_qparams, dequantize,
-                             fit_scale, midpoint, prepare_range, quantize, round_up_pow2, value_range)
+                                   fit_scale, midpoint, prepare_range, quantize, round_up_pow2, value_range)
 from qpasses.quant.qtypes import qtype
 
 PROPS = settings(deadline=None, derandomize=True, max_examples=300)

@@ -24,8 +24,8 @@ import pytest
 import yaml
 
 from qpasses.cli import _parser
-from qpasses.config.quant_config import load_config
 from qpasses.cli.examples import write_example
+from qpasses.config.quant_config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

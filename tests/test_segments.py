@@ -6,9 +6,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from qpasses.api import run_pipeline
 from qpasses.calibration import segments
 from qpasses.core.context import RunContext
-from qpasses.api import run_pipeline
 from qpasses.evaluation.evaluate import Reference
 from qpasses.ir.model import from_proto
 from qpasses.testing import parse, random_feed

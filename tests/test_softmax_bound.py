@@ -6,10 +6,10 @@ import pytest
 from qpasses.api import quantize
 from qpasses.calibration.ranges import outward
 from qpasses.calibration.softmax import NEGLIGIBLE, ROW_MAX_SUFFIX
-from qpasses.evaluation.evaluate import snr_db
 from qpasses.core.pipeline import PassManager
-from qpasses.testing import model_from_text, parse, run, run_passes
 from qpasses.core.verify import check_onnx
+from qpasses.evaluation.evaluate import snr_db
+from qpasses.testing import model_from_text, parse, run, run_passes
 
 # attention-like scores plus an additive padding mask (0 or -10000 per key)
 MASKED = """

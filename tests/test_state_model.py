@@ -8,14 +8,14 @@ import onnx
 import pytest
 
 from qpasses.api import run_pipeline
+from qpasses.cli.examples import example_model
 from qpasses.config.quant_config import CalibrationConfig
 from qpasses.core.context import RunContext
-from qpasses.errors import ModelError, PassFailure, PipelineError, PreconditionError
-from qpasses.cli.examples import example_model
 from qpasses.core.facts import CHECKERS, CLAIMS, check_facts
-from qpasses.ir.model import from_proto, load, save
 from qpasses.core.pipeline import QUANTIZE_PIPELINE, PassManager, parse_pipeline, print_pipeline
 from qpasses.core.registry import all_passes
+from qpasses.errors import ModelError, PassFailure, PipelineError, PreconditionError
+from qpasses.ir.model import from_proto, load, save
 
 
 def _feeds(n: int, seed: int = 0) -> list[dict]:

@@ -14,8 +14,8 @@ from fuzzgen.cases import cases
 from qpasses import QpassesError
 from qpasses.api import run_pipeline
 from qpasses.core.context import RunContext
-from qpasses.ir.model import from_proto, load, save
 from qpasses.core.pipeline import QUANTIZE_PIPELINE, parse_pipeline
+from qpasses.ir.model import from_proto, load, save
 from qpasses.testing import random_feed
 
 LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")

@@ -2,10 +2,10 @@
 import pytest
 
 from qpasses.config.quant_config import QuantConfig, load_config
+from qpasses.config.targets import apply_target_rules, known_targets, load_target
 from qpasses.core.context import RunContext
 from qpasses.errors import ConfigError
 from qpasses.passes.annotate_types import AnnotateTypes
-from qpasses.config.targets import apply_target_rules, known_targets, load_target
 from qpasses.testing import model_from_text, run_pass
 
 SIG_TANH = """g (float[2,3] x) => (float[2,3] y, float[2,3] z) { [sig] y = Sigmoid(x)  [tanh] z = Tanh(x) }"""

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from qpasses.api import run_pipeline
+from qpasses.cli.examples import example_data, example_model
 from qpasses.core.context import RunContext
+from qpasses.core.pipeline import QUANTIZE_PIPELINE
 from qpasses.evaluation.duels import Contender
 from qpasses.evaluation.evaluate import Reference
 from qpasses.evaluation.scored_runs import ScoredRuns
-from qpasses.cli.examples import example_data, example_model
 from qpasses.ir.model import QModel, from_proto
-from qpasses.core.pipeline import QUANTIZE_PIPELINE
 from qpasses.testing import parse
 
 U8S8 = {"activation_type": "uint8", "weight_type": "int8", "per_channel": False, "calibration": {"method": "minmax"}}

@@ -21,9 +21,9 @@ import models as bench_models  # noqa: E402
 import qpasses  # noqa: E402
 from qpasses.api import run_pipeline  # noqa: E402
 from qpasses.core.context import RunContext  # noqa: E402
-from qpasses.evaluation.evaluate import session, snr_db  # noqa: E402
 from qpasses.core.instruments import TimePasses  # noqa: E402
 from qpasses.core.pipeline import QUANTIZE_PIPELINE  # noqa: E402
+from qpasses.evaluation.evaluate import session, snr_db  # noqa: E402
 
 FORCED = QUANTIZE_PIPELINE.replace("correct-bias,", "correct-bias{activation_bits=8},")   # every layer
 WITHOUT = QUANTIZE_PIPELINE.replace("correct-bias,", "")

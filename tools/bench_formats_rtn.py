@@ -81,9 +81,9 @@ def phase_lines(proto, repeats: int) -> list[str]:
     import onnx_graphsurgeon as gs
     from onnxruntime.quantization import matmul_nbits_quantizer as mq
 
+    from qpasses.core.pipeline import PassManager
     from qpasses.ir import model as ir
     from qpasses.passes import quantize_weights as qw
-    from qpasses.core.pipeline import PassManager
     from qpasses.weightonly import parallel, targets
 
     spent: dict[str, float] = {}

@@ -103,8 +103,8 @@ def task(name: str, path: Path, outs_f, outs_q) -> tuple[str, float]:
 def bench(name: str, variants: list[str], corpus: Path, acc: Path, options: dict[str, str], config=None) -> list[dict]:
     import qpasses
     from qpasses.core.context import RunContext
-    from qpasses.ir.decisions import float_reasons
     from qpasses.evaluation.summary import weighted_ops
+    from qpasses.ir.decisions import float_reasons
 
     path, calib, evalp = model_files(name, corpus, acc)
     if not path.is_file():

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qpasses import executors  # noqa: E402
 from qpasses.api import run_pipeline  # noqa: E402
+from qpasses.calibration import sharded  # noqa: E402
 from qpasses.calibration.ranges import calibrate_ranges  # noqa: E402
 from qpasses.cli.examples import example_data, example_model  # noqa: E402
-from qpasses.calibration import sharded  # noqa: E402
 from qpasses.executors import speculate  # noqa: E402
 from qpasses.ir.model import load, save  # noqa: E402
 

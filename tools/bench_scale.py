@@ -77,9 +77,9 @@ def measure(src: Path, profile: bool = False) -> dict:
     import onnx_graphsurgeon as gs
 
     import qpasses
-    from qpasses.ir import model as ir
     from qpasses.core.context import RunContext
     from qpasses.core.pipeline import make_pass
+    from qpasses.ir import model as ir
 
     spent = {"gs_import": 0.0, "gs_export": 0.0}
 

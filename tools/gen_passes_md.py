@@ -25,9 +25,9 @@ os.environ.setdefault("QPASSES_NO_PROGRESS", "1")
 import onnx  # noqa: E402
 
 from qpasses.core.context import RunContext  # noqa: E402
-from qpasses.ir.model import from_proto  # noqa: E402
 from qpasses.core.pipeline import QUANTIZE_PIPELINE, PassManager, _default, _format_value  # noqa: E402
 from qpasses.core.pipeline import in_pipeline_order  # noqa: E402
+from qpasses.ir.model import from_proto  # noqa: E402
 from qpasses.testing import parse, random_feed  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "passes.md"

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..ir.annotations import TensorQuant
 from ..config.quant_config import QuantConfig
 from ..errors import ModelError
+from ..ir.annotations import TensorQuant
 from ..ir.model import QModel
 from ..quant.qparams import bias_qparams, compute_qparams, is_finite_range
 from ..quant.qtypes import qtype

@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir.annotations import TensorQuant
 from ..calibration.softmax import NEGLIGIBLE, lower_bound, upper_bound
 from ..config.quant_config import QuantConfig
 from ..errors import ModelError
+from ..ir.annotations import TensorQuant
 from ..ir.model import QModel
-from .scopes import all_nodes
 from ..quant.qparams import value_range
 from ..quant.qtypes import qtype
+from .scopes import all_nodes
 
 MAX_POOLS = frozenset({"MaxPool", "GlobalMaxPool"})
 CLIPPING_METHODS = ("percentile", "entropy", "mse")

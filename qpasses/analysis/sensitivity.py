@@ -14,12 +14,12 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..calibration.subgraphs import thread_out
-from ..ir.decisions import leave_float
 from ..evaluation.evaluate import session
+from ..ir.decisions import leave_float
 from ..ir.graphutil import subgraphs
 from ..ir.model import QModel
-from ..quant.qparams import dequantize, quantize
 from ..quant.oprules import WEIGHTED_OPS
+from ..quant.qparams import dequantize, quantize
 from ..quant.qtypes import EIGHT_BIT
 from .scopes import scopes
 from .walks import EightBitShare

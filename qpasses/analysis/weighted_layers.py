@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir.decisions import PRECISION_SEARCH
 from ..evaluation.evaluate import Reference
+from ..evaluation.objective import Objective
 from ..executors.scoring import trial_runs
+from ..ir.decisions import PRECISION_SEARCH
 from ..ir.graphutil import subgraphs
 from ..ir.model import QModel
-from ..evaluation.objective import Objective
 from ..quant.qtypes import qtype
 from ..quant.rounding import Geometry, Hessian, conv_geometry
 from .scopes import scopes

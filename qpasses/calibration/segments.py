@@ -22,12 +22,12 @@ from typing import Callable
 import onnx
 from onnx import helper
 
+from ..analysis.dtypes import infer_types
 from ..errors import ModelError, first_line
 from ..ir.graphutil import node_reads
 from ..ir.model import QModel, constant_bytes
 from .data import model_inputs
 from .sessions import RunError, session_options, unrunnable
-from ..analysis.dtypes import infer_types
 from .tensor_types import tensor_bytes
 
 IN_MEMORY_BYTES = 64 * 2**20  # weights from this size on go to onnxruntime as arrays (always past 2 GB)

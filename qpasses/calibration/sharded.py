@@ -12,13 +12,13 @@ from __future__ import annotations
 import math
 import time
 
+from ..errors import CalibrationDataError, ModelError
+from ..ir.model import QModel, constant_bytes, load
 from .data import model_inputs, open_data
 from .kept import KeptSamples
 from .progress import Progress
 from .runner import collect_stats, drop_unobserved
 from .subgraphs import body_activations
-from ..errors import CalibrationDataError, ModelError
-from ..ir.model import QModel, constant_bytes, load
 
 UNKNOWN_COUNT_SHARD = 64   # samples per shard when the data does not say how many it holds
 MAX_PROTO_BYTES = 2**31 - 2**24   # a serialised ModelProto must stay below 2 GB

@@ -159,16 +159,16 @@ def _version() -> str:
 def cmd_run(args) -> int:
     from ..api import run_pipeline
     from ..core.context import RunContext
-    from ..ir.decisions import float_reasons
-    from ..evaluation.evaluate import compare, eval_reference
     from ..core.instruments import DumpAfter, Reproducer, TimePasses
-    from ..ir.model import load
-    from ..evaluation.objective import parse_metric
-    from ..evaluation.integer_kernels import worth_counting
-    from .outputs import PREFIX, Staging, check_loads, ort_source, save_staged, strict_json, write_text
-    from ..evaluation.summary import shortfall
-    from .paths import escape, guard_run
     from ..core.pipeline import default_pipeline, parse_pipeline
+    from ..evaluation.evaluate import compare, eval_reference
+    from ..evaluation.integer_kernels import worth_counting
+    from ..evaluation.objective import parse_metric
+    from ..evaluation.summary import shortfall
+    from ..ir.decisions import float_reasons
+    from ..ir.model import load
+    from .outputs import PREFIX, Staging, check_loads, ort_source, save_staged, strict_json, write_text
+    from .paths import escape, guard_run
 
     src, out = Path(args.model), Path(args.output)
     if args.quiet:
@@ -410,8 +410,8 @@ def _default_text(f) -> str:
 
 
 def cmd_explain(args) -> int:
-    from .explain import explain_lines
     from ..ir.model import load
+    from .explain import explain_lines
 
     model = load(args.model)
     for line in explain_lines(model, args.tensor):
@@ -431,8 +431,8 @@ def cmd_example(args) -> int:
 def cmd_compare(args) -> int:
     from ..calibration.data import open_data
     from ..evaluation.evaluate import compare
-    from ..ir.model import load
     from ..evaluation.objective import parse_metric
+    from ..ir.model import load
 
     if args.per_layer or args.provider or args.report or args.samples is not None:
         from ..report.compare_command import cmd_per_layer

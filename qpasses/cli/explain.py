@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from ..analysis.saturation import decision_line
 from ..analysis.scopes import scopes
-from ..ir.decisions import float_reasons
 from ..errors import QpassesError
+from ..ir.decisions import float_reasons
 from ..ir.model import QModel
 
 

@@ -189,10 +189,10 @@ def _node_states(model, config) -> tuple[dict[str, list[str]], dict[str, Counter
     (quoted names aside) with the first node's own words."""
     from ..analysis.dtypes import float_tensors
     from ..analysis.scopes import all_nodes
-    from ..ir.decisions import float_reasons
-    from ..quant.oprules import WEIGHTED_OPS, rule_for
-    from ..passes.annotate_types import selected_nodes   # the selection annotate-types made
     from ..evaluation.summary import reason_shape
+    from ..ir.decisions import float_reasons
+    from ..passes.annotate_types import selected_nodes   # the selection annotate-types made
+    from ..quant.oprules import WEIGHTED_OPS, rule_for
 
     reasons, floats_t = float_reasons(model), float_tensors(model)
     selected = {id(node) for node, _ in selected_nodes(model, config)}

@@ -1,1 +1,2 @@
-"""Configuration: QuantConfig and its checks, onnxruntime's spellings of its keys, tensor overrides, and the backend presets (targets/*.json)."""
+"""Configuration: QuantConfig and its checks, onnxruntime's spellings of its keys, tensor overrides,
+and the backend presets (targets/*.json)."""

@@ -7,8 +7,8 @@ import difflib
 import math
 import numbers
 
-from .ort_spellings import ORT_NAMES
 from ..errors import ConfigError
+from .ort_spellings import ORT_NAMES
 
 
 class Problems(list):

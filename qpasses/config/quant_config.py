@@ -7,10 +7,10 @@ import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checks import Problems as _Problems, boolean as _boolean, build as _build, number as _number
-from .ort_spellings import normalise, not_a_mapping
 from ..errors import ConfigError
 from ..quant.qtypes import QTYPES, qtype
+from .checks import Problems as _Problems, boolean as _boolean, build as _build, number as _number
+from .ort_spellings import normalise, not_a_mapping
 
 CALIBRATION_METHODS = ("minmax", "percentile", "entropy", "mse", "pow2")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 
 from ..analysis.ranges import tensors_needing_ranges
-from ..ir.decisions import float_reasons
 from ..errors import ModelError
+from ..ir.decisions import float_reasons
 from ..ir.model import QModel
 from ..quant.oprules import QDQ_OPS
 from ..quant.qdq import keeps_float_input

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..errors import ModelError, PassFailure, PipelineError, PreconditionError, QpassesError
-from .facts import CLAIMS
-from .context import RunContext
 from ..ir.model import QModel, constant_bytes, relaxed_gc
+from .context import RunContext
+from .facts import CLAIMS
 from .registry import all_passes, establishers, get_pass
 
 

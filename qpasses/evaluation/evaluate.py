@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ..calibration.data import InputSpec, validate
 from ..calibration import segments
+from ..calibration.data import InputSpec, validate
 from ..errors import CalibrationDataError, ModelError
 from ..ir.model import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
 from .scored_runs import ScoredRuns

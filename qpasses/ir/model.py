@@ -20,8 +20,8 @@ from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from .annotations import QuantTable
 from ..errors import ModelError, first_line
+from .annotations import QuantTable
 from .graphutil import holds_graph, subgraphs, toposort, unique_name
 from .metadata import DECISIONS_KEY, FACTS_KEY, KEYS, OBSERVED_KEY, QUANT_TABLE_KEY, RANGES_KEY, pack, read_saved
 from .validate import max_ort_ir_version, validate_proto

@@ -9,20 +9,20 @@ import onnx_graphsurgeon as gs
 from ..analysis.dtypes import FLOAT_DTYPES, float_tensors
 from ..analysis.requests import requests
 from ..analysis.scopes import all_nodes, scopes
-from ..ir.annotations import Convert, TensorQuant
+from ..config.overrides import TensorOverride, raise_problems, validate
 from ..config.quant_config import QuantConfig
+from ..config.targets import apply_target_rules, chosen, load_target
+from ..core.pipeline import Pass, PassResult
+from ..core.registry import register
 from ..ir import decisions
+from ..ir.annotations import Convert, TensorQuant
 from ..ir.dataflow import dataflow
 from ..ir.graphutil import unique_name
 from ..ir.model import QModel
 from ..quant.islands import unanchored
 from ..quant.oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, OpRule, QDQ_OPS, WEIGHT, float_output_bias, holds,
-                       multiplies_activations, rule_for, selected_op_types, weight_axis)
-from ..config.overrides import TensorOverride, raise_problems, validate
-from ..core.pipeline import Pass, PassResult
+                             multiplies_activations, rule_for, selected_op_types, weight_axis)
 from ..quant.qtypes import qtype
-from ..core.registry import register
-from ..config.targets import apply_target_rules, chosen, load_target
 from ..quant.upgrade import PER_TENSOR
 
 _OWN_QPARAM_KEYS = {"quant_type", "scale", "zero_point", "symmetric", "rmin", "rmax"}

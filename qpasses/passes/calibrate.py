@@ -6,19 +6,19 @@ from typing import ClassVar
 
 import onnx_graphsurgeon as gs
 
+from .. import executors
 from ..analysis.ranges import tensors_needing_ranges
 from ..analysis.scopes import unobserved
 from ..calibration.data import open_data
 from ..calibration.kept import KeptSamples
 from ..calibration.ranges import calibrate_ranges
-from .. import executors
 from ..calibration.softmax import row_max_probes
 from ..config.quant_config import CALIBRATION_METHODS, CalibrationConfig, QuantConfig, method_given
+from ..core.pipeline import Pass, PassResult
+from ..core.registry import register
 from ..errors import CalibrationDataError
 from ..ir.model import QModel
-from ..core.pipeline import Pass, PassResult
 from ..quant.qtypes import qtype
-from ..core.registry import register
 
 
 KEEP_SAMPLES = 32   # feeds kept with the float outputs for select-by-snr (at most 64 MB)

@@ -8,10 +8,10 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from ..ir.graphutil import node_reads, overridable_initializers, remove_nodes, replace_all_uses, topological_order
-from ..ir.model import QModel, model_tensor_map
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
+from ..ir.graphutil import node_reads, overridable_initializers, remove_nodes, replace_all_uses, topological_order
+from ..ir.model import QModel, model_tensor_map
 
 
 @register

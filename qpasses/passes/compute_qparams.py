@@ -8,17 +8,17 @@ import numpy as np
 
 from ..analysis.derivations import Resolver, describe_options, qparams_key, qparams_options
 from ..analysis.mixed_ranges import mixed_range_concats
-from ..analysis.requests import named_tensors, pinned
 from ..analysis.ranges import entry_range, fmt as _fmt
+from ..analysis.requests import named_tensors, pinned
 from ..analysis.scopes import UNOBSERVED
-from ..ir.annotations import TensorQuant
+from ..config.overrides import raise_problems
 from ..config.quant_config import QuantConfig
+from ..core.pipeline import Pass, PassResult
+from ..core.registry import register
+from ..ir.annotations import TensorQuant
 from ..ir.decisions import leave_float
 from ..ir.model import QModel
-from ..config.overrides import raise_problems
-from ..core.pipeline import Pass, PassResult
 from ..quant.qparams import compute_qparams, is_finite_range
-from ..core.registry import register
 from . import CONV_RELU_EXAMPLE
 
 NAME = "compute-qparams"

@@ -12,16 +12,16 @@ from onnx import TensorProto, helper, numpy_helper
 from ..analysis.scopes import scopes
 from ..calibration.data import open_data
 from ..calibration.segments import SegmentedSession
-from ..quant.conv_pads import auto_pad_of, conv_pads
+from ..core.pipeline import Pass, PassResult
+from ..core.progress import progress
+from ..core.registry import register
 from ..errors import CalibrationDataError
 from ..evaluation.evaluate import rerun_skip_reason
 from ..ir.model import QModel
-from ..core.pipeline import Pass, PassResult
-from ..core.progress import progress
+from ..quant.conv_pads import auto_pad_of, conv_pads
 from ..quant.qdq import QParams, quantized_values
 from ..quant.qparams import dequantize
 from ..quant.qtypes import qtype
-from ..core.registry import register
 
 NAME = "correct-bias"
 DECISION = "bias_correction"   # model.decisions key: who decided, and whether biases were corrected

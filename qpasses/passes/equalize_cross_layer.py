@@ -7,10 +7,10 @@ from typing import ClassVar
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir.graphutil import overridable_initializers, unique_name, used_names
-from ..ir.model import QModel, make_constant
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
+from ..ir.graphutil import overridable_initializers, unique_name, used_names
+from ..ir.model import QModel, make_constant
 
 NAME = "equalize-cross-layer"
 DECISION = "cross_layer_equalization"   # model.decisions key: the pairs equalized (a second run does nothing)

@@ -8,9 +8,9 @@ import numpy as np
 
 from ..analysis.bias_fixes import bias_fixes
 from ..analysis.derivations import rederive
-from ..ir.model import QModel
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
+from ..ir.model import QModel
 
 NAME = "fix-bias-scales"
 

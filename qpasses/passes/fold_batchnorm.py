@@ -6,10 +6,10 @@ from typing import ClassVar
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir.graphutil import overridable_initializers, remove_nodes, topological_order, unique_name, used_names
-from ..ir.model import QModel, make_constant
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
+from ..ir.graphutil import overridable_initializers, remove_nodes, topological_order, unique_name, used_names
+from ..ir.model import QModel, make_constant
 
 PRODUCERS = ("Conv", "ConvTranspose", "Gemm")
 

@@ -9,10 +9,10 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 
-from ..ir.graphutil import has_subgraph, overridable_initializers, remove_nodes, replace_all_uses, topological_order
-from ..ir.model import QModel, choose_ir_version, make_constant
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
+from ..ir.graphutil import has_subgraph, overridable_initializers, remove_nodes, replace_all_uses, topological_order
+from ..ir.model import QModel, choose_ir_version, make_constant
 
 # Never folded: quantization ops (their outputs are what quantization is about) and random ops.
 NEVER_FOLD = frozenset({

@@ -7,13 +7,13 @@ from typing import ClassVar
 
 import onnx_graphsurgeon as gs
 
-from ..errors import ModelError, QpassesError
 from ..core.facts import claim
-from ..ir.model import QModel, relaxed_gc
 from ..core.pipeline import Pass, PassResult
-from ..quant.qdq import (Placement, QParams, dequantizer, float_dtype, make_dq, make_q, min_opset,
-                   new_namer, qparam_constants, redirect, require_opset, scale_dtype)
 from ..core.registry import register
+from ..errors import ModelError, QpassesError
+from ..ir.model import QModel, relaxed_gc
+from ..quant.qdq import (Placement, QParams, dequantizer, float_dtype, make_dq, make_q, min_opset,
+                         new_namer, qparam_constants, redirect, require_opset, scale_dtype)
 
 NAME = "insert-converts"
 FACT = "converts-inserted"

@@ -11,16 +11,16 @@ import onnx_graphsurgeon as gs
 
 from ..analysis.bias_fixes import clipping_biases
 from ..analysis.dtypes import float_types
-from ..ir.decisions import leave_float
-from ..errors import ModelError, PreconditionError
-from ..quant.fp8 import guard_relus
-from ..ir.model import QModel, relaxed_gc
-from ..core.pipeline import Pass, PassResult
 from ..analysis.scopes import scopes
-from ..quant.qdq import (QParams, ScopedPlacement, dequantize_in_bodies, is_quantized, keeps_float_input, make_dq,
-                   make_q, min_opset, new_namer, producer, qparam_constants, quantized_values, redirect,
-                   require_opset, scale_dtype)
+from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
+from ..errors import ModelError, PreconditionError
+from ..ir.decisions import leave_float
+from ..ir.model import QModel, relaxed_gc
+from ..quant.fp8 import guard_relus
+from ..quant.qdq import (QParams, ScopedPlacement, dequantize_in_bodies, is_quantized, keeps_float_input, make_dq,
+                         make_q, min_opset, new_namer, producer, qparam_constants, quantized_values, redirect,
+                         require_opset, scale_dtype)
 from . import CONV_RELU_EXAMPLE
 
 NAME = "insert-qdq"

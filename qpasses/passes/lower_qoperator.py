@@ -7,13 +7,13 @@ from typing import ClassVar
 import onnx
 import onnx_graphsurgeon as gs
 
+from ..core.pipeline import Pass, PassResult
+from ..core.registry import register
 from ..ir.graphutil import remove_nodes
 from ..ir.model import QModel
-from ..core.pipeline import Pass, PassResult
-from ..quant.qdq import DQ_OP, new_namer
 from ..qoperator.kernels import MS, Lowered, lower
 from ..qoperator.units import Unit, find_unit
-from ..core.registry import register
+from ..quant.qdq import DQ_OP, new_namer
 
 NAME = "lower-qoperator"
 

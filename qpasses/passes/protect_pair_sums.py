@@ -6,11 +6,11 @@ from typing import ClassVar
 
 from ..analysis.saturation import risks, seen_type, table_layers
 from ..config.quant_config import PAIR_SATURATING_CPUS
-from ..ir.decisions import PAIR_SUMS
-from ..ir.model import QModel
+from ..config.targets import chosen, user_keys
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
-from ..config.targets import chosen, user_keys
+from ..ir.decisions import PAIR_SUMS
+from ..ir.model import QModel
 
 NAME = "protect-pair-sums"
 SHIFT = 128   # int8 code + 128 = uint8 code, on the same grid

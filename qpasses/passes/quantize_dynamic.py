@@ -9,13 +9,13 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..core.facts import claim
+from ..core.pipeline import Pass, PassResult
+from ..core.registry import register
 from ..ir.graphutil import overridable_initializers
 from ..ir.model import QModel, make_constant
-from ..core.pipeline import Pass, PassResult
 from ..quant.qdq import new_namer, require_opset, to_onnx_storage
 from ..quant.qparams import compute_qparams, quantize, value_range
 from ..quant.qtypes import PER_AXIS_MIN_OPSET, qtype
-from ..core.registry import register
 
 NAME = "quantize-dynamic"
 DECISIONS, FACT = "dynamic", "dynamic-quantized"

@@ -5,14 +5,14 @@ from dataclasses import field
 from typing import ClassVar
 
 from ..analysis.silu import quantize_gates, quantize_products, silu_chains, silu_gates
-from ..ir.decisions import FLOAT, PRECISION_SEARCH
-from ..errors import CalibrationDataError, first_line
-from ..evaluation.evaluate import Reference, rerun_skip_reason
-from ..executors.scoring import trial_score
-from ..ir.model import QModel
-from ..evaluation.objective import Objective
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
+from ..errors import CalibrationDataError, first_line
+from ..evaluation.evaluate import Reference, rerun_skip_reason
+from ..evaluation.objective import Objective
+from ..executors.scoring import trial_score
+from ..ir.decisions import FLOAT, PRECISION_SEARCH
+from ..ir.model import QModel
 
 NAME = "quantize-silu"
 DECISION = "silu_gates"

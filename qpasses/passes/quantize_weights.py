@@ -6,13 +6,13 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..ir.decisions import leave_float
-from ..errors import CalibrationDataError
 from ..core.facts import claim
-from ..ir.model import QModel
 from ..core.pipeline import Pass, PassResult
-from ..quant.qdq import new_namer, require_opset
 from ..core.registry import register
+from ..errors import CalibrationDataError
+from ..ir.decisions import leave_float
+from ..ir.model import QModel
+from ..quant.qdq import new_namer, require_opset
 from ..weightonly import awq
 from ..weightonly.emit import QDQ_OPSET, drop_dead_nodes, is_rewrite, output_arrays, to_dequantize, to_matmulnbits
 from ..weightonly.gptq import quantize_gptq, quantize_gptq_shared

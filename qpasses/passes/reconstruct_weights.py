@@ -15,16 +15,16 @@ from ..analysis.weighted_layers import Target, checked_values, find_targets
 from ..calibration.data import model_inputs, open_data
 from ..calibration.segments import SegmentedModel
 from ..calibration.subgraphs import thread_out
+from ..core.pipeline import Pass, PassResult, run_nested
+from ..core.progress import progress
+from ..core.registry import register
 from ..errors import CalibrationDataError, ModelError, first_line
 from ..evaluation.evaluate import rerun_skip_reason, session
 from ..ir.graphutil import subgraphs
 from ..ir.model import QModel
-from ..core.pipeline import Pass, PassResult, run_nested
-from ..core.progress import progress
 from ..quant.qdq import QParams, quantized_values, require_opset
 from ..quant.qparams import dequantize
 from ..quant.qtypes import qtype
-from ..core.registry import register
 from ..quant.rounding import Hessian, damped, refine_codes, round_codes, target
 
 NAME = "reconstruct-weights"

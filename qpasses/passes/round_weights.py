@@ -8,13 +8,13 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..analysis.weighted_layers import Target, batches, checked_values, find_targets, measure, restore as _restore
-from ..ir.decisions import PRECISION_SEARCH
+from ..core.pipeline import Pass, PassResult
+from ..core.registry import register
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import rerun_skip_reason
+from ..ir.decisions import PRECISION_SEARCH
 from ..ir.model import QModel
-from ..core.pipeline import Pass, PassResult
 from ..quant.qtypes import qtype
-from ..core.registry import register
 from ..quant.rounding import round_codes
 
 NAME = "round-weights"

@@ -7,22 +7,22 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
+from .. import executors
 from ..analysis.requests import named_tensors
 from ..calibration.data import open_data
 from ..calibration.softmax import ROW_MAX_SUFFIX
-from ..ir.decisions import PRECISION_SEARCH
-from ..evaluation.duels import Contender, duel
-from ..errors import CalibrationDataError, first_line
-from ..evaluation.evaluate import MIN_FEEDS, Reference, rerun_skip_reason
-from ..ir.model import QModel
-from ..evaluation.objective import Objective
 from ..core.pipeline import Pass, PassResult, make_pass, run_nested, split_after
 from ..core.progress import progress
 from ..core.registry import register
-from .. import executors
+from ..errors import CalibrationDataError, first_line
+from ..evaluation.duels import Contender, duel
+from ..evaluation.evaluate import MIN_FEEDS, Reference, rerun_skip_reason
+from ..evaluation.objective import Objective
+from ..evaluation.scored_runs import ScoredRuns
 from ..executors import portable
 from ..executors.scoring import prescored
-from ..evaluation.scored_runs import ScoredRuns
+from ..ir.decisions import PRECISION_SEARCH
+from ..ir.model import QModel
 
 NAME = "select-by-snr"
 CORRECT_BIAS = "correct-bias"

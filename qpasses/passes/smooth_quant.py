@@ -9,13 +9,13 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..analysis.smoothing import capture, choose, rereadable
+from ..core.pipeline import Pass, PassResult
+from ..core.registry import register
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import rerun_skip_reason
 from ..ir.graphutil import overridable_initializers, unique_name, used_names
 from ..ir.model import QModel, make_constant
-from ..core.pipeline import Pass, PassResult
 from ..quant.qtypes import qtype
-from ..core.registry import register
 
 NAME = "smooth-quant"
 DECISION = "smooth_quant"   # model.decisions key: the layers smoothed (a second run does nothing)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .conv_pads import auto_pad_of, conv_pads
 from ..weightonly.gptq import inverse_cholesky
+from .conv_pads import auto_pad_of, conv_pads
 
 ROW_ELEMENTS = 4_000_000      # at most this many floats of receptive fields per sample and layer
 ROW_FLOPS = 150_000_000       # and at most this many multiply-adds into H per sample and layer

@@ -22,8 +22,8 @@ import onnx_graphsurgeon as gs
 from ..analysis.scopes import all_nodes
 from ..errors import ConfigError, ModelError
 from ..ir.model import QModel, from_proto
-from .oprules import WEIGHT, rule_for, weight_axis
 from ..ir.opset_convert import convert, default_opset
+from .oprules import WEIGHT, rule_for, weight_axis
 from .qdq import ops_needing_rewrite, require_opset
 from .qtypes import PER_AXIS_MIN_OPSET
 

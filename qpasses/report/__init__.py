@@ -17,11 +17,11 @@ def build(float_model, qdq_model, data, *, objective=None, run_report: dict | No
     path or CalibrationData). ``run_report``: what ``qpasses run`` knows besides (time per pass)."""
     from ..analysis.saturation import qdq_layers, risks
     from ..calibration.data import open_data
-    from ..ir.decisions import PAIR_SUMS, float_reasons
     from ..evaluation.evaluate import Reference
-    from ..ir.model import load
     from ..evaluation.objective import parse_metric
     from ..evaluation.summary import kept_float, summary_line
+    from ..ir.decisions import PAIR_SUMS, float_reasons
+    from ..ir.model import load
     from . import html, layers
 
     names = [str(m) if isinstance(m, (str, Path)) else "(in memory)" for m in (float_model, qdq_model)]

@@ -6,9 +6,9 @@ from pathlib import Path
 
 def cmd_report(args) -> int:
     from ..calibration.data import open_data
-    from ..evaluation.objective import parse_metric
     from ..cli.outputs import Staging, write_text
     from ..cli.paths import PathGuard
+    from ..evaluation.objective import parse_metric
     from . import build
 
     from ..errors import QpassesError

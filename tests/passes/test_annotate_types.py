@@ -4,11 +4,11 @@ import pytest
 
 from qpasses.config.quant_config import QuantConfig
 from qpasses.core.context import RunContext
-from qpasses.ir.decisions import float_reasons
+from qpasses.core.verify import check_onnx
 from qpasses.errors import ConfigError, PreconditionError
+from qpasses.ir.decisions import float_reasons
 from qpasses.passes.annotate_types import AnnotateTypes
 from qpasses.testing import assert_same_outputs, model_from_text, random_feed, run_pass, run_passes
-from qpasses.core.verify import check_onnx
 
 
 def annotate_with_findings(text, opset=17, **cfg):

@@ -6,17 +6,17 @@ import onnx
 import pytest
 from onnx import helper
 
-from qpasses.calibration.data import open_data
 from qpasses.calibration.augment import activation_tensors
+from qpasses.calibration.data import open_data
 from qpasses.calibration.ranges import calibrate_ranges, outward
 from qpasses.calibration.runner import collect_stats
 from qpasses.config.quant_config import QuantConfig, load_config
+from qpasses.core.pipeline import PassManager, parse_pipeline, print_pipeline
+from qpasses.core.verify import check_onnx
 from qpasses.errors import CalibrationDataError, ConfigError, PipelineError
 from qpasses.ir.model import from_proto
 from qpasses.passes.calibrate import Calibrate
-from qpasses.core.pipeline import PassManager, parse_pipeline, print_pipeline
 from qpasses.testing import model_from_text, parse, random_feed, run, run_pass, run_passes
-from qpasses.core.verify import check_onnx
 
 METHODS = ("minmax", "percentile", "entropy", "mse", "pow2")
 

@@ -4,10 +4,10 @@ import onnx
 from onnx import TensorProto, helper
 
 from qpasses import PassManager, TensorQuant
+from qpasses.core.verify import check_onnx, check_structure
 from qpasses.ir.model import from_proto
 from qpasses.passes.cleanup import Cleanup
 from qpasses.testing import assert_same_outputs, model_from_text, random_feed, run_pass
-from qpasses.core.verify import check_onnx, check_structure
 
 
 def _clean(m):

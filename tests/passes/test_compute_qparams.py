@@ -3,17 +3,17 @@ import numpy as np
 import onnx.printer
 import pytest
 
-from qpasses.ir.annotations import Convert, QuantTable, TensorQuant
 from qpasses.config.quant_config import CalibrationConfig, QuantConfig
 from qpasses.core.context import RunContext
-from qpasses.ir.decisions import float_reasons
+from qpasses.core.pipeline import PassManager
+from qpasses.core.verify import check_onnx
 from qpasses.errors import PassFailure, PreconditionError
+from qpasses.ir.annotations import Convert, QuantTable, TensorQuant
+from qpasses.ir.decisions import float_reasons
 from qpasses.ir.model import from_proto
 from qpasses.passes.compute_qparams import ComputeQParams
-from qpasses.core.pipeline import PassManager
 from qpasses.quant.qparams import compute_qparams, fit_scale
 from qpasses.testing import model_from_text
-from qpasses.core.verify import check_onnx
 
 CONV = """
 g (float[1,2,4,4] x) => (float[1,2,4,4] y)

@@ -5,12 +5,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qpasses.api import run_pipeline
 from qpasses.core.context import RunContext
+from qpasses.core.pipeline import QUANTIZE_PIPELINE
+from qpasses.core.verify import check_onnx
 from qpasses.evaluation.evaluate import snr_db
 from qpasses.ir.model import from_proto
-from qpasses.core.pipeline import QUANTIZE_PIPELINE
 from qpasses.quant.qparams import dequantize, quantize as quantize_values
 from qpasses.testing import model_from_text, parse, run, run_passes
-from qpasses.core.verify import check_onnx
 
 # ppocr_v4_rec's pattern: 3x3 depthwise filters whose taps sum to about 0, on inputs far from 0
 DEPTHWISE = """

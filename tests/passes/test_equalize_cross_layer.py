@@ -6,14 +6,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qpasses.api import run_pipeline
 from qpasses.core.context import RunContext
-from qpasses.ir.decisions import float_reasons
+from qpasses.core.pipeline import QUANTIZE_PIPELINE
+from qpasses.core.verify import check_onnx, check_structure
 from qpasses.evaluation.evaluate import snr_db
+from qpasses.ir.decisions import float_reasons
 from qpasses.ir.model import from_proto
 from qpasses.passes.equalize_cross_layer import (EqualizeCrossLayer, from_input_channel_view, input_channel_view,
                                                  pair_scale)
-from qpasses.core.pipeline import QUANTIZE_PIPELINE
 from qpasses.testing import run, run_pass
-from qpasses.core.verify import check_onnx, check_structure
 
 C = 6
 RNG = np.random.default_rng(0)

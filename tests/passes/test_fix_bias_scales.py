@@ -4,19 +4,19 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qpasses.ir.annotations import TensorQuant
+from qpasses.analysis.bias_fixes import plan_bias_fixes
 from qpasses.config.quant_config import QuantConfig, load_config
 from qpasses.core.context import RunContext
+from qpasses.core.pipeline import PassManager
+from qpasses.core.verify import check_onnx
 from qpasses.errors import PreconditionError
+from qpasses.ir.annotations import TensorQuant
 from qpasses.ir.model import from_proto
 from qpasses.passes.compute_qparams import ComputeQParams
-from qpasses.analysis.bias_fixes import plan_bias_fixes
 from qpasses.passes.fix_bias_scales import FixBiasScales
-from qpasses.core.pipeline import PassManager
 from qpasses.quant.qparams import INT32_MAX, compute_qparams, dequantize, quantize
 from qpasses.quant.qtypes import qtype
 from qpasses.testing import run as ort_run, run_pass
-from qpasses.core.verify import check_onnx
 
 X_RANGE = (0.0, 12.75)
 TINY = 1e-7

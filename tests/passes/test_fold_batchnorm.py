@@ -7,11 +7,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qpasses import PassManager
+from qpasses.core.context import RunContext
+from qpasses.core.verify import check_onnx, check_structure
 from qpasses.ir.model import from_proto
 from qpasses.passes.fold_batchnorm import FoldBatchnorm
-from qpasses.core.context import RunContext
 from qpasses.testing import assert_same_outputs, model_from_text, random_feed, run_pass
-from qpasses.core.verify import check_onnx, check_structure
 
 RNG = np.random.default_rng(0)
 

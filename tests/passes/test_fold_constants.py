@@ -9,10 +9,10 @@ import pytest
 
 import qpasses
 from qpasses import PassManager
+from qpasses.core.verify import check_onnx, check_structure
 from qpasses.passes import fold_constants as fc
 from qpasses.passes.fold_constants import FoldConstants
 from qpasses.testing import assert_same_outputs, model_from_text, parse, random_feed, run, run_pass
-from qpasses.core.verify import check_onnx, check_structure
 
 LIGHT = Path(onnx.__file__).parent / "backend/test/data/light"
 

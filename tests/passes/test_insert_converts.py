@@ -6,10 +6,10 @@ import pytest
 from test_insert_qdq import act_entry, assert_close_to_float, build_table, feeds_for, insert, observe, text
 
 from qpasses import Convert, ModelError, PassManager, PreconditionError, TensorQuant
+from qpasses.core.verify import check_onnx
 from qpasses.passes.insert_converts import InsertConverts, analyse, plan_converts
 from qpasses.quant.qparams import compute_qparams
 from qpasses.testing import model_from_text, run_pass
-from qpasses.core.verify import check_onnx
 
 MIXED = """
 g (float[2,4] x) => (float[2,4] y, float[2,4] z) { [sq] a = Mul(x, x)  [t] y = Tanh(a)  [n] z = Neg(a) }"""

@@ -15,12 +15,12 @@ import pytest
 
 from cpu_kit import without_u8s8_saturation
 from qpasses import ModelError, PassManager, PreconditionError, TensorQuant
+from qpasses.core.verify import check_onnx, check_structure
 from qpasses.evaluation.evaluate import judging_session, session, snr_db
+from qpasses.ir.decisions import float_reasons
 from qpasses.passes.insert_qdq import InsertQDQ, analyse, plan_qdq
 from qpasses.quant.qparams import bias_qparams, compute_qparams, value_range
-from qpasses.ir.decisions import float_reasons
 from qpasses.testing import model_from_text, random_feed, run, run_pass
-from qpasses.core.verify import check_onnx, check_structure
 
 UPDATE_GOLDEN = bool(os.environ.get("QPASSES_UPDATE_GOLDEN"))
 FEED_SEEDS = range(4)

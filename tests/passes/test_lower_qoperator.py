@@ -12,8 +12,8 @@ from onnx import numpy_helper
 
 import qpasses
 from qpasses.cli.examples import example_data, example_model
-from qpasses.passes.lower_qoperator import LowerQOperator, plan_lowering
 from qpasses.core.pipeline import default_pipeline
+from qpasses.passes.lower_qoperator import LowerQOperator, plan_lowering
 from qpasses.testing import model_from_text, random_feed, run_pass
 
 LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")

@@ -9,16 +9,16 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from example_graphs import ORT_PR_20028
-from qpasses.ir.annotations import Convert, TensorQuant
 from qpasses.config.quant_config import QuantConfig, load_config
 from qpasses.core.context import RunContext
-from qpasses.errors import ConfigError, PreconditionError
-from qpasses.ir.model import from_proto
-from qpasses.passes.propagate_mixed_precision import PropagateMixedPrecision, float_tensors, sharing_nodes
 from qpasses.core.pipeline import PassManager
 from qpasses.core.registry import all_passes
-from qpasses.testing import model_from_text, parse, random_feed, run
 from qpasses.core.verify import check_onnx
+from qpasses.errors import ConfigError, PreconditionError
+from qpasses.ir.annotations import Convert, TensorQuant
+from qpasses.ir.model import from_proto
+from qpasses.passes.propagate_mixed_precision import PropagateMixedPrecision, float_tensors, sharing_nodes
+from qpasses.testing import model_from_text, parse, random_feed, run
 
 EXAMPLE = ORT_PR_20028
 

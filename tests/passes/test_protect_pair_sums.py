@@ -5,8 +5,8 @@ import pytest
 
 from qpasses.analysis.saturation import qdq_layers, risks
 from qpasses.api import quantize
-from qpasses.evaluation.evaluate import session
 from qpasses.cli.explain import explain_lines
+from qpasses.evaluation.evaluate import session
 from qpasses.ir.model import from_proto
 from qpasses.testing import bn_conv_data, bn_conv_layer, parse
 

@@ -7,11 +7,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import qpasses
-from qpasses.errors import ConfigError
 from qpasses.config.quant_config import load_config
+from qpasses.errors import ConfigError
 from qpasses.evaluation.evaluate import session
-from qpasses.testing import model_from_text, random_feed, run_pass
 from qpasses.passes.quantize_dynamic import QuantizeDynamic
+from qpasses.testing import model_from_text, random_feed, run_pass
 
 ort_quant = pytest.importorskip("onnxruntime.quantization")
 

@@ -5,9 +5,9 @@ import pytest
 
 from qpasses.api import run_pipeline
 from qpasses.core.context import RunContext
+from qpasses.core.pipeline import PassManager
 from qpasses.ir.model import from_proto
 from qpasses.passes.quantize_silu import QuantizeSilu
-from qpasses.core.pipeline import PassManager
 from qpasses.testing import parse
 
 SILU = """
@@ -88,8 +88,8 @@ def test_an_explicit_op_selection_is_left_alone():
 
 def test_a_run_resumed_around_it_gives_the_same_bytes(tmp_path):
     """Around it, and around select-by-snr and search-precision before it."""
-    from qpasses.ir.model import load, save
     from qpasses.core.pipeline import QUANTIZE_PIPELINE
+    from qpasses.ir.model import load, save
 
     def run(model, passes):
         return run_pipeline(model, passes, ctx=RunContext(None, _feeds()))[0]

@@ -11,10 +11,10 @@ from onnx import helper, numpy_helper
 from qpasses.api import run_pipeline
 from qpasses.config.quant_config import load_config
 from qpasses.core.context import RunContext
+from qpasses.core.pipeline import WEIGHT_ONLY_PIPELINE, default_pipeline
 from qpasses.errors import CalibrationDataError, ConfigError
 from qpasses.ir.model import from_proto
 from qpasses.passes.quantize_weights import QuantizeWeights
-from qpasses.core.pipeline import WEIGHT_ONLY_PIPELINE, default_pipeline
 from qpasses.weightonly.matmulnbits import nbits_inputs, pack_codes, unpack_codes
 from qpasses.weightonly.rtn import quantize_rtn
 

@@ -9,14 +9,14 @@ import pytest
 from qpasses.analysis.weighted_layers import find_targets
 from qpasses.api import run_pipeline
 from qpasses.core.context import RunContext
+from qpasses.core.pipeline import parse_pipeline
+from qpasses.core.verify import check_onnx
 from qpasses.errors import PipelineError
 from qpasses.evaluation.evaluate import session, snr_db
 from qpasses.ir.model import load
-from qpasses.core.pipeline import parse_pipeline
 from qpasses.quant.qparams import quantize as quantize_values
 from qpasses.quant.rounding import Geometry, Hessian, conv_geometry, input_rows, paired_rows, refine_codes, round_codes
 from qpasses.testing import model_from_text, parse, run, run_passes
-from qpasses.core.verify import check_onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from test_control_flow import _feeds as control_flow_feeds, vad_model  # noqa: E402
@@ -356,8 +356,8 @@ def test_effort_high_reconstructs_in_the_default_pipeline(tmp_path):
     """config effort: high (or --effort high) puts reconstruct-weights where round-weights is."""
     from qpasses.cli import main
     from qpasses.cli.examples import write_example
-    from qpasses.ir.model import load
     from qpasses.core.pipeline import default_pipeline
+    from qpasses.ir.model import load
 
     high = default_pipeline(True, effort="high").split(",")
     assert "reconstruct-weights" in high and "round-weights" not in high

@@ -10,13 +10,13 @@ from onnx import helper, numpy_helper
 
 from qpasses.api import run_pipeline
 from qpasses.core.context import RunContext
-from qpasses.ir.decisions import float_reasons
-from qpasses.evaluation.evaluate import compare
-from qpasses.ir.model import from_proto
-from qpasses.evaluation.objective import Objective
-from qpasses.passes.search_precision import SearchPrecision
 from qpasses.core.pipeline import PassManager
+from qpasses.evaluation.evaluate import compare
+from qpasses.evaluation.objective import Objective
 from qpasses.evaluation.summary import weighted_ops
+from qpasses.ir.decisions import float_reasons
+from qpasses.ir.model import from_proto
+from qpasses.passes.search_precision import SearchPrecision
 from qpasses.testing import parse
 
 # A detector head: box coordinates (0..320) and class probabilities (0..1) in one output: one 8-bit

@@ -5,9 +5,9 @@ import pytest
 from qpasses.api import run_pipeline
 from qpasses.config.quant_config import CalibrationConfig, load_config
 from qpasses.core.context import RunContext
+from qpasses.core.verify import check_onnx
 from qpasses.passes.select_by_snr import NAME
 from qpasses.testing import model_from_text
-from qpasses.core.verify import check_onnx
 
 BEFORE = "fold-constants,cleanup,annotate-types,calibrate"
 AFTER = "compute-qparams,fix-bias-scales,insert-qdq,insert-converts"

@@ -3,15 +3,15 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qpasses.analysis.smoothing import ChannelStats, choose, layer_error, outlier_ratio, smoothing_scale
 from qpasses.api import run_pipeline
 from qpasses.core.context import RunContext
+from qpasses.core.pipeline import QUANTIZE_PIPELINE
+from qpasses.core.verify import check_onnx, check_structure
 from qpasses.evaluation.evaluate import snr_db
 from qpasses.ir.model import from_proto
-from qpasses.analysis.smoothing import ChannelStats, choose, layer_error, outlier_ratio, smoothing_scale
 from qpasses.passes.smooth_quant import SmoothQuant
-from qpasses.core.pipeline import QUANTIZE_PIPELINE
 from qpasses.testing import run, run_pass, run_passes
-from qpasses.core.verify import check_onnx, check_structure
 
 K, N, T = 16, 8, 12
 OUTLIERS = {3: 60.0, 11: 25.0}   # channel -> gain

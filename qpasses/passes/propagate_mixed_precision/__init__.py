@@ -5,14 +5,14 @@ from dataclasses import field
 from typing import ClassVar
 
 from ...analysis.dtypes import float_tensors
+from ...config.targets import apply_target_rules
+from ...core.pipeline import Pass, PassResult
+from ...core.registry import register
 from ...ir.annotations import Convert, QuantTable
 from ...ir.dataflow import dataflow
 from ...ir.model import QModel
-from .plan import MixedPrecisionPlan, load_constraints, parse_requests, plan_mixed_precision
 from ...quant.oprules import holds, rule_for
-from ...core.pipeline import Pass, PassResult
-from ...core.registry import register
-from ...config.targets import apply_target_rules
+from .plan import MixedPrecisionPlan, load_constraints, parse_requests, plan_mixed_precision
 
 __all__ = ["PropagateMixedPrecision", "apply_plan", "float_tensors", "sharing_nodes"]
 

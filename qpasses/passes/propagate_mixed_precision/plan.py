@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Collection, Iterable, Mapping
 
-from ...quant import oprules
 from ...config.targets import TARGETS_DIR
-from ...ir.dataflow import Dataflow
 from ...errors import ConfigError
+from ...ir.dataflow import Dataflow
+from ...quant import oprules
 from ...quant.qtypes import qtype
 
 RULES = ("all", "inputs")

@@ -5,13 +5,13 @@ import fnmatch
 from dataclasses import field
 from typing import ClassVar
 
-from ...ir.decisions import FLOAT, leave_float
-from .lookups import block_lookup_problem, lookup_tables, to_block_lookup, to_row_lookup
-from ...ir.model import QModel, relaxed_gc
 from ...core.pipeline import Pass, PassResult
+from ...core.registry import register
+from ...ir.decisions import FLOAT, leave_float
+from ...ir.model import QModel, relaxed_gc
 from ...quant.qdq import Placement, new_namer
 from ...quant.qtypes import qtype
-from ...core.registry import register
+from .lookups import block_lookup_problem, lookup_tables, to_block_lookup, to_row_lookup
 
 NAME = "quantize-gathers"
 DECISION = "gathers"

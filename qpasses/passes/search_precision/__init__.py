@@ -8,14 +8,14 @@ from typing import ClassVar
 from ...analysis.requests import pinned
 from ...analysis.sensitivity import promote, promotion_groups
 from ...config.quant_config import ACCURACY_FALLBACKS, ACCURACY_METRICS
-from ...ir.decisions import PRECISION_SEARCH
+from ...core.pipeline import Pass, PassResult
+from ...core.registry import register
 from ...errors import CalibrationDataError, first_line
 from ...evaluation.evaluate import Reference, rerun_skip_reason
-from ...ir.model import QModel
 from ...evaluation.objective import Objective
-from ...core.pipeline import Pass, PassResult
+from ...ir.decisions import PRECISION_SEARCH
+from ...ir.model import QModel
 from .checks import NAME, ORDERS, Checks
-from ...core.registry import register
 
 DECISION = PRECISION_SEARCH
 # The default target: a model whose worst output component is below 12 dB SNR is unusable on the

@@ -9,15 +9,15 @@ from functools import partial
 from ... import executors
 from ...analysis.sensitivity import eight_bit_share, graph_order, local_errors, promote
 from ...analysis.walks import Walk, aimed, fewest
+from ...core.pipeline import run_nested, split_after
+from ...core.progress import progress
 from ...errors import first_line
 from ...evaluation.evaluate import Reference
+from ...evaluation.scored_runs import ScoredRuns
 from ...executors import speculate
 from ...executors.scoring import objective_score, objective_scores
 from ...ir.model import QModel
-from ...core.pipeline import run_nested, split_after
-from ...core.progress import progress
 from ...quant.qdq import require_opset
-from ...evaluation.scored_runs import ScoredRuns
 
 NAME = "search-precision"
 ORDERS = ("local-error ranking", "graph order")
