@@ -12,7 +12,7 @@ from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
 from ..errors import ModelError, QpassesError
 from ..ir.model import QModel, relaxed_gc
-from ..quant.qdq import (Placement, QParams, dequantizer, float_dtype, make_dq, make_q, min_opset,
+from ..quant.qdq import (Placement, QParams, dequantizer, float_dtype, keeps_float_input, make_dq, make_q, min_opset,
                          new_namer, qparam_constants, redirect, require_opset, scale_dtype)
 
 NAME = "insert-converts"
@@ -39,7 +39,9 @@ class ConvertStep:
 
 
 def analyse(model: QModel) -> dict[str, ConvertFacts]:
-    """For every table entry with a convert: the DQ output carrying its value (graph order)."""
+    """For every table entry with a convert: the DQ output carrying its value (graph order). An
+    entry without one whose readers all keep the float value (qdq.keeps_float_input: a Gemm whose
+    weight stays float; cleanup removed the unread Q/DQ) has nothing to convert."""
     tensors = model.tensors()
     outputs = {t.name for t in model.graph.outputs}
     facts = {}
@@ -47,6 +49,8 @@ def analyse(model: QModel) -> dict[str, ConvertFacts]:
         if entry.convert is None or name not in tensors:
             continue
         dq = dequantizer(tensors[name])
+        if dq is None and all(keeps_float_input(n, tensors[name]) for n in tensors[name].outputs):
+            continue
         if dq is None:
             raise ModelError(f"tensor '{name}' has a convert to {entry.convert.qtype} but no Q/DQ "
                              f"(run insert-qdq first)")

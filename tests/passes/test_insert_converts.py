@@ -1,6 +1,7 @@
 """insert-converts: DQ -> Q -> DQ re-quantization for the receiving readers only."""
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import pytest
 from test_insert_qdq import act_entry, assert_close_to_float, build_table, feeds_for, insert, observe, text
@@ -153,3 +154,26 @@ def test_converts_claim_is_checked_on_the_graph():
     fact, text = fact_problems(model)
     assert fact == "converts-inserted"
     assert "tensor 'a' has a convert to uint16 that node 't' does not read" in text
+
+
+def test_a_convert_whose_reader_reads_the_float_value_is_not_a_claim():
+    """mixed_precision's region gives gemm_5 a convert for Gemm_9, whose weight stays float (not
+    selected): Gemm_9 reads the float value, cleanup drops the unread Q/DQ, and the run does not
+    report a convert it could not insert (found by the 4-bit CLI fuzz run)."""
+    import qpasses
+    from qpasses.testing import parse
+
+    rng = np.random.default_rng(0)
+    w4, w7 = rng.normal(size=(4, 3)), rng.normal(size=(3, 2))
+    proto = parse("""
+g (float[1, 2, 2] x) => (float[1, 2] gemm_8) <float[4, 3] w4 = {%s}, float[3, 2] w7 = {%s}>
+{ flat_2 = Flatten<axis=1>(x)  gemm_5 = Gemm(flat_2, w4)  gemm_8 = Gemm(gemm_5, w7) }""" % (
+        ", ".join(map(str, w4.ravel())), ", ".join(map(str, w7.ravel()))), opset=13)
+    for node, name in zip(proto.graph.node, ("Flatten_3", "Gemm_6", "Gemm_9")):
+        node.name = name
+    feeds = [{"x": rng.normal(size=(1, 2, 2)).astype(np.float32)} for _ in range(8)]
+    model = qpasses.quantize(proto, feeds, config={"activation_type": "uint4", "nodes_to_quantize": ["Flatten_3"],
+                                                   "mixed_precision": {"flat_2": "uint16"}})
+    assert model.quant["gemm_5"].convert is not None and model.quant["flat_2"].qtype == "uint16"
+    gemm = next(n for n in model.to_proto().graph.node if n.name == "Gemm_9")
+    assert gemm.input[0] == "gemm_5"
