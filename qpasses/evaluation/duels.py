@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from .evaluate import Reference, _check_same_signature, io_names, judging_session
+from .evaluate import Reference, _check_same_signature, io_names, judging_session, snr_from_sums
 from .scored_runs import ScoredRuns, model_bytes
 
 
@@ -82,10 +82,8 @@ class Contender:
 
 
 def _worst_snr(signal: np.ndarray, error: np.ndarray):
-    """min over outputs (last axis) of 10*log10(signal / error), with snr_db's conventions."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        snr = 10 * np.log10(signal / error)
-    return np.where(error == 0, np.inf, np.where(signal == 0, -np.inf, snr)).min(axis=-1)
+    """min over outputs (last axis) of the SNR from the sums (``snr_from_sums``)."""
+    return snr_from_sums(signal, error).min(axis=-1)
 
 
 def _margin(signal: np.ndarray, errors: np.ndarray, best: np.ndarray, z: float) -> float:

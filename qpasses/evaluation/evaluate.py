@@ -121,16 +121,24 @@ _ORT_TYPES = {f"tensor({name})": value for name, value in (
     ("int64", onnx.TensorProto.INT64), ("uint64", onnx.TensorProto.UINT64), ("bool", onnx.TensorProto.BOOL))}
 
 
+def snr_from_sums(signal, error):
+    """10*log10(signal / error) in dB from the sums of squares of the reference and of the error:
+    inf where the error is 0 (identical), -inf where only the signal is. Scalars give a float;
+    arrays are taken element-wise."""
+    if np.ndim(signal) == 0 and np.ndim(error) == 0:
+        if error == 0:
+            return math.inf
+        return -math.inf if signal == 0 else 10.0 * math.log10(signal / error)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        snr = 10 * np.log10(signal / error)
+    return np.where(error == 0, np.inf, np.where(signal == 0, -np.inf, snr))
+
+
 def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
     """10*log10(sum(ref^2) / sum((ref-test)^2)); inf when identical."""
     ref = np.asarray(reference, dtype=np.float64)
     err = float(np.sum((ref - np.asarray(test, dtype=np.float64)) ** 2))
-    signal = float(np.sum(ref**2))
-    if err == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / err)
+    return snr_from_sums(float(np.sum(ref**2)), err)
 
 
 # the fewest feeds a score is judged on when its outputs hold enough values (a pooled SNR over

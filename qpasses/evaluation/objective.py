@@ -71,6 +71,7 @@ import numpy as np
 
 from ..analysis.output_components import Component, output_components
 from ..errors import ModelError, QpassesError, first_line
+from .evaluate import snr_from_sums
 
 BUILTIN_METRICS = ("snr", "cosine", "top1")
 
@@ -397,11 +398,10 @@ def _feed_sums(metric: str, r: np.ndarray, t: np.ndarray, comps: list[Component]
 def _aggregate(metric: str, sums: np.ndarray) -> list[float]:
     """Per component, the metric from its sums over feeds ((components, 2), see _feed_sums)."""
     first, second = sums[:, 0], sums[:, 1]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        if metric == "snr":
-            snr = 10 * np.log10(first / second)
-            values = np.where(second == 0, np.inf, np.where(first == 0, -np.inf, snr))
-        else:   # cosine: the mean over feeds; top1: the agreeing fraction (no feed or position: 1)
+    if metric == "snr":
+        values = snr_from_sums(first, second)
+    else:   # cosine: the mean over feeds; top1: the agreeing fraction (no feed or position: 1)
+        with np.errstate(divide="ignore", invalid="ignore"):
             values = np.where(second == 0, 1.0, first / second)
     return [float(v) for v in values]
 

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 
 from ..analysis.sensitivity import local_errors
-from ..evaluation.evaluate import session
+from ..evaluation.evaluate import session, snr_from_sums
 from ..ir.model import QModel
 from ..quant.qparams import dequantize, quantize
 from ..quant.qtypes import qtype
@@ -45,12 +45,6 @@ class Layer:
     counts: list = field(default_factory=list)   # histogram of the float values
     edges: list = field(default_factory=list)
     upstream: list = field(default_factory=list)  # the quantized tensors its producer reads (through float ops)
-
-
-def _snr(signal: float, error: float) -> float:
-    if error == 0:
-        return math.inf
-    return -math.inf if signal == 0 else 10 * math.log10(signal / error)
 
 
 def _clip(tq) -> tuple[float, float]:
@@ -163,7 +157,7 @@ def layers(float_model: QModel, qdq: QModel, feeds: list[dict], *, probe_samples
     ups = upstream(qproto, quantized_names(qproto, entries))
     for n, row in rows.items():
         signal, acc, loc = sums[n]
-        row.accumulated_snr, row.local_snr = _snr(signal, acc), _snr(signal, loc)
+        row.accumulated_snr, row.local_snr = snr_from_sums(signal, acc), snr_from_sums(signal, loc)
         row.sensitivity = sensitivity.get(n, math.nan)
         row.upstream = [u for u in ups.get(n, []) if u in rows]
     return sorted(rows.values(), key=lambda r: (r.order, r.tensor))

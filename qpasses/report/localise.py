@@ -18,6 +18,8 @@ import math
 
 import numpy as np
 
+from ..evaluation.evaluate import snr_from_sums
+
 THRESHOLD_DB = 1.0
 MAX_FOUND = 3
 
@@ -31,7 +33,7 @@ def worst_snr(runs: list[list[np.ndarray]], refs: list[list[np.ndarray]]) -> flo
         x = np.concatenate([np.asarray(r[k], np.float64).ravel() for r in refs])
         e = np.concatenate([np.asarray(r[k], np.float64).ravel() for r in runs]) - x
         signal, error = float(x @ x), float(e @ e)
-        snrs.append(math.inf if error == 0 else -math.inf if signal == 0 else 10 * math.log10(signal / error))
+        snrs.append(snr_from_sums(signal, error))
     return min(snrs)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import QpassesError
+from ..evaluation.evaluate import snr_from_sums
 from . import LAYER_SAMPLES as SAMPLES
 from .backends import INT_KERNELS, OpenVino, OrtInt8, with_outputs
 from .layers import upstream
@@ -45,12 +46,6 @@ class Row:
     upstream: list = field(default_factory=list)   # quantized tensors read on the way here
     dropped: bool = False
     cause: str = ""
-
-
-def _snr(signal: float, error: float) -> float:
-    if error == 0:
-        return math.inf
-    return -math.inf if signal == 0 else 10 * math.log10(signal / error)
 
 
 def has_vnni() -> bool | None:
@@ -111,10 +106,10 @@ def compare_per_layer(float_model, qdq_model, data, *, provider: str = "ort-int8
         row.values, row.over_1 = int(count), int(over)
         row.share_off, row.share_over_1 = off / max(count, 1), over / max(count, 1)
         row.mean_lsb = total / max(count, 1)
-        row.sim_snr, row.provider_snr = _snr(signal, es), _snr(signal, ep)
+        row.sim_snr, row.provider_snr = snr_from_sums(signal, es), snr_from_sums(signal, ep)
     first = _explain(rows, upstream(qproto, {n: r.q_output for n, r in rows.items()}), backend)
-    snrs = {o: {"sim_snr_db": _snr(v[0], v[1]), "provider_snr_db": _snr(v[0], v[2]),
-                "provider_read_snr_db": _snr(v[0], v[3]), "read_vs_deployed_max_abs": v[4]} for o, v in out_sums.items()}
+    snrs = {o: {"sim_snr_db": snr_from_sums(v[0], v[1]), "provider_snr_db": snr_from_sums(v[0], v[2]),
+                "provider_read_snr_db": snr_from_sums(v[0], v[3]), "read_vs_deployed_max_abs": v[4]} for o, v in out_sums.items()}
     read = [r.q_output for r in sorted(rows.values(), key=lambda r: (r.order, r.tensor))]
     changes = localise(backend, read, feeds, refs, min(v["provider_snr_db"] for v in snrs.values()),
                        min(v["provider_read_snr_db"] for v in snrs.values())) if snrs else None

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from ...evaluation.evaluate import snr_db
 from ...ir.graphutil import overridable_initializers
 from ...ir.model import body_graphs, constant_dtype, read_values
 from ...weightonly.matmulnbits import nbits_inputs
@@ -97,13 +98,6 @@ def per_row_int8(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes, scales.reshape((-1,) + (1,) * (w.ndim - 1))
 
 
-def table_snr_db(table: np.ndarray, approx: np.ndarray) -> float:
-    """10 log10(sum w^2 / sum (w - approx)^2) over the table (inf when exact)."""
-    w = np.asarray(table, np.float64)
-    err = float(np.sum((w - approx) ** 2))
-    return math.inf if err == 0 else 10.0 * math.log10(float(np.sum(w * w)) / err)
-
-
 def to_row_lookup(entry: Table, namer, place) -> float:
     """Rewrite every Gather of ``entry`` into Gather(int8 codes) -> Cast -> Mul(Gather(row scales)):
     standard ONNX at any opset, each lookup dequantizing only its rows; the new nodes go right after
@@ -111,7 +105,7 @@ def to_row_lookup(entry: Table, namer, place) -> float:
     table = read_values(entry.table)
     codes, scales = per_row_int8(table)
     dtype = entry.dtype
-    snr = table_snr_db(table, codes.astype(np.float32) * scales)
+    snr = snr_db(table, codes.astype(np.float32) * scales)
     base = entry.table.name
     q = gs.Constant(namer(f"{base}_int8"), codes)
     s = gs.Constant(namer(f"{base}_row_scale"), scales.astype(dtype))
@@ -154,7 +148,7 @@ def to_block_lookup(entry: Table, namer, place, bits: int, block_size: int, symm
     v, d = table.shape
     blocked = quantize_rtn(table.T, bits, block_size, symmetric, pack=bits == 4)
     arrays = nbits_inputs(blocked, entry.dtype)
-    snr = table_snr_db(table, blocked.dequantize().T)
+    snr = snr_db(table, blocked.dequantize().T)
     base = entry.table.name
     inputs = [gs.Constant(namer(f"{base}_q{bits}"), arrays["B"].reshape(v, d * bits // 8)),
               None, gs.Constant(namer(f"{base}_scales"), np.ascontiguousarray(arrays["scales"].reshape(v, -1)))]
