@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 
 from ..errors import ModelError, first_line
+from ..ir.graphutil import DEFAULT_DOMAINS
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def _concat_pieces(output: str, producers: dict, shapes: dict):
     perms, name = [], output
     while True:
         node = producers.get(name)
-        if node is None or node.domain not in ("", "ai.onnx"):
+        if node is None or node.domain not in DEFAULT_DOMAINS:
             return None
         if node.op_type == "Identity":
             name = node.input[0]

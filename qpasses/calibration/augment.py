@@ -12,7 +12,7 @@ import onnx
 from onnx import helper
 
 from ..analysis.dtypes import infer_types
-from ..ir.graphutil import unique_name
+from ..ir.graphutil import DEFAULT_DOMAINS, unique_name
 from .tensor_types import FLOAT_TYPES
 
 RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
@@ -35,7 +35,7 @@ def activation_tensors(proto: onnx.ModelProto, fallback_types: dict | None = Non
     out = [(vi.name, types.get(vi.name, 0)) for vi in graph.input if vi.name not in constant]
     for node in graph.node:
         inputs = [i for i in node.input if i]
-        if node.op_type not in RANDOM_OPS and all(i in constant for i in inputs) and node.domain in ("", "ai.onnx"):
+        if node.op_type not in RANDOM_OPS and all(i in constant for i in inputs) and node.domain in DEFAULT_DOMAINS:
             constant.update(o for o in node.output if o)
             continue
         out.extend((o, types.get(o, 0)) for o in node.output if o)
@@ -57,7 +57,7 @@ def derived_ranges(proto: onnx.ModelProto, tracked: set[str]) -> dict[str, tuple
     max(., 0)), so they need no reduction nodes of their own. Sources come first (graph order)."""
     out: dict[str, tuple[str, str]] = {}
     for node in proto.graph.node:
-        if node.domain not in ("", "ai.onnx") or not node.input or not node.output:
+        if node.domain not in DEFAULT_DOMAINS or not node.input or not node.output:
             continue
         kind = "Relu" if node.op_type == "Relu" else ("same" if node.op_type in _SAME_VALUES else None)
         src, dst = node.input[0], node.output[0]

@@ -28,6 +28,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from ..ir.graphutil import DEFAULT_DOMAINS, default_opset
 from .augment import RANDOM_OPS
 from .tensor_types import FLOAT_TYPES
 
@@ -141,7 +142,7 @@ class _Exposure:
 class _Threader:
     def __init__(self, proto: onnx.ModelProto, reduce: bool):
         self.reduce = reduce
-        self.opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 13)
+        self.opset = default_opset(proto, 13)
         self.taken = set()
         self._names(proto.graph)
 
@@ -218,11 +219,11 @@ class _Threader:
         inner = {id(g): self.expose(g, wanted) for _, g in bodies}
         if not any(inner.values()):
             return []
-        if node.op_type == "If" and node.domain in ("", "ai.onnx"):
+        if node.op_type == "If" and node.domain in DEFAULT_DOMAINS:
             return self.thread_if(node, dict((attr, g) for attr, g in bodies), inner)
-        if node.op_type == "Loop" and node.domain in ("", "ai.onnx") and len(bodies) == 1:
+        if node.op_type == "Loop" and node.domain in DEFAULT_DOMAINS and len(bodies) == 1:
             return self.thread_loop(level, node, bodies[0][1], inner[id(bodies[0][1])])
-        if node.op_type == "Scan" and node.domain in ("", "ai.onnx") and len(bodies) == 1 and self.opset >= 9:
+        if node.op_type == "Scan" and node.domain in DEFAULT_DOMAINS and len(bodies) == 1 and self.opset >= 9:
             return self.thread_scan(level, node, bodies[0][1], inner[id(bodies[0][1])])
         return []   # other ops holding graphs: their bodies' tensors are not measured
 

@@ -15,10 +15,10 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..errors import PassFailure, QpassesError, first_line
+from ..ir.graphutil import DEFAULT_DOMAINS
 
 # the passes of the default pipeline up to the final types (calibration needs data: not run)
 TYPE_PIPELINE = "fold-constants,fold-batchnorm,cleanup,annotate-types,propagate-mixed-precision"
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 _CONTRIB = "com.microsoft"
 _BIG = 2**30   # calibration runs models with this many bytes of weights one segment at a time
 
@@ -98,7 +98,7 @@ def _body_lines(out: Preflight, model) -> None:
 def _domain_lines(out: Preflight, model) -> None:
     from ..analysis.scopes import all_nodes
 
-    foreign = Counter((n.domain, n.op) for n in all_nodes(model) if (n.domain or "") not in _DEFAULT_DOMAINS)
+    foreign = Counter((n.domain, n.op) for n in all_nodes(model) if (n.domain or "") not in DEFAULT_DOMAINS)
     for (domain, op), count in sorted(foreign.items()):
         what = ("contrib op: runs in onnxruntime, stays float" if domain == _CONTRIB
                 else "custom op: stays float; onnxruntime must be able to run it for calibration")

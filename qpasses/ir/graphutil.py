@@ -15,6 +15,14 @@ from ..errors import ModelError
 
 
 # -- reads and subgraphs ---------------------------------------------------------------------
+DEFAULT_DOMAINS = ("", "ai.onnx")   # the default ONNX domain, as a ModelProto spells it
+
+
+def default_opset(proto, missing=None):
+    """The default-domain opset a ModelProto imports (``missing`` when it imports none)."""
+    return next((o.version for o in proto.opset_import if o.domain in DEFAULT_DOMAINS), missing)
+
+
 def subgraphs(node: gs.Node) -> Iterator[gs.Graph]:
     """The subgraphs held in ``node``'s attributes (If branches, Loop/Scan bodies)."""
     for value in node.attrs.values():

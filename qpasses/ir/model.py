@@ -22,7 +22,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from ..errors import ModelError, first_line
 from .annotations import QuantTable
-from .graphutil import holds_graph, subgraphs, toposort, unique_name
+from .graphutil import DEFAULT_DOMAINS, holds_graph, subgraphs, toposort, unique_name
 from .metadata import DECISIONS_KEY, FACTS_KEY, KEYS, OBSERVED_KEY, QUANT_TABLE_KEY, RANGES_KEY, pack, read_saved
 from .validate import max_ort_ir_version, validate_proto
 
@@ -106,7 +106,7 @@ class QModel:
         self.graph.opset = opset
         if self.graph.import_domains is not None:  # gs exports these, not graph.opset: new protos
             self.graph.import_domains = [              # (the imported ones belong to the user's proto)
-                onnx.helper.make_opsetid(d.domain, opset if d.domain in ("", "ai.onnx") else d.version)
+                onnx.helper.make_opsetid(d.domain, opset if d.domain in DEFAULT_DOMAINS else d.version)
                 for d in self.graph.import_domains]
         return True
 

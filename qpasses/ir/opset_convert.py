@@ -18,14 +18,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import ModelError, first_line
-from .graphutil import unique_name
-
-_DEFAULT = ("", "ai.onnx")
-
-
-def default_opset(proto: onnx.ModelProto) -> int:
-    return next(o.version for o in proto.opset_import if o.domain in _DEFAULT)
-
+from .graphutil import DEFAULT_DOMAINS, default_opset, unique_name
 
 def _graphs(graph: onnx.GraphProto):
     """``graph`` and every If/Loop/Scan body in it."""
@@ -42,7 +35,7 @@ def _graphs(graph: onnx.GraphProto):
 def _nodes(proto: onnx.ModelProto, ops: tuple[str, ...]):
     for graph in _graphs(proto.graph):
         for node in graph.node:
-            if node.op_type in ops and node.domain in _DEFAULT:
+            if node.op_type in ops and node.domain in DEFAULT_DOMAINS:
                 yield graph, node
 
 
@@ -52,7 +45,7 @@ def _constants(proto: onnx.ModelProto) -> dict[str, np.ndarray]:
     for graph in _graphs(proto.graph):
         out.update((t.name, numpy_helper.to_array(t)) for t in graph.initializer)
         for node in graph.node:
-            if node.op_type == "Constant" and node.domain in _DEFAULT:
+            if node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS:
                 for attr in node.attribute:
                     if attr.name == "value":
                         out[node.output[0]] = numpy_helper.to_array(attr.t)
@@ -111,7 +104,7 @@ def _flatten_hardmax(proto: onnx.ModelProto) -> None:
     for graph in _graphs(proto.graph):
         nodes = []
         for node in graph.node:
-            if node.op_type != "Hardmax" or node.domain not in _DEFAULT:
+            if node.op_type != "Hardmax" or node.domain not in DEFAULT_DOMAINS:
                 nodes.append(node)
                 continue
             x, y, axis = node.input[0], node.output[0], _attr(node, "axis", 1)

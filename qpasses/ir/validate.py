@@ -9,6 +9,7 @@ import onnx
 from onnx import helper
 
 from ..errors import ModelError
+from .graphutil import DEFAULT_DOMAINS, default_opset
 
 MAX_ELEMENTS = 2**48   # 256 T elements: far beyond any model, far below an int64 byte count
 MIN_OPSET = 7   # onnxruntime runs opset 7 and newer; quantizing pipelines upgrade below 10 (upgrade.py)
@@ -87,10 +88,10 @@ def _check_types(proto: onnx.ModelProto) -> None:
     for vi in graph.input:
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type == onnx.TensorProto.UNDEFINED:
             raise ModelError(f"graph input '{vi.name}' has no element type")
-    opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+    opset = default_opset(proto)
     types = {t.name: t.data_type for t in graph.initializer}
     for node in graph.node:
-        if node.domain not in ("", "ai.onnx") or not any(n in types for n in node.input):
+        if node.domain not in DEFAULT_DOMAINS or not any(n in types for n in node.input):
             continue
         formals = _formal_types(node.op_type, opset)
         if formals is None:   # a model-local function: no schema
@@ -126,11 +127,11 @@ def _check_unique(what: str, names: list[str]) -> None:
 
 def _check_ops(proto: onnx.ModelProto) -> None:
     """Every default-domain op of the top-level graph exists in the model's opset."""
-    opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
-    local = {f.name for f in proto.functions if f.domain in ("", "ai.onnx")}
+    opset = default_opset(proto)
+    local = {f.name for f in proto.functions if f.domain in DEFAULT_DOMAINS}
     checked = set(local)
     for node in proto.graph.node:
-        if node.domain not in ("", "ai.onnx") or node.op_type in checked:
+        if node.domain not in DEFAULT_DOMAINS or node.op_type in checked:
             continue
         if not onnx.defs.has(node.op_type, opset, ""):
             first = next((v for v in range(opset + 1, onnx.defs.onnx_opset_version() + 1)
@@ -142,15 +143,15 @@ def _check_ops(proto: onnx.ModelProto) -> None:
 
 
 def _check_opset(proto: onnx.ModelProto) -> None:
-    default = [o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")]
-    if not default:
+    default = default_opset(proto)
+    if default is None:
         raise ModelError("model imports no default-domain opset")
-    if default[0] < MIN_OPSET:
-        raise ModelError(f"opset {default[0]} is too old: onnxruntime runs opset {MIN_OPSET} or newer "
+    if default < MIN_OPSET:
+        raise ModelError(f"opset {default} is too old: onnxruntime runs opset {MIN_OPSET} or newer "
                          f"(upgrade with onnx.version_converter)")
     newest = max_ort_opset()
-    if default[0] > newest:
-        raise ModelError(f"opset {default[0]} is newer than the installed onnxruntime runs (up to {newest})")
+    if default > newest:
+        raise ModelError(f"opset {default} is newer than the installed onnxruntime runs (up to {newest})")
 
 
 def _check_initializer(tensor: onnx.TensorProto) -> None:

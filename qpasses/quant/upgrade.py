@@ -22,7 +22,8 @@ import onnx_graphsurgeon as gs
 from ..analysis.scopes import all_nodes
 from ..errors import ConfigError, ModelError
 from ..ir.model import QModel, from_proto
-from ..ir.opset_convert import convert, default_opset
+from ..ir.graphutil import default_opset
+from ..ir.opset_convert import convert
 from .oprules import WEIGHT, rule_for, weight_axis
 from .qdq import ops_needing_rewrite, require_opset
 from .qtypes import PER_AXIS_MIN_OPSET
