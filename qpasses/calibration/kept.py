@@ -10,6 +10,7 @@ class KeptSamples:
     """The first ``limit`` validated feeds and the float model's outputs (``names``) on them, at
     most ``max_bytes`` in all: what select-by-snr scores variants against, without a second run.
     ``full``: a feed was left out for lack of room; ``source``: the data the feeds came from."""
+    CACHE_KEY = "kept_samples"   # calibrate keeps them in ``ctx.cache`` under this key
 
     def __init__(self, limit: int, max_bytes: int = 64 * 2**20, source=None):
         self.limit, self.max_bytes, self.bytes, self.full = limit, max_bytes, 0, False

@@ -347,9 +347,10 @@ def _kept_float_outputs(ctx, records):
     """The float outputs calibrate kept (KeptSamples) when they are the input model's on the first
     calibration samples: kept from ``ctx.calibration_data``, after passes that each keep the float
     model's outputs (evaluate.FLOAT_EXACT_PASSES); else None."""
+    from ..calibration.kept import KeptSamples
     from ..evaluation.evaluate import FLOAT_EXACT_PASSES
 
-    kept = ctx.cache.get("kept_samples")
+    kept = ctx.cache.get(KeptSamples.CACHE_KEY)
     if kept is None or kept.source is not ctx.calibration_data:
         return None
     before = [r.name for r in records[:next((i for i, r in enumerate(records) if r.name == "calibrate"), 0)]]

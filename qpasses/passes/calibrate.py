@@ -102,7 +102,7 @@ class Calibrate(Pass):
                 averaging_constant=float(cal.averaging_constant), max_samples=limit,
                 only=None if only is None else only | set(probes), kept=kept,
                 executor=executors.from_config(config))
-        ctx.cache["kept_samples"] = kept if kept.feeds else None
+        ctx.cache[KeptSamples.CACHE_KEY] = kept if kept.feeds else None
         # as saved: a resumed run reads the same Python floats
         ranges = {k: (float(lo), float(hi)) for k, (lo, hi) in ranges.items()}
         observed = {k: (float(lo), float(hi)) for k, (lo, hi) in observed.items()}

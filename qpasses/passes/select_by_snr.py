@@ -10,6 +10,7 @@ import numpy as np
 from .. import executors
 from ..analysis.requests import named_tensors
 from ..calibration.data import open_data
+from ..calibration.kept import KeptSamples
 from ..calibration.softmax import ROW_MAX_SUFFIX
 from ..core.pipeline import Pass, PassResult, make_pass, run_nested, split_after
 from ..core.progress import progress
@@ -183,7 +184,7 @@ class SelectBySnr(Pass):
                             weight_variants(model, config, self.asymmetric_penalty_db)) if a]
         bias = (self.bias_correction and bool(split_after(self.then, "compute-qparams")[0])
                 and BIAS_DECISION not in model.decisions and _has_biases(model))
-        kept = ctx.cache.get("kept_samples")   # search-precision's reference too: it frees them
+        kept = ctx.cache.get(KeptSamples.CACHE_KEY)   # search-precision's reference too: it frees them
         if not axes and not bias:
             return PassResult(model, False, {"variants": 0})
         skip = rerun_skip_reason(model, ctx.calibration_data, self.max_nodes, self.max_weight_mb)

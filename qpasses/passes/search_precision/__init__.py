@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from ...analysis.requests import pinned
 from ...analysis.sensitivity import promote, promotion_groups
+from ...calibration.kept import KeptSamples
 from ...config.quant_config import ACCURACY_FALLBACKS, ACCURACY_METRICS
 from ...core.pipeline import Pass, PassResult
 from ...core.registry import register
@@ -154,7 +155,7 @@ class SearchPrecision(Pass):
             ctx.findings.set(NAME, {"skipped": skip or "nothing quantized to promote"})
             return PassResult(model, False, {"promoted": 0})
         try:
-            kept = ctx.cache.get("kept_samples")
+            kept = ctx.cache.get(KeptSamples.CACHE_KEY)
             check, held_out = Reference.for_check(model, ctx.calibration_data, kept, self.samples, self.output_values)
         except CalibrationDataError as exc:
             ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
