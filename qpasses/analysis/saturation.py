@@ -207,13 +207,6 @@ class PairLayer:
         return int(risky_pairs(self.rows(), top).sum())
 
 
-def seen_type(tq, node: gs.Node) -> str:
-    """The type ``node`` reads a tensor in: its convert's when it is one of the convert's readers."""
-    if tq.convert is not None and node.name in tq.convert.recv_nodes:
-        return tq.convert.qtype
-    return tq.qtype
-
-
 def _kernel_candidate(node: gs.Node) -> bool:
     return node.op in PAIRED_OPS and len(node.inputs) > 1
 
@@ -240,7 +233,7 @@ def table_layers(model: QModel, config=None) -> list[PairLayer]:
         data, weight = node.inputs[0], node.inputs[1]
         tq, src = table.get(weight.name), table.get(data.name)
         if (not isinstance(weight, gs.Constant) or tq is None or tq.role != "weight" or tq.convert is not None or tq.qtype != WEIGHT_TYPE or src is None
-                or seen_type(src, node) not in ACTIVATION_TYPES):
+                or src.qtype_read_by(node.name) not in ACTIVATION_TYPES):
             continue
         if node.op == "Conv":
             dst = table.get(node.outputs[0].name)

@@ -105,13 +105,6 @@ def user_keys(config, tensor: str) -> set[str]:
     return set(entries[0]) if isinstance(entries[0], dict) else set()
 
 
-def _seen_qtype(tq, node_name: str) -> str:
-    """The type ``node_name`` reads: the convert's type when it is one of the convert's readers."""
-    if tq.convert is not None and node_name in tq.convert.recv_nodes:
-        return tq.convert.qtype
-    return tq.qtype
-
-
 def apply_target_rules(model, config) -> int:
     """Apply the target's table rules to ``model.quant``; returns the number of entries changed."""
     if config is None or not config.target:
@@ -170,7 +163,7 @@ class _Rules:
                 return set()
             if isinstance(t, gs.Constant):
                 weight = t.name
-            elif qtype(_seen_qtype(tq, node.name)).bits == 16:
+            elif qtype(tq.qtype_read_by(node.name)).bits == 16:
                 act16 = t.name
         if act16 is None or weight is None or user_keys(self.config, weight) & {"quant_type", "symmetric"}:
             return set()

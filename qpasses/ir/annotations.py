@@ -65,6 +65,14 @@ class TensorQuant:
     def per_channel(self) -> bool:
         return self.axis is not None
 
+    def converted_for(self, node: str) -> bool:
+        """Whether reader ``node`` reads the tensor through its convert (it is in ``recv_nodes``)."""
+        return self.convert is not None and node in self.convert.recv_nodes
+
+    def qtype_read_by(self, node: str) -> str:
+        """The type reader ``node`` reads the tensor in: the convert's when it is converted for it."""
+        return self.convert.qtype if self.converted_for(node) else self.qtype
+
     def because(self, reason: str) -> "TensorQuant":
         """Append a reason (returns self, for chaining)."""
         self.why.append(reason)

@@ -353,7 +353,7 @@ class TypePlanner:
 
     def add_shared(self, name: str, source: str, node: gs.Node) -> None:
         src = self.entries[source]
-        if src.convert is not None and node.name in src.convert.recv_nodes:
+        if src.converted_for(node.name):
             self.add_activation(name, f"output of {node.op} '{node.name}', not shared: its input is converted")
             return
         self._new(name, "shared", TensorQuant(
@@ -542,7 +542,7 @@ class TypePlanner:
         if tin.axis is not None:
             return f"input '{inp}' is per-channel", None
         for name, tq in ((inp, tin), (weight, tw)):
-            if tq.convert is not None and node.name in tq.convert.recv_nodes:
+            if tq.converted_for(node.name):
                 return f"'{name}' is converted for this node", None
         if tw.axis is None:
             return None, None

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import ClassVar
 
-from ..analysis.saturation import risks, seen_type, table_layers
+from ..analysis.saturation import risks, table_layers
 from ..config.quant_config import PAIR_SATURATING_CPUS
 from ..config.targets import chosen, user_keys
 from ..core.pipeline import Pass, PassResult
@@ -71,7 +71,7 @@ g (float[1,4,4,4] x) => (float[1,2,4,4] y)
             if asked or "quant_type" in user_keys(ctx.config, weight):
                 row["fix"] = f"none: {tq.qtype} weights were asked for"
                 continue
-            if not all(seen_type(model.quant[r.node.inputs[0].name], r.node) == "uint8" for r in readers[weight]):
+            if not all(model.quant[r.node.inputs[0].name].qtype_read_by(r.node.name) == "uint8" for r in readers[weight]):
                 row["fix"] = "none: int8 activations (onnxruntime fuses no int8 x uint8 layer)"
                 continue
             if len(set(tq.zero_point)) > 1:
