@@ -192,7 +192,7 @@ def _node_states(model, config) -> tuple[dict[str, list[str]], dict[str, Counter
     from ..evaluation.summary import reason_shape
     from ..ir.decisions import float_reasons
     from ..passes.annotate_types import selected_nodes   # the selection annotate-types made
-    from ..quant.oprules import WEIGHTED_OPS, rule_for
+    from ..quant.oprules import QDQ_OPS, WEIGHTED_OPS, rule_for
 
     reasons, floats_t = float_reasons(model), float_tensors(model)
     selected = {id(node) for node, _ in selected_nodes(model, config)}
@@ -200,7 +200,7 @@ def _node_states(model, config) -> tuple[dict[str, list[str]], dict[str, Counter
     floats: dict[str, Counter] = defaultdict(Counter)
     examples: dict[tuple, str] = {}
     for node in all_nodes(model):
-        if node.op in ("QuantizeLinear", "DequantizeLinear", "Constant"):
+        if node.op in QDQ_OPS or node.op == "Constant":
             continue
         rule = rule_for(node.op, model.opset)
         if node.op in WEIGHTED_OPS and len(node.inputs) > 1:   # integer kernels read Q/DQ inputs, whatever the output

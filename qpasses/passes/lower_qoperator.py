@@ -13,7 +13,8 @@ from ..ir.graphutil import remove_nodes
 from ..ir.model import QModel
 from ..qoperator.kernels import MS, Lowered, lower
 from ..qoperator.units import Unit, find_unit
-from ..quant.qdq import DQ_OP, new_namer
+from ..quant.oprules import DQ_OP, QDQ_OPS
+from ..quant.qdq import new_namer
 
 NAME = "lower-qoperator"
 
@@ -23,7 +24,7 @@ def plan_lowering(model: QModel) -> tuple[list[tuple[Unit, Lowered]], dict[str, 
     outputs = {t.name for t in model.graph.outputs}
     done, skipped = [], {}
     for node in model.graph.nodes:
-        if node.op in (DQ_OP, "QuantizeLinear") or node.domain not in (None, "", "ai.onnx"):
+        if node.op in QDQ_OPS or node.domain not in (None, "", "ai.onnx"):
             continue
         unit = find_unit(node, outputs)
         lowered = lower(unit, model.opset) if isinstance(unit, Unit) else unit

@@ -22,6 +22,7 @@ from ..errors import CalibrationDataError, ModelError, first_line
 from ..evaluation.evaluate import rerun_skip_reason, session
 from ..ir.graphutil import subgraphs
 from ..ir.model import QModel
+from ..quant.oprules import WEIGHTED_OPS
 from ..quant.qdq import QParams, quantized_values, require_opset
 from ..quant.qparams import dequantize
 from ..quant.qtypes import qtype
@@ -30,7 +31,6 @@ from ..quant.rounding import Hessian, damped, refine_codes, round_codes, target
 NAME = "reconstruct-weights"
 DECISION = "weight_reconstruction"
 ALGORITHMS = ("adaround", "adaquant")
-OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 
 
 @register
@@ -115,7 +115,7 @@ class ReconstructWeights(Pass):
     def run(self, model: QModel, ctx) -> PassResult:
         if DECISION in model.decisions:
             return PassResult(model, False, {"reconstructed": 0})
-        if not find_targets(model, self.activation_bits, OPS, bodies=True):
+        if not find_targets(model, self.activation_bits, WEIGHTED_OPS, bodies=True):
             return PassResult(model, False, {"reconstructed": 0})
         skip = rerun_skip_reason(model, ctx.calibration_data, self.max_nodes, self.max_weight_mb)
         if skip:
@@ -124,7 +124,7 @@ class ReconstructWeights(Pass):
         budget = self.max_hessian_mb * 2**20
         reference = model.to_proto(metadata=False)   # the float model, before any weight moves
         work, trial = self._working_copy(model, ctx)
-        targets = [t for t in find_targets(work, self.activation_bits, OPS, True) if 2 * t.geo.h_bytes <= budget]
+        targets = [t for t in find_targets(work, self.activation_bits, WEIGHTED_OPS, True) if 2 * t.geo.h_bytes <= budget]
         changed, notes, gains, done, few, samples = {}, [], [], 0, 0, 0
         stages = _merged(list(_stages(targets, self.stages, budget)), _anchors(work))
         bar = progress(ctx, NAME, len(targets))

@@ -24,6 +24,7 @@ from ..executors import portable
 from ..executors.scoring import prescored
 from ..ir.decisions import PRECISION_SEARCH
 from ..ir.model import QModel
+from ..quant.oprules import WEIGHTED_OPS
 
 NAME = "select-by-snr"
 CORRECT_BIAS = "correct-bias"
@@ -63,13 +64,10 @@ def range_variants(model: QModel, config, fitted_penalty_db: float = 0.0) -> lis
             Variant("ranges", "minmax", use_minmax)]
 
 
-GEMM_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm"})
-
-
 def _gemm_weight(tensor) -> bool:
     """Read only as the weight (second input) of Conv/ConvTranspose/MatMul/Gemm."""
     readers = tensor.outputs if tensor is not None else []
-    return bool(readers) and all(n.op in GEMM_OPS and len(n.inputs) > 1 and n.inputs[1] is tensor
+    return bool(readers) and all(n.op in WEIGHTED_OPS and len(n.inputs) > 1 and n.inputs[1] is tensor
                                  for n in readers)
 
 

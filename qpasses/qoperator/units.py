@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..quant.qdq import DQ_OP, Q_OP, producer
+from ..quant.oprules import DQ_OP, Q_OP
+from ..quant.qdq import producer
 
 EIGHT_BIT = (np.dtype(np.uint8), np.dtype(np.int8))
 

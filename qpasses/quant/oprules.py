@@ -31,7 +31,8 @@ WEIGHTED_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})   # ops wi
 # override, an excluded node) would run 8-bit on a coarser grid than its own, so insert-qdq lets such
 # a reader read the float tensor instead.
 FLOAT_WEIGHT_OPS = frozenset({"Conv", "ConvTranspose", "Gemm"})
-QDQ_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
+Q_OP, DQ_OP = "QuantizeLinear", "DequantizeLinear"
+QDQ_OPS = frozenset({Q_OP, DQ_OP})
 
 ACTIVATION, WEIGHT, BIAS, FLOAT = "activation", "weight", "bias", "float"
 

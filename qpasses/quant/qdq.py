@@ -21,11 +21,10 @@ from ..errors import ModelError
 from ..ir.graphutil import unique_name
 from ..ir.model import QModel, body_graphs, from_proto, model_tensor_map
 from ..ir.opset_convert import convert
-from .oprules import FLOAT_WEIGHT_OPS
+from .oprules import DQ_OP, FLOAT_WEIGHT_OPS, Q_OP
 from .qparams import quantize
 from .qtypes import PER_AXIS_MIN_OPSET, QType, qtype
 
-Q_OP, DQ_OP = "QuantizeLinear", "DequantizeLinear"
 FLOAT_SCALE_MIN_OPSET = 19   # float16/bfloat16 scales (and DQ outputs)
 _SUBBYTE = {"int4": ml_dtypes.int4, "uint4": ml_dtypes.uint4}
 

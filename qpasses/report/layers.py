@@ -22,6 +22,7 @@ import onnx
 from ..analysis.sensitivity import local_errors
 from ..evaluation.evaluate import session, snr_from_sums
 from ..ir.model import QModel
+from ..quant.oprules import QDQ_OPS
 from ..quant.qparams import dequantize, quantize
 from ..quant.qtypes import qtype
 
@@ -178,7 +179,7 @@ def precision_cells(proto: onnx.ModelProto) -> list[tuple[str, str]]:
                 dq_type[n.output[0]] = onnx.helper.tensor_dtype_to_np_dtype(elem).name
     cells, constant = [], _dq_of_constant(proto)
     for node in proto.graph.node:
-        if node.op_type in ("QuantizeLinear", "DequantizeLinear", "Constant"):
+        if node.op_type in QDQ_OPS or node.op_type == "Constant":
             continue
         read = [dq_type[i] for i in node.input if i in dq_type]
         weight = [dq_type[i] for i in node.input[1:2] if i in dq_type and i in constant]
