@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ..ir.graphutil import proto_subgraphs
 from ..ir.model import QModel, body_graphs
 from ..quant.oprules import FLOAT, rule_for
 
@@ -56,13 +57,12 @@ def infer_types(proto: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]
 def _body_types(graph: onnx.GraphProto):
     """(name, elem_type) of the tensors of the If/Loop/Scan bodies shape inference typed."""
     for node in graph.node:
-        for attr in node.attribute:
-            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
-                for vi in list(sub.input) + list(sub.value_info) + list(sub.output):
-                    if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-                        yield vi.name, vi.type.tensor_type.elem_type
-                yield from ((t.name, t.data_type) for t in sub.initializer)
-                yield from _body_types(sub)
+        for _, sub in proto_subgraphs(node):
+            for vi in list(sub.input) + list(sub.value_info) + list(sub.output):
+                if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+                    yield vi.name, vi.type.tensor_type.elem_type
+            yield from ((t.name, t.data_type) for t in sub.initializer)
+            yield from _body_types(sub)
 
 
 def inferred(model: QModel) -> tuple[dict[str, int], dict[str, int]]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir.graphutil import holds_graph
+from ..ir.graphutil import holds_graph, named_subgraphs
 from ..ir.model import QModel, body_graphs
 
 
@@ -112,11 +112,9 @@ def build_scopes(graph: gs.Graph) -> Scopes:
             visible.setdefault(id(t), index)
             defined.setdefault(name, []).append((index, t))
         for node in g.nodes:
-            for attr, value in node.attrs.items():
-                for sub in ([value] if isinstance(value, gs.Graph) else
-                            [v for v in value if isinstance(v, gs.Graph)] if isinstance(value, (list, tuple)) else []):
-                    found.append(Scope(sub, node, attr, index))
-                    walk(len(found) - 1)
+            for attr, sub in named_subgraphs(node):
+                found.append(Scope(sub, node, attr, index))
+                walk(len(found) - 1)
 
     walk(0)
     home: dict[str, int] = {}

@@ -28,29 +28,17 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..ir.graphutil import DEFAULT_DOMAINS, default_opset
+from ..ir.graphutil import DEFAULT_DOMAINS, default_opset, proto_subgraphs
 from .augment import RANDOM_OPS
 from .tensor_types import FLOAT_TYPES
 
-_GRAPH = onnx.AttributeProto.GRAPH
-
-
-def _bodies(node: onnx.NodeProto):
-    for attr in node.attribute:
-        if attr.type == _GRAPH:
-            yield attr.name, attr.g
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            for g in attr.graphs:
-                yield attr.name, g
-
-
 def has_bodies(graph: onnx.GraphProto) -> bool:
-    return any(next(_bodies(node), None) is not None for node in graph.node)
+    return any(next(proto_subgraphs(node), None) is not None for node in graph.node)
 
 
 def _body_types(graph: onnx.GraphProto, types: dict[str, int]) -> None:
     for node in graph.node:
-        for _, sub in _bodies(node):
+        for _, sub in proto_subgraphs(node):
             for vi in list(sub.input) + list(sub.value_info) + list(sub.output):
                 if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
                     types.setdefault(vi.name, vi.type.tensor_type.elem_type)
@@ -98,11 +86,11 @@ def body_activations(proto: onnx.ModelProto, only: set[str] | None = None,
         names = [vi.name for vi in graph.input]
         for node in graph.node:
             inputs = [i for i in node.input if i]
-            if node.op_type not in RANDOM_OPS and all(i in constants for i in inputs) and not next(_bodies(node), None):
+            if node.op_type not in RANDOM_OPS and all(i in constants for i in inputs) and not next(proto_subgraphs(node), None):
                 constants |= set(node.output)
             else:
                 names += [o for o in node.output if o]
-            for _, sub in _bodies(node):
+            for _, sub in proto_subgraphs(node):
                 walk(sub, constants, owner)
         for name in names:
             count[name] = count.get(name, 0) + 1
@@ -110,7 +98,7 @@ def body_activations(proto: onnx.ModelProto, only: set[str] | None = None,
                 found.append((name, owner))
 
     for index, node in enumerate(proto.graph.node):
-        for _, sub in _bodies(node):
+        for _, sub in proto_subgraphs(node):
             walk(sub, top_constants, index)
     top = {vi.name for vi in proto.graph.input} | {o for n in proto.graph.node for o in n.output}
     seen: set[str] = set()
@@ -152,7 +140,7 @@ class _Threader:
         for node in graph.node:
             self.taken.update(node.output)
             self.taken.add(node.name)
-            for _, sub in _bodies(node):
+            for _, sub in proto_subgraphs(node):
                 self._names(sub)
 
     def new(self, base: str) -> str:
@@ -172,7 +160,7 @@ class _Threader:
             defined = [vi.name for vi in graph.input] + [o for n in graph.node for o in n.output if o]
             found += [self.measure(level, name) for name in dict.fromkeys(defined) if name in wanted]
         for node in list(graph.node):
-            bodies = list(_bodies(node))
+            bodies = list(proto_subgraphs(node))
             if bodies:
                 found += self.thread(level, node, bodies, wanted)
         nodes = level.head + list(graph.node) + level.tail

@@ -10,6 +10,8 @@ import tempfile
 
 import onnx
 
+from ..ir.graphutil import proto_subgraphs
+
 # onnxruntime's integer kernels for weighted ops -> the position of their weight input
 INTEGER_KERNELS = {"QLinearConv": 3, "QLinearMatMul": 3, "QGemm": 3, "MatMulIntegerToFloat": 1,
                    "ConvInteger": 1, "MatMulInteger": 1, "DynamicQuantizeMatMul": 1}
@@ -66,7 +68,6 @@ def _count(graph: onnx.GraphProto, outer: set[str]) -> int:
     for node in graph.node:
         at = INTEGER_KERNELS.get(node.op_type)
         count += at is not None and len(node.input) > at and node.input[at] in consts
-        for attr in node.attribute:
-            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
-                count += _count(sub, consts)
+        for _, sub in proto_subgraphs(node):
+            count += _count(sub, consts)
     return count

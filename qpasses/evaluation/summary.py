@@ -6,26 +6,18 @@ from collections import Counter
 
 import onnx
 
+from ..ir.graphutil import proto_graphs
 from ..quant.oprules import QDQ_OPS as _QDQ, WEIGHTED_OPS
 from ..quant.qtypes import EIGHT_BIT, qtype
 
 _EIGHT_BIT = frozenset(qtype(name).onnx_type for name in EIGHT_BIT)   # the same, as ONNX element types
 
 
-def _graphs(graph: onnx.GraphProto):
-    """The graph, then its If/Loop/Scan bodies (nested ones too)."""
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
-                yield from _graphs(sub)
-
-
 def weighted_ops(proto: onnx.ModelProto) -> tuple[int, int]:
     """(weighted ops whose data input and constant weight both come from an 8-bit DequantizeLinear,
     weighted ops with a constant weight), in the main graph and its If/Loop/Scan bodies (a body
     reads outer tensors by name: names are looked up model-wide)."""
-    graphs = list(_graphs(proto.graph))
+    graphs = list(proto_graphs(proto.graph))
     producer = {o: n for g in graphs for n in g.node for o in n.output}
     inits = {t.name: t for g in graphs for t in g.initializer}
     consts = {n.output[0]: n for g in graphs for n in g.node if n.op_type == "Constant"}
@@ -78,7 +70,7 @@ def kept_float(proto: onnx.ModelProto, floats: dict) -> dict:
     """The entries of ``floats`` (tensor -> why it stays float) that are computed at run time: graph
     inputs and outputs of nodes other than Constant, not weights, biases, shapes or other constants
     (nor tensors a later pass removed), in graph order."""
-    graphs = list(_graphs(proto.graph))
+    graphs = list(proto_graphs(proto.graph))
     position = {}
     for g in graphs:
         for t in g.input:
@@ -100,7 +92,7 @@ def summary_line(proto: onnx.ModelProto, floats: dict, kernels: int | None = Non
     quantized, total = weighted_ops(proto)
     runs = f"; onnxruntime runs {kernels} as integer kernels" if kernels is not None and kernels != quantized else ""
     share = f"{100 * quantized / total:.0f} % of weighted ops ({quantized} of {total}{runs})" if total else "no weighted op"
-    graphs = list(_graphs(proto.graph))
+    graphs = list(proto_graphs(proto.graph))
     if not any(n.op_type == "DequantizeLinear" for g in graphs for n in g.node):
         compute = [sum(1 for n in g.node if n.op_type not in _QDQ) for g in graphs]
         inside = sum(compute[1:])

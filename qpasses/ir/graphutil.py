@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 from typing import Iterable, Iterator
 
+import onnx
 import onnx_graphsurgeon as gs
 
 from ..errors import ModelError
@@ -23,13 +24,33 @@ def default_opset(proto, missing=None):
     return next((o.version for o in proto.opset_import if o.domain in DEFAULT_DOMAINS), missing)
 
 
+def proto_subgraphs(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
+    """(attribute name, graph) of each subgraph a NodeProto holds (If branches, Loop/Scan bodies)."""
+    for attr in node.attribute:
+        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+            yield attr.name, sub
+
+
+def proto_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph``, then every If/Loop/Scan body in it, nested ones too (each body before those inside it)."""
+    yield graph
+    for node in graph.node:
+        for _, sub in proto_subgraphs(node):
+            yield from proto_graphs(sub)
+
+
+def named_subgraphs(node: gs.Node) -> Iterator[tuple[str, gs.Graph]]:
+    """(attribute name, graph) of each subgraph held in ``node``'s attributes (If branches, Loop/Scan bodies)."""
+    for attr, value in node.attrs.items():
+        if isinstance(value, gs.Graph):
+            yield attr, value
+        elif holds_graph(value):
+            yield from ((attr, sub) for sub in value)
+
+
 def subgraphs(node: gs.Node) -> Iterator[gs.Graph]:
     """The subgraphs held in ``node``'s attributes (If branches, Loop/Scan bodies)."""
-    for value in node.attrs.values():
-        if isinstance(value, gs.Graph):
-            yield value
-        elif holds_graph(value):
-            yield from value
+    return (sub for _, sub in named_subgraphs(node))
 
 
 def holds_graph(value) -> bool:

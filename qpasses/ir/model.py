@@ -22,7 +22,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from ..errors import ModelError, first_line
 from .annotations import QuantTable
-from .graphutil import DEFAULT_DOMAINS, holds_graph, subgraphs, toposort, unique_name
+from .graphutil import DEFAULT_DOMAINS, holds_graph, proto_subgraphs, subgraphs, toposort, unique_name
 from .metadata import DECISIONS_KEY, FACTS_KEY, KEYS, OBSERVED_KEY, QUANT_TABLE_KEY, RANGES_KEY, pack, read_saved
 from .validate import max_ort_ir_version, validate_proto
 
@@ -417,12 +417,11 @@ def _drop_outer_copies(graph: onnx.GraphProto, outer: frozenset = frozenset()) -
     which held the weights once more per body."""
     names = outer | {t.name for t in graph.initializer}
     for node in graph.node:
-        for attr in node.attribute:
-            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
-                for i in reversed(range(len(sub.initializer))):
-                    if sub.initializer[i].name in names:
-                        del sub.initializer[i]
-                _drop_outer_copies(sub, names)
+        for _, sub in proto_subgraphs(node):
+            for i in reversed(range(len(sub.initializer))):
+                if sub.initializer[i].name in names:
+                    del sub.initializer[i]
+            _drop_outer_copies(sub, names)
 
 
 def _restore_input_initializers(proto, input_order, input_inits) -> None:

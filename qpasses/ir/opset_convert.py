@@ -18,22 +18,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import ModelError, first_line
-from .graphutil import DEFAULT_DOMAINS, default_opset, unique_name
-
-def _graphs(graph: onnx.GraphProto):
-    """``graph`` and every If/Loop/Scan body in it."""
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for g in attr.graphs:
-                    yield from _graphs(g)
-
+from .graphutil import DEFAULT_DOMAINS, default_opset, proto_graphs, unique_name
 
 def _nodes(proto: onnx.ModelProto, ops: tuple[str, ...]):
-    for graph in _graphs(proto.graph):
+    for graph in proto_graphs(proto.graph):
         for node in graph.node:
             if node.op_type in ops and node.domain in DEFAULT_DOMAINS:
                 yield graph, node
@@ -42,7 +30,7 @@ def _nodes(proto: onnx.ModelProto, ops: tuple[str, ...]):
 def _constants(proto: onnx.ModelProto) -> dict[str, np.ndarray]:
     """Initializers and Constant-node values by tensor name (every graph of the model)."""
     out = {}
-    for graph in _graphs(proto.graph):
+    for graph in proto_graphs(proto.graph):
         out.update((t.name, numpy_helper.to_array(t)) for t in graph.initializer)
         for node in graph.node:
             if node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS:
@@ -95,13 +83,13 @@ def _set_attrs(node: onnx.NodeProto, attrs: dict) -> None:
 
 def _flatten_hardmax(proto: onnx.ModelProto) -> None:
     """Hardmax(x, axis) -> Reshape(Hardmax(Flatten(x, axis), axis=1), Shape(x)), in place."""
-    taken = {n for g in _graphs(proto.graph) for node in g.node for n in list(node.output) + [node.name]}
-    taken |= {t.name for g in _graphs(proto.graph) for t in list(g.initializer) + list(g.input)}
+    taken = {n for g in proto_graphs(proto.graph) for node in g.node for n in list(node.output) + [node.name]}
+    taken |= {t.name for g in proto_graphs(proto.graph) for t in list(g.initializer) + list(g.input)}
 
     def fresh(base: str) -> str:
         return unique_name(base, taken)
 
-    for graph in _graphs(proto.graph):
+    for graph in proto_graphs(proto.graph):
         nodes = []
         for node in graph.node:
             if node.op_type != "Hardmax" or node.domain not in DEFAULT_DOMAINS:

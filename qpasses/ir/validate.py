@@ -9,7 +9,7 @@ import onnx
 from onnx import helper
 
 from ..errors import ModelError
-from .graphutil import DEFAULT_DOMAINS, default_opset
+from .graphutil import DEFAULT_DOMAINS, default_opset, proto_subgraphs
 
 MAX_ELEMENTS = 2**48   # 256 T elements: far beyond any model, far below an int64 byte count
 MIN_OPSET = 7   # onnxruntime runs opset 7 and newer; quantizing pipelines upgrade below 10 (upgrade.py)
@@ -61,20 +61,19 @@ def validate_proto(proto: onnx.ModelProto) -> None:
 
 def _check_subgraphs(node: onnx.NodeProto, outer: set) -> None:
     """Every name a subgraph (If/Loop/Scan body) reads is its own or an outer scope's."""
-    for attr in node.attribute:
-        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
-            known = set(outer) | {i.name for i in sub.input} | {t.name for t in sub.initializer}
-            known |= {o for n in sub.node for o in n.output if o}
-            for inner in sub.node:
-                for name in inner.input:
-                    if name and name not in known:
-                        raise ModelError(f"node '{inner.name or inner.op_type}' in the '{attr.name}' graph of "
-                                         f"'{node.name or node.op_type}' reads '{name}', which nothing produces")
-                _check_subgraphs(inner, known)
-            for out in sub.output:
-                if out.name not in known:
-                    raise ModelError(f"the '{attr.name}' graph of '{node.name or node.op_type}' has output "
-                                     f"'{out.name}', which nothing produces")
+    for attr, sub in proto_subgraphs(node):
+        known = set(outer) | {i.name for i in sub.input} | {t.name for t in sub.initializer}
+        known |= {o for n in sub.node for o in n.output if o}
+        for inner in sub.node:
+            for name in inner.input:
+                if name and name not in known:
+                    raise ModelError(f"node '{inner.name or inner.op_type}' in the '{attr}' graph of "
+                                     f"'{node.name or node.op_type}' reads '{name}', which nothing produces")
+            _check_subgraphs(inner, known)
+        for out in sub.output:
+            if out.name not in known:
+                raise ModelError(f"the '{attr}' graph of '{node.name or node.op_type}' has output "
+                                 f"'{out.name}', which nothing produces")
 
 
 def _type_name(elem_type: int) -> str:

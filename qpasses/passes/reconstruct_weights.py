@@ -20,7 +20,7 @@ from ..core.progress import progress
 from ..core.registry import register
 from ..errors import CalibrationDataError, ModelError, first_line
 from ..evaluation.evaluate import rerun_skip_reason, session
-from ..ir.graphutil import subgraphs
+from ..ir.graphutil import proto_subgraphs, subgraphs
 from ..ir.model import QModel
 from ..quant.oprules import WEIGHTED_OPS
 from ..quant.qdq import QParams, quantized_values, require_opset
@@ -514,9 +514,8 @@ def _gs_inside(node: gs.Node):
 def _every_node(graph: onnx.GraphProto):
     for node in graph.node:
         yield node
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-                yield from _every_node(sub)
+        for _, sub in proto_subgraphs(node):
+            yield from _every_node(sub)
 
 
 def _split(flat: np.ndarray, dims: np.ndarray | None, rank: int | None) -> list[np.ndarray]:
@@ -533,16 +532,15 @@ def _split(flat: np.ndarray, dims: np.ndarray | None, rank: int | None) -> list[
 def _add_shape(graph: onnx.GraphProto, name: str) -> str | None:
     """Add Cast(Shape(name), float) beside the body node computing ``name``; its output's name."""
     for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-                if any(name in n.output for n in sub.node):
-                    shape, dims = f"{name}__qp_shape", f"{name}__qp_dims"
-                    sub.node.extend([onnx.helper.make_node("Shape", [name], [shape], name=shape),
-                                     onnx.helper.make_node("Cast", [shape], [dims], name=dims, to=onnx.TensorProto.FLOAT)])
-                    return dims
-                found = _add_shape(sub, name)
-                if found:
-                    return found
+        for _, sub in proto_subgraphs(node):
+            if any(name in n.output for n in sub.node):
+                shape, dims = f"{name}__qp_shape", f"{name}__qp_dims"
+                sub.node.extend([onnx.helper.make_node("Shape", [name], [shape], name=shape),
+                                 onnx.helper.make_node("Cast", [shape], [dims], name=dims, to=onnx.TensorProto.FLOAT)])
+                return dims
+            found = _add_shape(sub, name)
+            if found:
+                return found
     return None
 
 
@@ -571,8 +569,7 @@ def _prune(graph: onnx.GraphProto, names: list[str]) -> None:
 def _reads(node: onnx.NodeProto) -> list[str]:
     """What a node reads, from its bodies' outer scope too."""
     out = list(node.input)
-    for attr in node.attribute:
-        for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-            for inner in g.node:
-                out += _reads(inner)
+    for _, g in proto_subgraphs(node):
+        for inner in g.node:
+            out += _reads(inner)
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ..ir.graphutil import has_subgraph
 from .blocks import Blocked
 from .matmulnbits import dq_inputs, nbits_attrs, nbits_inputs
 from .mx import MXBlocked
@@ -72,11 +73,6 @@ def drop_dead_nodes(graph: gs.Graph) -> None:
     node has an output some node or the graph reads: then, the graph being acyclic, every node leads
     to an output. Bodies, functions or a produced graph input: always gs's cleanup."""
     read = {t.name for node in graph.nodes for t in node.inputs} | {t.name for t in graph.outputs}
-    if (graph.functions or any(t.inputs for t in graph.inputs) or any(_has_body(n) for n in graph.nodes)
+    if (graph.functions or any(t.inputs for t in graph.inputs) or any(has_subgraph(n) for n in graph.nodes)
             or not all(any(t.name and t.name in read for t in n.outputs) for n in graph.nodes)):
         graph.cleanup(remove_unused_graph_inputs=False)
-
-
-def _has_body(node: gs.Node) -> bool:
-    return any(isinstance(v, gs.Graph) or (isinstance(v, list) and v and isinstance(v[0], gs.Graph))
-               for v in node.attrs.values())
