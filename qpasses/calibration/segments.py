@@ -27,7 +27,7 @@ from ..errors import ModelError, first_line
 from ..ir.graphutil import node_reads
 from ..ir.model import QModel, constant_bytes
 from .data import model_inputs
-from .sessions import RunError, session_options, unrunnable
+from .sessions import RunError, ort_session, session_options, unrunnable
 from .tensor_types import tensor_bytes
 
 IN_MEMORY_BYTES = 64 * 2**20  # weights from this size on go to onnxruntime as arrays (always past 2 GB)
@@ -269,8 +269,6 @@ class SegmentedModel:
         fetches), also returning ``capture`` (names of tensors it computes anyway); None when it
         fetches nothing and passes nothing on. ``refused``: the error's first words when
         onnxruntime cannot load it (a ModelError)."""
-        import onnxruntime as ort
-
         proto, inputs, live_out, done = self.part_model(k)
         fetch = extend(proto) if extend is not None else []
         outputs = list(dict.fromkeys(live_out + fetch))
@@ -281,14 +279,12 @@ class SegmentedModel:
         proto.graph.output.extend(helper.make_tensor_value_info(n, self.inferred[0][n], None)
                                   for n in capture if n not in listed)
         opts, keep = session_options(proto, self.weights, prepacking=self.prepacking)
-        if not self.optimize:
-            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        elif self.spans[k] is not None:  # fusions stay; the layout pass (NCHWc reorders) cost 2x session time, 4x run time
-            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        # with spans, fusions stay; the layout pass (NCHWc reorders) cost 2x session time, 4x run time
+        level = "none" if not self.optimize else "extended" if self.spans[k] is not None else None
         data = proto.SerializeToString()
         del proto  # free the exported copy before onnxruntime makes its own
         try:
-            session = ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+            session = ort_session(data, opts, optimization=level)
         except Exception as exc:
             raise ModelError(f"{refused}: {unrunnable(self.model, exc)}") from None
         return Part(session, inputs, outputs, live_out, done, keep)

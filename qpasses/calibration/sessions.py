@@ -18,6 +18,27 @@ class RunError(Exception):
     index = -1
 
 
+def ort_session(model, opts=None, *, log: int = 3, optimization: str | None = None,
+                optimized_to=None, threads: int | None = None):
+    """An onnxruntime CPU session of ``model`` (serialised bytes or a path), with ``opts`` (new
+    options by default): logging at severity ``log`` and up, graph optimizations at ``optimization``
+    ("none", "extended", "all"; None: onnxruntime's default), the optimized graph saved to
+    ``optimized_to``, and ``threads`` threads (intra- and inter-op)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions() if opts is None else opts
+    opts.log_severity_level = log
+    if optimization is not None:
+        opts.graph_optimization_level = {"none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+                                         "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                                         "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[optimization]
+    if optimized_to is not None:
+        opts.optimized_model_filepath = str(optimized_to)
+    if threads is not None:
+        opts.intra_op_num_threads = opts.inter_op_num_threads = threads
+    return ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+
+
 def session_options(proto: onnx.ModelProto, weights: dict | None = None, *, prepacking: bool = False):
     """onnxruntime SessionOptions for ``proto``; initializers of ``proto`` stubbed out as external
     data at location IN_MEMORY (``QModel.to_proto(weights=...)``) are handed to onnxruntime from

@@ -266,13 +266,9 @@ def check_loads(path: Path, target: Path, source: Path | None = None, *, optimiz
 
 
 def _ort_load(path: Path, optimized_to: Path | None = None):
-    import onnxruntime as ort
+    from ..calibration.sessions import ort_session
 
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 4
-    if optimized_to is not None:
-        opts.optimized_model_filepath = str(optimized_to)
-    return ort.InferenceSession(ort_source(path), opts, providers=["CPUExecutionProvider"])
+    return ort_session(ort_source(path), log=4, optimized_to=optimized_to)
 
 
 class OutputRefused(Exception):

@@ -55,13 +55,11 @@ def check_onnx(model: QModel | onnx.ModelProto) -> onnx.ModelProto:
 
 def check_ort(model: QModel | onnx.ModelProto):
     """Create an onnxruntime CPU session for the model; returns the session."""
-    import onnxruntime as ort
+    from ..calibration.sessions import ort_session
 
     proto = model.to_proto() if isinstance(model, QModel) else model
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
     try:
-        return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        return ort_session(proto.SerializeToString())
     except Exception as exc:
         raise ModelError(f"onnxruntime cannot load the model: {str(exc).strip().splitlines()[0]}") from None
 

@@ -10,6 +10,7 @@ import onnx
 
 from ..calibration import segments
 from ..calibration.data import InputSpec, validate
+from ..calibration.sessions import ort_session
 from ..errors import CalibrationDataError, ModelError
 from ..ir.model import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
 from .scored_runs import ScoredRuns
@@ -19,19 +20,12 @@ def session(model, *, optimize: bool = True):
     """An onnxruntime CPU session for a QModel, ModelProto, bytes or path (``optimize=False``: no
     graph optimizations, so Q/DQ pairs run as written instead of as fused integer kernels; a
     quantized model is judged in ``judging_session``)."""
-    import onnxruntime as ort
-
     if isinstance(model, QModel):
         model = model.to_proto()
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    if not optimize:
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
-        return ort.InferenceSession(model if isinstance(model, bytes) else str(model), opts,
-                                    providers=["CPUExecutionProvider"])
+        return ort_session(model if isinstance(model, bytes) else str(model), optimization=None if optimize else "none")
     except Exception:
         if isinstance(model, bytes):
             raise

@@ -10,6 +10,7 @@ import tempfile
 
 import onnx
 
+from ..calibration.sessions import ort_session
 from ..ir.graphutil import proto_subgraphs
 
 # onnxruntime's integer kernels for weighted ops -> the position of their weight input
@@ -31,17 +32,13 @@ def integer_kernels(proto: onnx.ModelProto) -> int | None:
         return None
     if len(data) > MAX_BYTES:
         return None
-    import onnxruntime as ort
-
     with tempfile.TemporaryDirectory() as tmp:
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        opts.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+        path = os.path.join(tmp, "optimized.onnx")
         try:
-            ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+            ort_session(data, optimized_to=path)
         except Exception:   # the summary stays DQ-based; loading the model is checked elsewhere
             return None
-        return optimized_kernels(opts.optimized_model_filepath)
+        return optimized_kernels(path)
 
 
 def worth_counting(proto: onnx.ModelProto) -> bool:

@@ -50,12 +50,9 @@ def ort_qdq_model(source: Path, data, folder: Path) -> tuple[Path, bool]:
 
 
 def single_thread_session(path: Path):
-    import onnxruntime as ort
+    from ..calibration.sessions import ort_session
 
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.intra_op_num_threads = opts.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    return ort_session(str(path), threads=1)
 
 
 def interleaved_latencies(paths: list[Path], feed: dict, runs: int = RUNS) -> list[float]:

@@ -9,6 +9,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 
+from ..calibration.sessions import ort_session
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
 from ..ir.graphutil import has_subgraph, overridable_initializers, remove_nodes, replace_all_uses, topological_order
@@ -283,13 +284,8 @@ def _submodel(nodes: list[gs.Node], outputs: list[str], values: dict, opset: int
 def _run(proto: onnx.ModelProto, names: list[str]) -> list[np.ndarray] | None:
     """Run with onnxruntime, falling back to onnx.reference; None when both refuse."""
     try:
-        import onnxruntime as ort
-
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 4
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        opts.intra_op_num_threads = 1  # tiny kernels: threads would only spin
-        sess = ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        # tiny kernels: threads would only spin
+        sess = ort_session(proto.SerializeToString(), log=4, optimization="none", threads=1)
         return [np.asarray(v) for v in sess.run(names, {})]
     except Exception:
         pass

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from ..calibration.sessions import ort_session
 from ..errors import QpassesError
 
 INT_KERNELS = {"QLinearConv", "NhwcQLinearConv", "QGemm", "QLinearMatMul", "QLinearConvTranspose",
@@ -114,30 +115,15 @@ _ORT_FUSED = {"FusedConv", "FusedGemm", "FusedMatMul", "MatMulIntegerToFloat", "
               "BiasSoftmax", "BiasAdd", "NhwcFusedConv"}
 
 
-def _options(path: str | None = None):
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if path:
-        opts.optimized_model_filepath = path
-    return opts
-
-
 def _ort(proto: onnx.ModelProto):
-    import onnxruntime as ort
-
-    return ort.InferenceSession(proto.SerializeToString(), _options(), providers=["CPUExecutionProvider"])
+    return ort_session(proto.SerializeToString(), optimization="all")
 
 
 def _ort_graph(proto: onnx.ModelProto) -> onnx.GraphProto:
     """The graph onnxruntime executes at ORT_ENABLE_ALL (its saved optimized model)."""
-    import onnxruntime as ort
-
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "optimized.onnx")
-        ort.InferenceSession(proto.SerializeToString(), _options(path), providers=["CPUExecutionProvider"])
+        ort_session(proto.SerializeToString(), optimization="all", optimized_to=path)
         return onnx.load(path, load_external_data=False).graph
 
 
