@@ -25,7 +25,7 @@ os.environ.setdefault("QPASSES_NO_PROGRESS", "1")
 import onnx  # noqa: E402
 
 from qpasses.core.context import RunContext  # noqa: E402
-from qpasses.core.pipeline import QUANTIZE_PIPELINE, PassManager, _default, _format_value  # noqa: E402
+from qpasses.core.pipeline import QUANTIZE_PIPELINE, PassManager, format_value, option_default  # noqa: E402
 from qpasses.core.pipeline import in_pipeline_order  # noqa: E402
 from qpasses.ir.model import from_proto  # noqa: E402
 from qpasses.testing import parse, random_feed  # noqa: E402
@@ -89,7 +89,7 @@ def options_table(cls) -> list[str]:
         if f.metadata.get("choices"):
             choices = ", ".join(str(c) if c != "" else '""' for c in f.metadata["choices"])
             help_text += f" (one of: {choices})"
-        default = _format_value(_default(f)) or '""'
+        default = format_value(option_default(f)) or '""'
         help_text = help_text.replace("|", "\\|")
         rows.append(f"| `{f.name}` | `{default}` | {help_text} |")
     return rows

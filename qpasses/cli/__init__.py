@@ -402,12 +402,9 @@ def cmd_passes(args) -> int:
 
 
 def _default_text(f) -> str:
-    import dataclasses
+    from ..core.pipeline import format_value, option_default
 
-    from ..core.pipeline import _format_value
-
-    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    return _format_value(value)
+    return format_value(option_default(f))
 
 
 def cmd_explain(args) -> int:

@@ -49,11 +49,11 @@ class Pass:
     def given_options(self) -> dict[str, str]:
         """Options as text: those given explicitly (in the order given), then any other non-default."""
         explicit = getattr(self, "_explicit", ())
-        out = {name: _format_value(getattr(self, name)) for name in explicit}
+        out = {name: format_value(getattr(self, name)) for name in explicit}
         for f in self.options():
             value = getattr(self, f.name)
-            if f.name not in out and value != _default(f):
-                out[f.name] = _format_value(value)
+            if f.name not in out and value != option_default(f):
+                out[f.name] = format_value(value)
         return out
 
     def text(self) -> str:
@@ -61,7 +61,8 @@ class Pass:
         return self.name + ("{" + ",".join(f"{k}={v}" for k, v in opts.items()) + "}" if opts else "")
 
 
-def _default(f: dataclasses.Field):
+def option_default(f: dataclasses.Field):
+    """An option's default value (None when it has none)."""
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:
@@ -69,7 +70,8 @@ def _default(f: dataclasses.Field):
     return None
 
 
-def _format_value(value) -> str:
+def format_value(value) -> str:
+    """An option value as pipeline text writes it (quoted when it holds , { } = or quotes)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from .evaluate import Reference, _check_same_signature, io_names, judging_session, snr_from_sums
+from .evaluate import Reference, check_same_signature, io_names, judging_session, snr_from_sums
 from .scored_runs import ScoredRuns, model_bytes
 
 
@@ -49,8 +49,8 @@ class Contender:
         self.session = judging_session(test_model)
         if self.kept is not None:
             self.kept.io = io_names(self.session)
-        _check_same_signature(reference.inputs, reference.names, self.session)
-        self.errors = np.zeros(reference._signal().shape)
+        check_same_signature(reference.inputs, reference.names, self.session)
+        self.errors = np.zeros(reference.signal().shape)
         self.ran = 0
 
     def advance(self, upto: int) -> None:
@@ -64,7 +64,7 @@ class Contender:
 
     def snr(self) -> float:
         """The worst output (or component) SNR over the feeds it ran."""
-        return float(_worst_snr(self.reference._signal()[:self.ran].sum(0), self.errors[:self.ran].sum(0)))
+        return float(_worst_snr(self.reference.signal()[:self.ran].sum(0), self.errors[:self.ran].sum(0)))
 
     def score(self) -> float:
         return self.snr() - self.penalty
@@ -74,7 +74,7 @@ class Contender:
         ``z`` standard errors."""
         m = min(self.ran, other.ran)
         handicap = other.penalty - self.penalty if penalties else 0.0
-        return _margin(self.reference._signal()[:m], self.errors[:m], other.errors[:m], z) + handicap
+        return _margin(self.reference.signal()[:m], self.errors[:m], other.errors[:m], z) + handicap
 
     def close(self) -> None:
         """Free the onnxruntime session (the errors stay)."""

@@ -65,7 +65,7 @@ def _segmented(model) -> bool:
                                           or constant_bytes(model.graph) >= segments.IN_MEMORY_BYTES)
 
 
-def _check_same_signature(ref_inputs: list[str], ref_outputs: list[str], test_sess) -> None:
+def check_same_signature(ref_inputs: list[str], ref_outputs: list[str], test_sess) -> None:
     """Both models need the same required inputs and the test model every reference output."""
     _check_signature(ref_inputs, ref_outputs, *io_names(test_sess))
 
@@ -313,7 +313,7 @@ class Reference:
                 return runs
         test_sess = (test_model if is_session(test_model) else
                      judging_session(test_model) if judged else session(test_model))
-        _check_same_signature(self.inputs, self.names, test_sess)
+        check_same_signature(self.inputs, self.names, test_sess)
         _check_comparable(self, test_sess)   # inputs it takes, finite reference outputs
         return [test_sess.run(self.names, feed) for feed in self.feeds]
 
@@ -351,7 +351,7 @@ class Reference:
                 row.extend(float(np.sum(part.take(square))) for part in parts)
         return row
 
-    def _signal(self) -> np.ndarray:
+    def signal(self) -> np.ndarray:
         """Per feed and column (``sums``), the sum of squares of the reference values."""
         if self._signal_cache is None:
             columns = sum(1 if p is None else len(p) for p in self.parts)
