@@ -17,6 +17,8 @@ islands dropped) gives way to them, and no accuracy pass takes them back out of 
 - What cannot be honoured (no rule, a float slot, a non-float tensor, every carrier excluded) is a
   problem naming the tensor, node or op type and why: :func:`requests` lists them and annotate-types
   raises them as one ConfigError before anything changes.
+
+``selected_nodes`` is the node selection annotate-types quantizes (what preflight reports too).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 import onnx_graphsurgeon as gs
 
 from ..ir.model import QModel
-from ..quant.oprules import FLOAT, FLOAT_WEIGHT_OPS, RULES, rule_for
+from ..quant.oprules import FLOAT, FLOAT_WEIGHT_OPS, RULES, OpRule, multiplies_activations, rule_for, selected_op_types
 from .dtypes import float_tensors
 from .scopes import all_nodes, scopes
 
@@ -155,3 +157,28 @@ def pinned(model: QModel, config) -> set[str]:
                 and isinstance(node.inputs[1], gs.Constant):
             names.add(node.inputs[1].name)
     return {n for n in names if n in model.quant}
+
+
+def selected_nodes(model: QModel, config, forced: set[str] | None = None
+                   ) -> list[tuple[gs.Node, OpRule]]:
+    """(node, rule) of the nodes quantized under the config's op/node selection, in graph order
+    (the main graph's, then those of the If/Loop/Scan bodies, each body after its enclosing graph).
+    ``forced`` (default: the config's explicit requests, qpasses.analysis.requests) are selected
+    whatever their op type; with ``nodes_to_quantize`` nothing else is."""
+    ops = selected_op_types(config.op_types_to_quantize)
+    only = bool(config.nodes_to_quantize)
+    excluded = set(config.nodes_to_exclude)
+    forced = requests(model, config).forced if forced is None else forced
+    out = []
+    for node in all_nodes(model):
+        rule = rule_for(node.op, model.opset)
+        if rule is None or node.name in excluded:
+            continue
+        if node.name in forced or (not only and (not ops or node.op in ops) and not float_by_default(config, node)):
+            out.append((node, rule))
+    return out
+
+
+def float_by_default(config, node: gs.Node) -> bool:
+    """A node of a selected type the default selection still leaves float (oprules.multiplies_activations)."""
+    return config.op_types_to_quantize is None and multiplies_activations(node)

@@ -188,10 +188,10 @@ def _node_states(model, config) -> tuple[dict[str, list[str]], dict[str, Counter
     names the node, else why a node of its kind is left float), each reason once as its shape
     (quoted names aside) with the first node's own words."""
     from ..analysis.dtypes import float_tensors
+    from ..analysis.requests import selected_nodes   # the selection annotate-types makes
     from ..analysis.scopes import all_nodes
     from ..evaluation.summary import reason_shape
     from ..ir.decisions import float_reasons
-    from ..passes.annotate_types import selected_nodes   # the selection annotate-types made
     from ..quant.oprules import QDQ_OPS, WEIGHTED_OPS, rule_for
 
     reasons, floats_t = float_reasons(model), float_tensors(model)

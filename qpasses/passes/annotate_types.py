@@ -7,7 +7,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..analysis.dtypes import FLOAT_DTYPES, float_tensors
-from ..analysis.requests import requests
+from ..analysis.requests import float_by_default, requests, selected_nodes
 from ..analysis.scopes import all_nodes, scopes
 from ..config.overrides import TensorOverride, raise_problems, validate
 from ..config.quant_config import QuantConfig
@@ -21,7 +21,7 @@ from ..ir.graphutil import unique_name
 from ..ir.model import QModel
 from ..quant.islands import unanchored
 from ..quant.oprules import (ACTIVATION, BIAS, FLOAT, NOT_BY_DEFAULT, OpRule, QDQ_OPS, WEIGHT, float_output_bias, holds,
-                             multiplies_activations, rule_for, selected_op_types, weight_axis)
+                             rule_for, weight_axis)
 from ..quant.qtypes import qtype
 from ..quant.upgrade import PER_TENSOR
 
@@ -78,31 +78,6 @@ class AnnotateTypes(Pass):
         return PassResult(model, bool(copies) or dict(model.quant.items()) != before
                           or model.decisions.get(decisions.FLOAT) != floats_before,
                           {k: v for k, v in stats.items() if v})
-
-
-def selected_nodes(model: QModel, config: QuantConfig, forced: set[str] | None = None
-                   ) -> list[tuple[gs.Node, OpRule]]:
-    """(node, rule) of the nodes quantized under the config's op/node selection, in graph order
-    (the main graph's, then those of the If/Loop/Scan bodies, each body after its enclosing graph).
-    ``forced`` (default: the config's explicit requests, qpasses.analysis.requests) are selected
-    whatever their op type; with ``nodes_to_quantize`` nothing else is."""
-    ops = selected_op_types(config.op_types_to_quantize)
-    only = bool(config.nodes_to_quantize)
-    excluded = set(config.nodes_to_exclude)
-    forced = requests(model, config).forced if forced is None else forced
-    out = []
-    for node in all_nodes(model):
-        rule = rule_for(node.op, model.opset)
-        if rule is None or node.name in excluded:
-            continue
-        if node.name in forced or (not only and (not ops or node.op in ops) and not _float_by_default(config, node)):
-            out.append((node, rule))
-    return out
-
-
-def _float_by_default(config: QuantConfig, node: gs.Node) -> bool:
-    """A node of a selected type the default selection still leaves float (oprules.multiplies_activations)."""
-    return config.op_types_to_quantize is None and multiplies_activations(node)
 
 
 def _integer_pair(x: str, w: str) -> bool:
@@ -218,7 +193,7 @@ class TypePlanner:
             if n.name in cfg.nodes_to_exclude:
                 return f"{n.op} '{n.name}' is in the config's nodes_to_exclude"
         for n in ruled:
-            if n.name not in selected and _float_by_default(cfg, n):
+            if n.name not in selected and float_by_default(cfg, n):
                 return (f"MatMul '{n.name}' multiplies two computed tensors (attention) and stays float by "
                         "default (op_types_to_quantize: all, or a list naming MatMul, quantizes it)")
             if n.name not in selected and cfg.op_types_to_quantize is None and n.op in NOT_BY_DEFAULT:
