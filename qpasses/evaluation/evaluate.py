@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import field
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,19 @@ def judging_session(model):
     kernels differ by CPU (without VNNI, U8S8 pair sums saturate in int16); this simulation does
     not, so the same model, data and config give the same decisions on every machine."""
     return session(model, optimize=False)
+
+
+def max_nodes_option(default: int, why: str = ""):
+    """The ``max_nodes`` option of a pass that runs the model again (``rerun_skip_reason``)."""
+    return field(default=default, metadata={
+        "help": "do nothing for graphs with more nodes than this" + (f" ({why})" if why else "")})
+
+
+def max_weight_mb_option(default: float, why: str = "", *, than_this: bool = True):
+    """The ``max_weight_mb`` option of a pass that runs the model again (``rerun_skip_reason``)."""
+    return field(default=default, metadata={
+        "help": "do nothing for models with more weight data" + (" than this" if than_this else "")
+                + (f" ({why})" if why else "")})
 
 
 def rerun_skip_reason(model: QModel, data, max_nodes: int, max_weight_mb: float) -> str | None:

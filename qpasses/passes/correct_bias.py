@@ -16,7 +16,7 @@ from ..core.pipeline import Pass, PassResult
 from ..core.progress import progress
 from ..core.registry import register
 from ..errors import CalibrationDataError
-from ..evaluation.evaluate import rerun_skip_reason
+from ..evaluation.evaluate import max_nodes_option, max_weight_mb_option, rerun_skip_reason
 from ..ir.model import QModel
 from ..quant.conv_pads import auto_pad_of, conv_pads
 from ..quant.qdq import QParams, quantized_values
@@ -279,11 +279,9 @@ class CorrectBias(Pass):
     significance: float = field(default=0.0, metadata={
         "help": "correct a channel only where its mean shift is this many standard errors from 0 "
                 "(an SE-block Conv after GlobalAveragePool sees one value per sample: its mean is noise)"})
-    max_nodes: int = field(default=2000, metadata={
-        "help": "do nothing for graphs with more nodes than this (one onnxruntime session over the "
-                "whole float graph; calibrate cuts bigger ones into parts)"})
-    max_weight_mb: float = field(default=512.0, metadata={
-        "help": "do nothing for models with more weight data than this (the weight errors are added to a copy)"})
+    max_nodes: int = max_nodes_option(2000, "one onnxruntime session over the whole float graph; calibrate cuts "
+                                            "bigger ones into parts")
+    max_weight_mb: float = max_weight_mb_option(512.0, "the weight errors are added to a copy")
 
     def run(self, model: QModel, ctx) -> PassResult:
         if DECISION in model.decisions:   # done already, or select-by-snr decided

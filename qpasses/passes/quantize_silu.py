@@ -8,7 +8,7 @@ from ..analysis.silu import quantize_gates, quantize_products, silu_chains, silu
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
 from ..errors import CalibrationDataError, first_line
-from ..evaluation.evaluate import Reference, rerun_skip_reason
+from ..evaluation.evaluate import Reference, max_nodes_option, max_weight_mb_option, rerun_skip_reason
 from ..evaluation.objective import Objective
 from ..executors.scoring import trial_score
 from ..ir.decisions import FLOAT, PRECISION_SEARCH
@@ -67,10 +67,8 @@ class QuantizeSilu(Pass):
     samples: int = field(default=32, metadata={"help": "most feeds each score runs (search-precision's)"})
     output_values: int = field(default=2**17, metadata={
         "help": "fewer feeds (not under 8) once the outputs hold this many values (search-precision's)"})
-    max_nodes: int = field(default=2000, metadata={
-        "help": "do nothing for graphs with more nodes than this (each score quantizes a copy)"})
-    max_weight_mb: float = field(default=512.0, metadata={
-        "help": "do nothing for models with more weight data than this"})
+    max_nodes: int = max_nodes_option(2000, "each score quantizes a copy")
+    max_weight_mb: float = max_weight_mb_option(512.0)
     then: str = field(default="compute-qparams,fix-bias-scales,insert-qdq,insert-converts", metadata={
         "help": "the passes that turn a candidate into the QDQ model that is scored", "pipeline": True})
 

@@ -19,7 +19,7 @@ from ..core.pipeline import Pass, PassResult, run_nested
 from ..core.progress import progress
 from ..core.registry import register
 from ..errors import CalibrationDataError, ModelError, first_line
-from ..evaluation.evaluate import rerun_skip_reason, session
+from ..evaluation.evaluate import max_nodes_option, max_weight_mb_option, rerun_skip_reason, session
 from ..ir.graphutil import proto_subgraphs, subgraphs
 from ..ir.model import QModel
 from ..quant.oprules import WEIGHTED_OPS
@@ -109,8 +109,8 @@ class ReconstructWeights(Pass):
     max_stash_mb: float = field(default=1024.0, metadata={
         "help": "values kept per feed between the parts of the models (more: each stage runs the models "
                 "again from the feeds; 0: always)"})
-    max_nodes: int = field(default=20000, metadata={"help": "do nothing for graphs with more nodes than this"})
-    max_weight_mb: float = field(default=1024.0, metadata={"help": "do nothing for models with more weight data"})
+    max_nodes: int = max_nodes_option(20000)
+    max_weight_mb: float = max_weight_mb_option(1024.0, than_this=False)
 
     def run(self, model: QModel, ctx) -> PassResult:
         if DECISION in model.decisions:

@@ -11,7 +11,7 @@ from ..analysis.weighted_layers import Target, batches, checked_values, find_tar
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
 from ..errors import CalibrationDataError, first_line
-from ..evaluation.evaluate import rerun_skip_reason
+from ..evaluation.evaluate import max_nodes_option, max_weight_mb_option, rerun_skip_reason
 from ..ir.decisions import PRECISION_SEARCH
 from ..ir.model import QModel
 from ..quant.qtypes import qtype
@@ -89,8 +89,8 @@ class RoundWeights(Pass):
     max_hessian_mb: float = field(default=256.0, metadata={
         "help": "X^T X of the layers measured in one float run (more layers: more runs); a layer "
                 "whose own X^T X is larger keeps round-to-nearest"})
-    max_nodes: int = field(default=20000, metadata={"help": "do nothing for graphs with more nodes than this"})
-    max_weight_mb: float = field(default=1024.0, metadata={"help": "do nothing for models with more weight data"})
+    max_nodes: int = max_nodes_option(20000)
+    max_weight_mb: float = max_weight_mb_option(1024.0, than_this=False)
 
     def run(self, model: QModel, ctx) -> PassResult:
         if DECISION in model.decisions:

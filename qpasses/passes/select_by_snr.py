@@ -17,7 +17,7 @@ from ..core.progress import progress
 from ..core.registry import register
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.duels import Contender, duel
-from ..evaluation.evaluate import MIN_FEEDS, Reference, rerun_skip_reason
+from ..evaluation.evaluate import MIN_FEEDS, Reference, max_nodes_option, max_weight_mb_option, rerun_skip_reason
 from ..evaluation.objective import Objective
 from ..evaluation.scored_runs import ScoredRuns
 from ..executors import portable
@@ -161,11 +161,8 @@ class SelectBySnr(Pass):
     fitted_penalty_db: float = field(default=1.0, metadata={
         "help": "dB the calibrated ranges must gain over the observed min/max to be chosen: fitted to the "
                 "feeds that score them, they read 0.7-2.5 dB better there than on held-out data (bert_encoder)"})
-    max_weight_mb: float = field(default=512.0, metadata={
-        "help": "do nothing for models with more weight data than this (each variant quantizes a copy)"})
-    max_nodes: int = field(default=2000, metadata={
-        "help": "do nothing for graphs with more nodes than this (each variant costs a quantization "
-                "and an onnxruntime session)"})
+    max_weight_mb: float = max_weight_mb_option(512.0, "each variant quantizes a copy")
+    max_nodes: int = max_nodes_option(2000, "each variant costs a quantization and an onnxruntime session")
     early_stop: float = field(default=3.0, metadata={
         "help": "stop scoring two variants once one trails the other by this many standard errors "
                 "(jackknife over the feeds both scored, from 8 on; 0: every variant scores every feed)"})

@@ -12,7 +12,7 @@ from ..analysis.smoothing import capture, choose, rereadable
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
 from ..errors import CalibrationDataError, first_line
-from ..evaluation.evaluate import rerun_skip_reason
+from ..evaluation.evaluate import max_nodes_option, max_weight_mb_option, rerun_skip_reason
 from ..ir.graphutil import overridable_initializers, unique_name, used_names
 from ..ir.model import QModel, make_constant
 from ..quant.qtypes import qtype
@@ -273,9 +273,8 @@ class SmoothQuant(Pass):
     min_gain_db: float = field(default=3.0, metadata={
         "help": "keep a smoothing only when it lowers the layer's measured quantization error by this many dB "
                 "(measured: +24 to +31 dB on the BERT outlier layers, at most +3.3 dB elsewhere)"})
-    max_nodes: int = field(default=20000, metadata={"help": "do nothing for graphs with more nodes than this"})
-    max_weight_mb: float = field(default=1024.0, metadata={
-        "help": "do nothing for models with more weight data than this (one float session)"})
+    max_nodes: int = max_nodes_option(20000)
+    max_weight_mb: float = max_weight_mb_option(1024.0, "one float session")
 
     def run(self, model: QModel, ctx) -> PassResult:
         if DECISION in model.decisions:

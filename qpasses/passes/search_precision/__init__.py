@@ -12,7 +12,7 @@ from ...config.quant_config import ACCURACY_FALLBACKS, ACCURACY_METRICS
 from ...core.pipeline import Pass, PassResult
 from ...core.registry import register
 from ...errors import CalibrationDataError, first_line
-from ...evaluation.evaluate import Reference, rerun_skip_reason
+from ...evaluation.evaluate import Reference, max_nodes_option, max_weight_mb_option, rerun_skip_reason
 from ...evaluation.objective import Objective
 from ...ir.decisions import PRECISION_SEARCH
 from ...ir.model import QModel
@@ -120,10 +120,8 @@ class SearchPrecision(Pass):
         "help": "most feeds after the checked ones a target met is confirmed on (0: none): one unchecked "
                 "feed took ppocr_v4_rec's snr=25 search from 29 dB on its 8 check feeds to 14.5 on all 24"})
     probe_samples: int = field(default=4, metadata={"help": "feeds the local errors are measured on"})
-    max_nodes: int = field(default=2000, metadata={
-        "help": "do nothing for graphs with more nodes than this (each evaluation quantizes a copy)"})
-    max_weight_mb: float = field(default=512.0, metadata={
-        "help": "do nothing for models with more weight data than this"})
+    max_nodes: int = max_nodes_option(2000, "each evaluation quantizes a copy")
+    max_weight_mb: float = max_weight_mb_option(512.0)
     then: str = field(default="compute-qparams,fix-bias-scales,insert-qdq,insert-converts", metadata={
         "help": "the passes that turn a candidate into the QDQ model that is scored", "pipeline": True})
 
