@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..weightonly.gptq import inverse_cholesky
 from .conv_pads import auto_pad_of, conv_pads
 
 ROW_ELEMENTS = 4_000_000      # at most this many floats of receptive fields per sample and layer
 ROW_FLOPS = 150_000_000       # and at most this many multiply-adds into H per sample and layer
 BATCH = 128                   # lazy GPTQ updates: columns per batch
+_LEAF = 128                   # lower_inverse: blocks this small are inverted directly
 
 
 @dataclass
@@ -264,9 +264,40 @@ def target(w: np.ndarray, h: np.ndarray, cross: np.ndarray, damping: float) -> n
     return np.linalg.solve(hd, rhs).transpose(0, 2, 1)
 
 
+def lower_inverse(lower: np.ndarray) -> np.ndarray:
+    """The inverse of a lower-triangular matrix, by 2 x 2 blocks (matrix products, no LU)."""
+    k = len(lower)
+    if k <= _LEAF:
+        return np.linalg.inv(lower)
+    m = k // 2
+    a, c, d = lower[:m, :m], lower[m:, :m], lower[m:, m:]
+    ai, di = lower_inverse(a), lower_inverse(d)
+    out = np.zeros_like(lower)
+    out[:m, :m], out[m:, m:] = ai, di
+    out[m:, :m] = -(di @ (c @ ai))
+    return out
+
+
+def inverse_cholesky(h: np.ndarray, damping: float) -> np.ndarray:
+    """U upper triangular with H^-1 = U^T U (after adding damping * mean(diag H) to the diagonal).
+
+    With J the reversal, J H J = L L^T gives H = V V^T for V = J L J (upper), so U = V^-1 = J L^-1 J."""
+    h = h[::-1, ::-1].copy()
+    mean = max(float(np.mean(np.diag(h))), 1e-8)
+    h[np.diag_indices_from(h)] += damping * mean
+    for extra in (0.0, 1e-6, 1e-4, 1e-2):
+        try:
+            if extra:
+                h[np.diag_indices_from(h)] += extra * mean
+            return lower_inverse(np.linalg.cholesky(h))[::-1, ::-1].copy()
+        except np.linalg.LinAlgError:
+            continue
+    raise np.linalg.LinAlgError("the Hessian is not positive definite even after damping")
+
+
 def upper_inverse_cholesky(h: np.ndarray, damping: float) -> np.ndarray:
     """U [G, K, K] upper triangular with H^-1 = U^T U for each damped H [G, K, K] (batched; a matrix
-    that is not positive definite goes through weightonly.gptq's one-at-a-time extra damping)."""
+    that is not positive definite goes through inverse_cholesky's one-at-a-time extra damping)."""
     try:
         lower = np.linalg.cholesky(damped(h[:, ::-1, ::-1], damping))
     except np.linalg.LinAlgError:

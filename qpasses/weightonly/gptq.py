@@ -14,43 +14,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..quant.rounding import inverse_cholesky
 from .blocks import Blocked, rows_of
 from .mx import Element, MXBlocked, choose_exponents, exponent_bounds
 from .rtn import REFINE, choose_params
 
 COLUMNS = 128
-_LEAF = 128
-
-
-def lower_inverse(lower: np.ndarray) -> np.ndarray:
-    """The inverse of a lower-triangular matrix, by 2 x 2 blocks (matrix products, no LU)."""
-    k = len(lower)
-    if k <= _LEAF:
-        return np.linalg.inv(lower)
-    m = k // 2
-    a, c, d = lower[:m, :m], lower[m:, :m], lower[m:, m:]
-    ai, di = lower_inverse(a), lower_inverse(d)
-    out = np.zeros_like(lower)
-    out[:m, :m], out[m:, m:] = ai, di
-    out[m:, :m] = -(di @ (c @ ai))
-    return out
-
-
-def inverse_cholesky(h: np.ndarray, damping: float) -> np.ndarray:
-    """U upper triangular with H^-1 = U^T U (after adding damping * mean(diag H) to the diagonal).
-
-    With J the reversal, J H J = L L^T gives H = V V^T for V = J L J (upper), so U = V^-1 = J L^-1 J."""
-    h = h[::-1, ::-1].copy()
-    mean = max(float(np.mean(np.diag(h))), 1e-8)
-    h[np.diag_indices_from(h)] += damping * mean
-    for extra in (0.0, 1e-6, 1e-4, 1e-2):
-        try:
-            if extra:
-                h[np.diag_indices_from(h)] += extra * mean
-            return lower_inverse(np.linalg.cholesky(h))[::-1, ::-1].copy()
-        except np.linalg.LinAlgError:
-            continue
-    raise np.linalg.LinAlgError("the Hessian is not positive definite even after damping")
 
 
 def _block(w1: np.ndarray, i: int, block_size: int) -> np.ndarray:
