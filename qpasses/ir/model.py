@@ -559,6 +559,23 @@ def read_values(t: gs.Constant) -> np.ndarray:
     return t.values
 
 
+def raw_bytes(t: gs.Constant):
+    """A constant's bytes (the imported raw data as is; a view of a large array: no copy)."""
+    values = t._values
+    raw = values.tensor.raw_data if isinstance(values, LazyValues) else b""   # a copy: read once
+    if raw:
+        return raw
+    array = np.ascontiguousarray(t.values)
+    if array.nbytes <= 65536:
+        return array.tobytes()
+    return memoryview(array.reshape(-1).view(np.uint8))  # byte view: works for int4 (ml_dtypes) too
+
+
+def is_sparse(t: gs.Constant) -> bool:
+    """Whether a constant holds sparse values (neither an array nor imported tensor data)."""
+    return not isinstance(t._values, (np.ndarray, LazyValues))
+
+
 def constant_dtype(t: gs.Constant) -> str | None:
     """The numpy dtype name of a constant's values (not loaded when numpy holds its type)."""
     lazy = t._values

@@ -4,14 +4,12 @@ from __future__ import annotations
 import hashlib
 from typing import ClassVar
 
-import numpy as np
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
 from ..ir.graphutil import node_reads, overridable_initializers, remove_nodes, replace_all_uses, topological_order
-from ..ir.model import QModel, model_tensor_map
+from ..ir.model import QModel, is_sparse, model_tensor_map, raw_bytes
 
 
 @register
@@ -92,18 +90,6 @@ def _initializers(nodes, graph: gs.Graph) -> set[str]:
     return names | {t.name for t in graph.outputs if isinstance(t, gs.Constant)}
 
 
-def _raw_bytes(t: gs.Constant):
-    """The constant's bytes (a view of a large array: no copy)."""
-    values = t._values
-    raw = values.tensor.raw_data if isinstance(values, LazyValues) else b""   # a copy: read once
-    if raw:
-        return raw
-    array = np.ascontiguousarray(t.values)
-    if array.nbytes <= 65536:
-        return array.tobytes()
-    return memoryview(array.reshape(-1).view(np.uint8))  # byte view: works for int4 (ml_dtypes) too
-
-
 def _fingerprint(data) -> bytes:
     """Hash of the bytes; of 3 x 4 KiB samples and the length for large ones (equal constants
     have equal fingerprints; candidates are then compared in full, so weights of a large model
@@ -124,8 +110,8 @@ def _merge_duplicates(model: QModel, nodes: list[gs.Node]) -> int:
         for t in node.inputs:
             if isinstance(t, gs.Constant) and id(t) not in seen and t.name not in protected:
                 seen.add(id(t))
-                if not isinstance(t._values, (np.ndarray, LazyValues)):
-                    continue  # sparse
+                if is_sparse(t):
+                    continue
                 by_shape.setdefault((t.dtype, tuple(t.shape)), []).append(t)
     merged, renames = 0, {}
     for group in by_shape.values():
@@ -133,10 +119,10 @@ def _merge_duplicates(model: QModel, nodes: list[gs.Node]) -> int:
             continue
         first: dict[bytes, gs.Constant] = {}
         for t in group:
-            data = _raw_bytes(t)
+            data = raw_bytes(t)
             exact = len(data) <= 64   # scales, zero points: the bytes are the key
             keep = first.setdefault(data if exact else _fingerprint(data), t)
-            if keep is t or (not exact and _raw_bytes(keep) != data) or not _same_quant(model, keep.name, t.name):
+            if keep is t or (not exact and raw_bytes(keep) != data) or not _same_quant(model, keep.name, t.name):
                 continue
             if t.name in model.quant:
                 renames[t.name] = keep.name
