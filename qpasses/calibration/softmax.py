@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir.graphutil import consumers
+from ..ir.graphutil import consumers, in_default_domain
 from ..ir.model import QModel
 
 ROW_MAX_SUFFIX = "::softmax_row_max"
@@ -43,7 +43,7 @@ def softmax_inputs(model: QModel, names) -> dict[str, int]:
     out = {}
     for name in sorted(names):
         nodes = readers.get(name, [])
-        if not nodes or any(n.op != "Softmax" or n.domain not in (None, "", "ai.onnx") for n in nodes):
+        if not nodes or any(n.op != "Softmax" or not in_default_domain(n) for n in nodes):
             continue
         axes = {_axis(n, model.opset) for n in nodes}
         if len(axes) == 1:

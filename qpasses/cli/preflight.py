@@ -15,7 +15,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..errors import PassFailure, QpassesError, first_line
-from ..ir.graphutil import DEFAULT_DOMAINS
+from ..ir.graphutil import in_default_domain
 
 # the passes of the default pipeline up to the final types (calibration needs data: not run)
 TYPE_PIPELINE = "fold-constants,fold-batchnorm,cleanup,annotate-types,propagate-mixed-precision"
@@ -98,7 +98,7 @@ def _body_lines(out: Preflight, model) -> None:
 def _domain_lines(out: Preflight, model) -> None:
     from ..analysis.scopes import all_nodes
 
-    foreign = Counter((n.domain, n.op) for n in all_nodes(model) if (n.domain or "") not in DEFAULT_DOMAINS)
+    foreign = Counter((n.domain, n.op) for n in all_nodes(model) if not in_default_domain(n))
     for (domain, op), count in sorted(foreign.items()):
         what = ("contrib op: runs in onnxruntime, stays float" if domain == _CONTRIB
                 else "custom op: stays float; onnxruntime must be able to run it for calibration")

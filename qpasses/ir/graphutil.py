@@ -19,6 +19,11 @@ from ..errors import ModelError
 DEFAULT_DOMAINS = ("", "ai.onnx")   # the default ONNX domain, as a ModelProto spells it
 
 
+def in_default_domain(node: gs.Node) -> bool:
+    """Whether a gs node is an ONNX operator (its domain unset, "" or "ai.onnx")."""
+    return (node.domain or "") in DEFAULT_DOMAINS
+
+
 def default_opset(proto, missing=None):
     """The default-domain opset a ModelProto imports (``missing`` when it imports none)."""
     return next((o.version for o in proto.opset_import if o.domain in DEFAULT_DOMAINS), missing)

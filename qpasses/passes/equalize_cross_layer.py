@@ -9,12 +9,11 @@ import onnx_graphsurgeon as gs
 
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
-from ..ir.graphutil import overridable_initializers, unique_name, used_names
+from ..ir.graphutil import in_default_domain, overridable_initializers, unique_name, used_names
 from ..ir.model import QModel, make_constant
 
 NAME = "equalize-cross-layer"
 DECISION = "cross_layer_equalization"   # model.decisions key: the pairs equalized (a second run does nothing)
-DEFAULT_DOMAINS = (None, "", "ai.onnx")
 # f(x / s) = f(x) / s for s > 0, per channel: these may sit between the two convolutions
 HOMOGENEOUS = ("Relu", "LeakyRelu", "PRelu", "Clip")
 
@@ -47,7 +46,7 @@ def _is_const(t: gs.Tensor, feedable: set[str]) -> bool:
 
 
 def _conv(node: gs.Node, feedable: set[str]) -> bool:
-    if node.op != "Conv" or node.domain not in DEFAULT_DOMAINS or len(node.inputs) < 2:
+    if node.op != "Conv" or not in_default_domain(node) or len(node.inputs) < 2:
         return False
     if not _is_const(node.inputs[1], feedable) or np.asarray(node.inputs[1].values).ndim < 3:
         return False
@@ -64,7 +63,7 @@ def _channel_const(values: np.ndarray, channels: int, rank: int) -> bool:
 
 def _link(node: gs.Node, t: gs.Tensor, channels: int, rank: int, feedable: set[str]) -> tuple[Link | None, str | None]:
     """(the link, None) when ``node`` (reading ``t``) commutes with a per-channel scale, else (None, why)."""
-    if node.domain not in DEFAULT_DOMAINS or len(node.outputs) != 1 or not node.inputs or node.inputs[0] is not t:
+    if not in_default_domain(node) or len(node.outputs) != 1 or not node.inputs or node.inputs[0] is not t:
         return None, f"{node.op} '{node.name}' between the convolutions"
     op = node.op
     if op in ("Relu", "LeakyRelu"):

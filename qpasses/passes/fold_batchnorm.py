@@ -8,7 +8,8 @@ import onnx_graphsurgeon as gs
 
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
-from ..ir.graphutil import overridable_initializers, remove_nodes, topological_order, unique_name, used_names
+from ..ir.graphutil import (in_default_domain, overridable_initializers, remove_nodes, topological_order, unique_name,
+                            used_names)
 from ..ir.model import QModel, make_constant
 
 PRODUCERS = ("Conv", "ConvTranspose", "Gemm")
@@ -48,7 +49,7 @@ g (float[1,2,4,4] x) => (float[1,2,4,4] y) <float[2,2,1,1] w = {1,0,0,1}, float[
         taken: set[str] | None = None
         folded, skipped = [], {}
         for bn in topological_order(graph):
-            if bn.op != "BatchNormalization" or bn.domain not in (None, "", "ai.onnx"):
+            if bn.op != "BatchNormalization" or not in_default_domain(bn):
                 continue
             producer = _producer(bn, outputs)
             if producer is None:
@@ -76,7 +77,7 @@ def _producer(bn: gs.Node, graph_outputs: set[int]) -> gs.Node | None:
     if len(x.inputs) != 1 or id(x) in graph_outputs or len(x.outputs) != 1:
         return None
     node = x.inputs[0]
-    if node.op not in PRODUCERS or node.domain not in (None, "", "ai.onnx") or len(node.outputs) != 1:
+    if node.op not in PRODUCERS or not in_default_domain(node) or len(node.outputs) != 1:
         return None
     if sum(t is x for t in bn.inputs) != 1:
         return None

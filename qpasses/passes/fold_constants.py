@@ -12,7 +12,8 @@ from onnx import helper, numpy_helper
 from ..calibration.sessions import ort_session
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
-from ..ir.graphutil import has_subgraph, overridable_initializers, remove_nodes, replace_all_uses, topological_order
+from ..ir.graphutil import (has_subgraph, in_default_domain, overridable_initializers, remove_nodes, replace_all_uses,
+                            topological_order)
 from ..ir.model import QModel, choose_ir_version, make_constant
 
 # Never folded: quantization ops (their outputs are what quantization is about) and random ops.
@@ -25,7 +26,6 @@ WEIGHT_SLOTS = {
     "Conv": {1, 2}, "ConvTranspose": {1, 2}, "Gemm": {0, 1, 2}, "MatMul": {0, 1}, "Gather": {0},
     "BatchNormalization": {1, 2, 3, 4}, "InstanceNormalization": {1, 2}, "LayerNormalization": {1, 2},
     "LSTM": {1, 2, 3}, "GRU": {1, 2, 3}, "RNN": {1, 2, 3}}
-_DEFAULT_DOMAINS = (None, "", "ai.onnx")
 CHUNK = 512  # nodes per onnxruntime session
 _DIRECT_OPS = ("Constant", "Shape", "Size")
 
@@ -146,7 +146,7 @@ class _Plan:
 
 
 def _eligible(node: gs.Node) -> bool:
-    return (node.domain in _DEFAULT_DOMAINS and node.op not in NEVER_FOLD and "Sequence" not in node.op
+    return (in_default_domain(node) and node.op not in NEVER_FOLD and "Sequence" not in node.op
             and "Optional" not in node.op and not (node.op == "Dropout" and len(node.inputs) > 2)
             and not has_subgraph(node))
 

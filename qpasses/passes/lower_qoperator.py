@@ -9,7 +9,7 @@ import onnx_graphsurgeon as gs
 
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
-from ..ir.graphutil import remove_nodes
+from ..ir.graphutil import in_default_domain, remove_nodes
 from ..ir.model import QModel
 from ..qoperator.kernels import MS, Lowered, lower
 from ..qoperator.units import Unit, find_unit
@@ -24,7 +24,7 @@ def plan_lowering(model: QModel) -> tuple[list[tuple[Unit, Lowered]], dict[str, 
     outputs = {t.name for t in model.graph.outputs}
     done, skipped = [], {}
     for node in model.graph.nodes:
-        if node.op in QDQ_OPS or node.domain not in (None, "", "ai.onnx"):
+        if node.op in QDQ_OPS or not in_default_domain(node):
             continue
         unit = find_unit(node, outputs)
         lowered = lower(unit, model.opset) if isinstance(unit, Unit) else unit

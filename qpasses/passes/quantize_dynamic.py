@@ -11,7 +11,7 @@ import onnx_graphsurgeon as gs
 from ..core.facts import claim
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
-from ..ir.graphutil import overridable_initializers
+from ..ir.graphutil import in_default_domain, overridable_initializers
 from ..ir.model import QModel, make_constant
 from ..quant.qdq import new_namer, require_opset, to_onnx_storage
 from ..quant.qparams import compute_qparams, quantize, value_range
@@ -47,7 +47,7 @@ def plan_dynamic(model: QModel, config) -> Plan:
     feedable = overridable_initializers(model)
     plan = Plan()
     for node in model.graph.nodes:
-        if node.op not in op_types or node.domain not in (None, "", "ai.onnx"):
+        if node.op not in op_types or not in_default_domain(node):
             continue
         if node.name in config.nodes_to_exclude or (config.nodes_to_quantize is not None
                                                      and node.name not in config.nodes_to_quantize):

@@ -13,13 +13,12 @@ from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import max_nodes_option, max_weight_mb_option, rerun_skip_reason
-from ..ir.graphutil import overridable_initializers, unique_name, used_names
+from ..ir.graphutil import in_default_domain, overridable_initializers, unique_name, used_names
 from ..ir.model import QModel, make_constant
 from ..quant.qtypes import qtype
 
 NAME = "smooth-quant"
 DECISION = "smooth_quant"   # model.decisions key: the layers smoothed (a second run does nothing)
-DEFAULT_DOMAINS = (None, "", "ai.onnx")
 
 
 # -- analyse: the layers ---------------------------------------------------------------------------
@@ -57,7 +56,7 @@ def _is_const(t: gs.Tensor, feedable: set[str]) -> bool:
 
 
 def _reader(node: gs.Node, feedable: set[str]) -> Reader | None:
-    if node.domain not in DEFAULT_DOMAINS or node.op not in ("MatMul", "Gemm") or len(node.inputs) < 2:
+    if not in_default_domain(node) or node.op not in ("MatMul", "Gemm") or len(node.inputs) < 2:
         return None
     w = node.inputs[1]
     if not _is_const(w, feedable) or node.inputs[0] is w:
@@ -116,7 +115,7 @@ def fold_plan(t: gs.Tensor, k: int, feedable: set[str], graph_outputs: set[str],
     if len(t.inputs) != 1 or depth > 8 or t.name in graph_outputs:
         return None
     p = t.inputs[0]
-    if p.domain not in DEFAULT_DOMAINS or not p.outputs or p.outputs[0] is not t:
+    if not in_default_domain(p) or not p.outputs or p.outputs[0] is not t:
         return None
     const = [i for i, u in enumerate(p.inputs) if _is_const(u, feedable)
              and np.issubdtype(np.asarray(u.values).dtype, np.floating)]

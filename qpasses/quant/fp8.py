@@ -12,12 +12,13 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..analysis.dtypes import float_types
+from ..ir.graphutil import in_default_domain
 from .qdq import new_namer, scale_dtype
 
 
 def guard_relus(model) -> int:
     """Rewrite every single-reader Relu of the main graph as Max(x, 0); returns how many."""
-    relus = [n for n in model.graph.nodes if n.op == "Relu" and n.domain in (None, "", "ai.onnx")
+    relus = [n for n in model.graph.nodes if n.op == "Relu" and in_default_domain(n)
              and len(n.outputs) == 1 and len(n.outputs[0].outputs) == 1 and not n.outputs[0].name in
              {o.name for o in model.graph.outputs}]
     if not relus:

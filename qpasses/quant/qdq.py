@@ -18,7 +18,7 @@ import onnx_graphsurgeon as gs
 
 from ..analysis.dtypes import float_type_name
 from ..errors import ModelError
-from ..ir.graphutil import unique_name
+from ..ir.graphutil import in_default_domain, unique_name
 from ..ir.model import QModel, body_graphs, from_proto, model_tensor_map
 from ..ir.opset_convert import convert
 from .oprules import DQ_OP, FLOAT_WEIGHT_OPS, Q_OP
@@ -317,9 +317,9 @@ def signature_kept(op: str, old_opset: int, new_opset: int) -> bool:
 
 
 def _default_domain_nodes(graph: gs.Graph):
-    yield from (n for n in graph.nodes if n.domain in (None, "", "ai.onnx"))
+    yield from (n for n in graph.nodes if in_default_domain(n))
     for sub in graph.subgraphs(recursive=True):
-        yield from (n for n in sub.nodes if n.domain in (None, "", "ai.onnx"))
+        yield from (n for n in sub.nodes if in_default_domain(n))
 
 
 def ops_needing_rewrite(model: QModel, opset: int) -> dict[str, str]:

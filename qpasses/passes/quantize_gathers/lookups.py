@@ -15,7 +15,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ...evaluation.evaluate import snr_db
-from ...ir.graphutil import overridable_initializers
+from ...ir.graphutil import in_default_domain, overridable_initializers
 from ...ir.model import body_graphs, constant_dtype, read_values
 from ...weightonly.matmulnbits import nbits_inputs
 from ...weightonly.rtn import quantize_rtn
@@ -52,7 +52,7 @@ def lookup_tables(model, min_values: int, excluded) -> tuple[list[Table], dict[s
     tables: dict[str, Table] = {}
     feedable = overridable_initializers(model)
     for node in model.graph.nodes:
-        if node.op != "Gather" or node.domain not in (None, "", "ai.onnx") or not node.inputs:
+        if node.op != "Gather" or not in_default_domain(node) or not node.inputs:
             continue
         t = node.inputs[0]
         if not isinstance(t, gs.Constant) or constant_dtype(t) not in FLOAT_KINDS or t.shape is None:
