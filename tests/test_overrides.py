@@ -52,6 +52,7 @@ CASES = [
     ({"c": [{"convert": {"quant_type": "uint16", "recv_nodes": ["rel"]}}]},
      "convert.recv_nodes: 'rel' does not read this tensor (did you mean 'relu'?)"),
     ({"c": [{"convert": {"quant_type": "uint16", "recv_nodes": "relu"}}]}, "recv_nodes must be a list"),
+    ({"c": [{"convert": {"quant_type": "uint16", "recv_nodes": []}}]}, "convert.recv_nodes is empty: name the readers"),
     ({"c": [{"convert": {"quant_type": "uint8"}}]}, "convert.quant_type uint8 is the same as the tensor's type"),
     ({"c": [{"convert": {"recv_nodes": ["relu"]}}]}, "tensor_overrides['c']: 'convert' needs a 'quant_type'"),
     ({"c": [{"convert": {"quant_type": "uint16", "reduce_range": True}}]}, "not allowed in 'convert'"),

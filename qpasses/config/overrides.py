@@ -305,6 +305,9 @@ class _Checker:
             if isinstance(nodes, str) or not isinstance(nodes, (list, tuple, set, frozenset)):
                 self.bad(tensor, "convert.recv_nodes must be a list of node names")
                 return out
+            if not nodes:   # ambiguous: none, or (as the table reads an empty list) every reader
+                self.bad(tensor, "convert.recv_nodes is empty: name the readers, or leave it out for every reader")
+                return out
             readers = self.view.readers.get(tensor, [])
             for node in sorted(map(str, nodes)):
                 if node not in readers:

@@ -66,8 +66,9 @@ class TensorQuant:
         return self.axis is not None
 
     def converted_for(self, node: str) -> bool:
-        """Whether reader ``node`` reads the tensor through its convert (it is in ``recv_nodes``)."""
-        return self.convert is not None and node in self.convert.recv_nodes
+        """Whether reader ``node`` reads the tensor through its convert: it is in ``recv_nodes``, or
+        ``recv_nodes`` is empty (every reader, as insert-converts reads it)."""
+        return self.convert is not None and (not self.convert.recv_nodes or node in self.convert.recv_nodes)
 
     def qtype_read_by(self, node: str) -> str:
         """The type reader ``node`` reads the tensor in: the convert's when it is converted for it."""

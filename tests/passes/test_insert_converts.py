@@ -177,3 +177,14 @@ g (float[1, 2, 2] x) => (float[1, 2] gemm_8) <float[4, 3] w4 = {%s}, float[3, 2]
     assert model.quant["gemm_5"].convert is not None and model.quant["flat_2"].qtype == "uint16"
     gemm = next(n for n in model.to_proto().graph.node if n.name == "Gemm_9")
     assert gemm.input[0] == "gemm_5"
+
+
+def test_the_type_a_reader_sees_matches_what_insert_converts_does():
+    """An empty recv_nodes converts for every reader (insert-converts); the analyses that ask which
+    type a node reads (saturation, targets, annotate-types) read it the same way."""
+    for recv, converted in (([], {"t", "n"}), (["t"], {"t"})):
+        _, model, _ = with_convert(MIXED, recv)
+        tq = model.quant["a"]
+        assert {r for r in ("t", "n") if tq.qtype_read_by(r) == "uint16"} == converted
+        converts(model)
+        assert set(readers_of(model, "a_convert_dequantized")) == converted
