@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 
-import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -13,11 +13,10 @@ import io
 import json
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from nothing_lost_kit import (Workspace, assert_refused, convs, external, mlp, set_external, with_initializer,
+from nothing_lost_kit import (Workspace, assert_refused, convs, mlp, set_external, with_initializer,
                               with_raw_data, write_model, write_npz)
 from qpasses.testing import parse
 

@@ -4,7 +4,6 @@ saved intermediate model gives the same bytes as the uninterrupted run, and `--v
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 
 from qpasses.api import run_pipeline

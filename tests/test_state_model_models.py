@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings

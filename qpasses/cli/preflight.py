@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnx_graphsurgeon as gs
 
 from ..errors import PassFailure, QpassesError, first_line
 from ..ir.graphutil import in_default_domain
