@@ -47,9 +47,10 @@ def random_feed(model, seed: int = 0, batch: int = 1) -> dict[str, np.ndarray]:
     return feed
 
 
-def run(model, feed: dict) -> list[np.ndarray]:
-    """Run a QModel/ModelProto in onnxruntime CPU; returns every output."""
-    sess = session(model)
+def run(model, feed: dict, *, judged: bool = False) -> list[np.ndarray]:
+    """Run a QModel/ModelProto in onnxruntime CPU; returns every output. ``judged``: in the QDQ
+    simulation (no graph optimizations: the same on every CPU) instead of this CPU's int8 kernels."""
+    sess = session(model, optimize=not judged)
     names = {i.name for i in sess.get_inputs()} | {i.name for i in sess.get_overridable_initializers()}
     return sess.run(None, {k: v for k, v in feed.items() if k in names})
 

@@ -8,7 +8,7 @@ from qpasses.api import quantize
 from qpasses.cli.explain import explain_lines
 from qpasses.evaluation.evaluate import session
 from qpasses.ir.model import from_proto
-from qpasses.testing import bn_conv_data, bn_conv_layer, parse
+from qpasses.testing import bn_conv_data, bn_conv_layer, parse, run
 
 
 def _values(array) -> str:
@@ -33,8 +33,7 @@ def _feeds(n=8):
 
 
 def _outputs(model, feeds):
-    sess = session(model.to_proto(), optimize=False)   # the QDQ simulation
-    return [sess.run(None, f)[0] for f in feeds]
+    return [run(model, f, judged=True)[0] for f in feeds]
 
 
 def _weight_types(model) -> dict[str, str]:

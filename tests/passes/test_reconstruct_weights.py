@@ -127,14 +127,6 @@ def _on_grid(model, name):
     return codes
 
 
-def _simulated(proto, feed: dict) -> list[np.ndarray]:
-    """Outputs in onnxruntime's QDQ simulation: the same on every CPU (these graphs skip
-    protect-pair-sums, so the int8 kernels of a CPU without VNNI would saturate)."""
-    sess = session(proto, optimize=False)
-    names = {i.name for i in sess.get_inputs()}
-    return sess.run(None, {k: v for k, v in feed.items() if k in names})
-
-
 @pytest.mark.parametrize("algorithm", ["adaround", "adaquant"])
 @pytest.mark.parametrize("graph", GRAPHS)
 def test_layer_errors_drop_on_held_out_data_and_codes_stay_on_their_grid(graph, algorithm):
@@ -150,8 +142,8 @@ def test_layer_errors_drop_on_held_out_data_and_codes_stay_on_their_grid(graph, 
     for layer in errors_before:   # measured: 3-38 % lower
         assert errors_after[layer] < errors_before[layer], (layer, errors_before, errors_after)
     ref = np.concatenate([run(parse(text), f)[0].ravel() for f in held_out])
-    assert snr_db(ref, np.concatenate([_simulated(proto, f)[0].ravel() for f in held_out])) >= \
-        snr_db(ref, np.concatenate([_simulated(before.to_proto(), f)[0].ravel() for f in held_out]))
+    assert snr_db(ref, np.concatenate([run(proto, f, judged=True)[0].ravel() for f in held_out])) >= \
+        snr_db(ref, np.concatenate([run(before.to_proto(), f, judged=True)[0].ravel() for f in held_out]))
 
     model = model_from_text(text)   # the pass alone: values on the grid of unchanged scales
     run_passes(PRELUDE, model, {}, feeds)
@@ -253,7 +245,7 @@ def test_values_that_score_lower_on_held_out_feeds_are_dropped():
 def test_weighted_ops_in_if_bodies_are_reconstructed():
     model = vad_model()
     feeds, held_out = control_flow_feeds(model, 64, 1), control_flow_feeds(model, 16, 2)
-    outputs = lambda proto: np.concatenate([np.concatenate([a.ravel() for a in _simulated(proto, f)]) for f in held_out])  # noqa: E731
+    outputs = lambda proto: np.concatenate([np.concatenate([a.ravel() for a in run(proto, f, judged=True)]) for f in held_out])  # noqa: E731
     ref = outputs(model)
     before = load(model)
     run_passes(f"{PRELUDE},{THEN}", before, {}, feeds)
