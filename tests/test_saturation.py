@@ -3,7 +3,6 @@ VNNI, on crafted codes (numpy only); and, under ``qemu-x86_64 -cpu Haswell`` (sl
 kernels pair exactly those."""
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -126,27 +125,27 @@ def test_table_and_qdq_views_agree_on_the_layer_of_issue_35():
 
 # -- what onnxruntime does (qemu) ---------------------------------------------------------------
 PROBE = r"""
-import json, sys
-import numpy as np, onnx, onnxruntime as ort
-out = {}
+import sys, numpy as np, onnxruntime as ort
+opts = ort.SessionOptions()
+opts.log_severity_level = 3
 for path in sys.argv[1:]:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
     s = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-    x = np.full(s.get_inputs()[0].shape, 1.27, np.float32)   # code 255 with zero point 128
-    out[path] = s.run(None, {"x": x})[0].tolist()
-print(json.dumps(out))
+    np.save(path + ".out.npy", np.stack([s.run(None, {"x": x})[0] for x in np.load(path + ".x.npy")]))
 """
 
 
-def _haswell(paths: list[str]) -> dict:
+def _haswell(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Model path -> its first output on each of its inputs ``x`` (stacked), in onnxruntime's
+    kernels under ``qemu-x86_64 -cpu Haswell``."""
     qemu = shutil.which("qemu-x86_64")
     if qemu is None:
         pytest.skip("qemu-x86_64 is not installed: cannot emulate an x86-64 CPU without VNNI")
-    done = subprocess.run([qemu, "-cpu", "Haswell", sys.executable, "-c", PROBE, *paths],
+    for path, x in feeds.items():
+        np.save(path + ".x.npy", x)
+    done = subprocess.run([qemu, "-cpu", "Haswell", sys.executable, "-c", PROBE, *feeds],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {path: np.load(path + ".out.npy") for path in feeds}
 
 
 @pytest.mark.slow
@@ -156,29 +155,18 @@ def test_onnxruntime_on_avx2_pairs_exactly_what_the_analysis_says(tmp_path):
              "c2c3p4": [(0, 2, 1, 1), (0, 3, 1, 1)]}
     cases = {name: _conv_codes(2, 4, 3, hits) for name, hits in cases.items()}
     cases["odd_c2p0_c0p1"] = _conv_codes(2, 3, 3, [(0, 2, 0, 0), (0, 0, 0, 1)])
-    paths, expected, simulated = [], {}, {}
+    feeds, expected, simulated = {}, {}, {}
     for name, w in cases.items():
         path = str(tmp_path / f"{name}.onnx")
         model = _qdq_model(c_in=w.shape[1], weights=w)
         onnx.save(model, path)
-        paths.append(path)
         expected[path] = bool(risks(qdq_layers(from_proto(model))))
-        x = np.full((1, w.shape[1], 5, 5), 1.27, np.float32)
+        x = np.full((1, w.shape[1], 5, 5), 1.27, np.float32)   # code 255 with zero point 128
+        feeds[path] = x[None]
         simulated[path] = session(model, optimize=False).run(None, {"x": x})[0]   # exact sums, on any CPU
-    emulated = _haswell(paths)
-    saturated = {p: bool(np.abs(np.asarray(emulated[p]) - simulated[p]).max() > 2 * OUT_SCALE) for p in paths}
+    emulated = _haswell(feeds)
+    saturated = {p: bool(np.abs(emulated[p][0] - simulated[p]).max() > 2 * OUT_SCALE) for p in feeds}
     assert saturated == expected and any(expected.values()) and not all(expected.values())
-
-
-FEED_PROBE = r"""
-import sys, numpy as np, onnxruntime as ort
-opts = ort.SessionOptions()
-opts.log_severity_level = 3
-x = np.load(sys.argv[1])
-for path in sys.argv[2:]:
-    s = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
-    np.save(path + ".out.npy", np.stack([s.run(None, {"x": xi})[0] for xi in x]))
-"""
 
 
 @pytest.mark.slow
@@ -189,26 +177,20 @@ def test_protected_layer_keeps_its_simulated_snr_in_the_avx2_kernels(tmp_path):
     import qpasses
     from qpasses.testing import bn_conv_data, bn_conv_layer
 
-    qemu = shutil.which("qemu-x86_64")
-    if qemu is None:
-        pytest.skip("qemu-x86_64 is not installed: cannot emulate an x86-64 CPU without VNNI")
     calib, evals = [{"x": x} for x in bn_conv_data(8, 1)], bn_conv_data(8, 7)
     reference = session(bn_conv_layer(), optimize=False)
     want = np.stack([reference.run(None, {"x": x})[0] for x in evals]).astype(np.float64)
     snr = lambda got: 10 * np.log10((want ** 2).sum() / ((got - want) ** 2).sum())  # noqa: E731
-    paths, simulated = [], {}
+    paths, simulated = {}, {}
     for cpu in ("x86-64", "x86-64-vnni"):
         model = qpasses.quantize(from_proto(bn_conv_layer()), calib, config={"cpu": cpu})
         path = str(tmp_path / f"{cpu}.onnx")
         qpasses.save(model, path)
         sim = session(path, optimize=False)
         simulated[cpu] = snr(np.stack([sim.run(None, {"x": x})[0] for x in evals]))
-        paths.append(path)
-    np.save(tmp_path / "x.npy", evals)
-    done = subprocess.run([qemu, "-cpu", "Haswell", sys.executable, "-c", FEED_PROBE, str(tmp_path / "x.npy"), *paths],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    emulated = {cpu: snr(np.load(p + ".out.npy")) for cpu, p in zip(("x86-64", "x86-64-vnni"), paths)}
+        paths[cpu] = path
+    outputs = _haswell({path: evals for path in paths.values()})
+    emulated = {cpu: snr(outputs[path]) for cpu, path in paths.items()}
     assert simulated["x86-64"] == simulated["x86-64-vnni"] > 30
     assert abs(emulated["x86-64"] - simulated["x86-64"]) < 0.1
     assert emulated["x86-64-vnni"] < simulated["x86-64-vnni"] - 3
