@@ -88,55 +88,6 @@ def row_channels(shape: tuple, op: str, transposed: bool = False) -> np.ndarray:
     return np.arange(int(np.prod(shape[:-2], dtype=np.int64)) * shape[-1]) % shape[-1]
 
 
-def pair_indices(shape: tuple, op: str, transposed: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Flat indices into a weight of ``shape`` of every pair's two elements (-1: an odd K's padding),
-    and the output channel of each pair."""
-    rows = k_rows(np.arange(int(np.prod(shape, dtype=np.int64))).reshape(shape), op, transposed)
-    if rows.shape[1] % 2:
-        rows = np.pad(rows, ((0, 0), (0, 1)), constant_values=-1)
-    channels = np.repeat(row_channels(shape, op, transposed), rows.shape[1] // 2)
-    return rows[:, 0::2].ravel(), rows[:, 1::2].ravel(), channels
-
-
-def layout_partners(shape: tuple, op: str, transposed: bool = False) -> np.ndarray:
-    """For one output channel's weights in the weight's own layout (a Conv's [C_in/group, k...]
-    flattened; a MatMul/Gemm column's K), the index of each weight's pair partner (-1: none)."""
-    if op == "Conv":
-        first, second, _ = pair_indices((1, *shape[1:]), op)
-        k = int(np.prod(shape[1:], dtype=np.int64))
-    else:
-        k = shape[1] if transposed else shape[-2]
-        first, second, _ = pair_indices((k, 1), "MatMul")
-    partner = np.full(k, -1)
-    paired = second >= 0
-    partner[first[paired]], partner[second[paired]] = second[paired], first[paired]
-    return partner
-
-
-def refine_safe(codes: np.ndarray, goal: np.ndarray, h: np.ndarray, partner: np.ndarray, lo, hi,
-                sweeps: int, top: int = TOP_CODE) -> np.ndarray:
-    """Codes [G, R, K] (K in ``layout_partners``' order) moved by coordinate descent on the layer loss
-    (q - goal) H (q - goal)^T (rounding.refine_codes) within [lo, hi] and with every pair kept safe:
-    the first and the second codes of the pairs move in turn, each bounded by its partner's code."""
-    from ..quant.rounding import refine_codes
-
-    limit_hi, limit_lo = pair_limits(top)
-    first = (partner < 0) | (partner > np.arange(partner.size))
-    lo, hi = np.broadcast_to(lo, codes.shape), np.broadcast_to(hi, codes.shape)
-    q = np.array(codes, np.float64)
-    for _ in range(sweeps):
-        moved = 0
-        for half in (first, ~first):
-            p = np.where(partner >= 0, q[..., np.maximum(partner, 0)], 0.0)
-            low = np.where(half, np.maximum(lo, np.where(p < 0, limit_lo - p, lo)), q)
-            high = np.where(half, np.minimum(hi, np.where(p > 0, limit_hi - p, hi)), q)
-            q, moves = refine_codes(q, goal, low, high, h, 1)
-            moved += moves
-        if not moved:
-            break
-    return q
-
-
 def _pairs(rows: np.ndarray) -> np.ndarray:
     """[rows, K] -> [rows, ceil(K/2), 2] (odd K: the last paired with 0), as int32."""
     rows = np.asarray(rows, np.int32)
@@ -192,19 +143,15 @@ class PairLayer:
     def transposed(self) -> bool:
         return trans_b(self.node)
 
-    def rows(self, codes: np.ndarray | None = None) -> np.ndarray:
-        return k_rows(self.codes if codes is None else codes, self.node.op, self.transposed)
+    def rows(self) -> np.ndarray:
+        return k_rows(self.codes, self.node.op, self.transposed)
 
-    def risky_channels(self, codes: np.ndarray | None = None, top: int = TOP_CODE) -> np.ndarray:
-        """bool per output channel: some pair of its row(s) can saturate."""
-        codes = self.codes if codes is None else codes
-        rows = risky_pairs(self.rows(codes), top).any(1)
-        out = np.zeros(codes.shape[output_axis(codes.ndim, self.node.op, self.transposed)], bool)
-        np.logical_or.at(out, row_channels(codes.shape, self.node.op, self.transposed), rows)
-        return out
-
-    def risky_pair_count(self, top: int = TOP_CODE) -> int:
-        return int(risky_pairs(self.rows(), top).sum())
+    def risky(self, top: int = TOP_CODE) -> tuple[np.ndarray, int]:
+        """bool per output channel (some pair of its row(s) can saturate), and the risky pairs."""
+        pairs = risky_pairs(self.rows(), top)
+        out = np.zeros(self.codes.shape[output_axis(self.codes.ndim, self.node.op, self.transposed)], bool)
+        np.logical_or.at(out, row_channels(self.codes.shape, self.node.op, self.transposed), pairs.any(1))
+        return out, int(pairs.sum())
 
 
 def _kernel_candidate(node: gs.Node) -> bool:
@@ -306,10 +253,10 @@ def risks(layers: list[PairLayer]) -> list[Risk]:
     """The layers with a pair that can saturate, in graph order."""
     out = []
     for layer in layers:
-        channels = layer.risky_channels()
+        channels, pairs = layer.risky()
         if channels.any():
             out.append(Risk(layer.node.name, layer.node.op, layer.weight, tuple(int(c) for c in np.flatnonzero(channels)),
-                            channels.size, layer.risky_pair_count()))
+                            channels.size, pairs))
     return out
 
 
