@@ -488,9 +488,9 @@ def mse_range(hist: Histogram, bits: int = 8, symmetric: bool = False, candidate
     cost = _expected_mse(m, lowers, uppers, (uppers - lowers) / steps)
     i, j = np.unravel_index(int(np.argmin(cost)), cost.shape)
     low, high = max(float(lowers[i, 0]), lo), min(float(uppers[0, j]), hi)
-    # all of one sign: the best grid may clip every value (to upper < lo); the range then collapses
-    # onto that bound, and the grid still reaches 0
-    return (high, high) if low > high and lo > 0 else (low, low) if low > high else (low, high)
+    if low > high:   # all of one sign, every value clipped onto the bound nearest 0: the range is that bound
+        return (high, high) if lo > 0 else (low, low)
+    return (low, high)
 
 
 def finalise(method: str, stats: TensorStats, *, percentile: float = 99.999, num_bins: int = 2048,
