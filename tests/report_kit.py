@@ -24,9 +24,10 @@ def convs(samples: int):
     return model_from_text(text), qdq, feeds
 
 
-def quantized_example(folder):
-    """(float model path, `qpasses run` output path, eval data path) of the bundled example in ``folder``."""
+def quantized_example(folder, *extra):
+    """(float model path, `qpasses run` output path, eval data path) of the bundled example in
+    ``folder``; ``extra``: more ``run`` arguments."""
     model, calib, evals = write_example(folder)
     q = folder / "q.onnx"
-    assert main(["run", str(model), "-o", str(q), "--calib", str(calib), "--quiet"]) == 0
+    assert main(["run", str(model), "-o", str(q), "--calib", str(calib), "--quiet", *extra]) == 0
     return model, q, evals

@@ -7,7 +7,7 @@ import pytest
 
 from qpasses.cli import main
 from qpasses.evaluation.evaluate import session
-from qpasses.report import provider
+from qpasses.report import backends, provider
 from qpasses.report.backends import with_outputs
 from qpasses.report.layers import layers
 
@@ -145,9 +145,17 @@ def test_openvino_missing_is_one_line(example, tmp_path, capsys, monkeypatch):
     assert err == "qpasses: error: --provider openvino needs OpenVINO: pip install 'qpasses[openvino]'"
 
 
-def test_openvino_runs_the_qdq_model_in_u8(example):
+@pytest.fixture(scope="module")
+def vnni_example(tmp_path_factory):
+    """The example quantized for VNNI CPUs only (cpu x86-64-vnni: every weight int8)."""
+    folder = tmp_path_factory.mktemp("vnni")
+    (folder / "vnni.json").write_text(json.dumps({"cpu": "x86-64-vnni"}))
+    return report_kit.quantized_example(folder, "--config", str(folder / "vnni.json"))
+
+
+def test_openvino_runs_the_qdq_model_in_u8(vnni_example):
     pytest.importorskip("openvino")
-    model, q, evals = example
+    model, q, evals = vnni_example
     result = provider.compare_per_layer(model, q, evals, provider="openvino", samples=2)
     rows = {r["tensor"]: r for r in result["tensors"]}
     assert not result["unread"] and rows["bn1"]["kernel"].startswith("Convolution u8")
@@ -155,3 +163,19 @@ def test_openvino_runs_the_qdq_model_in_u8(example):
     out = result["outputs"]["logits"]
     assert abs(out["provider_snr_db"] - out["sim_snr_db"]) < 1.0
     assert any("inference precision" in n for n in result["notes"])
+
+
+def test_openvino_names_the_layers_protect_pair_sums_left_in_float(example):
+    """The default (cpu x86-64) stores the weights of layers that could saturate without VNNI as
+    uint8; OpenVINO runs uint8 weights in float (f32 or bf16), and a note says so and what to change."""
+    pytest.importorskip("openvino")
+    model, q, evals = example
+    proto = onnx.load(q)
+    protected = {n.name for n in proto.graph.node if n.op_type == "Conv"} & \
+        backends.uint8_weight_readers(proto)
+    assert protected, "the example has no layer protect-pair-sums changes: pick another model"
+    result = provider.compare_per_layer(model, q, evals, provider="openvino", samples=2)
+    note = next(n for n in result["notes"] if "protect-pair-sums" in n)
+    assert all(name in note for name in protected) and "x86-64-vnni" in note
+    out = result["outputs"]["logits"]
+    assert abs(out["provider_snr_db"] - out["sim_snr_db"]) < 1.0

@@ -172,6 +172,13 @@ class OpenVino:
                       (f"the added outputs changed the layer type or precision of {len(changed)} original "
                        f"layers (e.g. {', '.join(changed[:3])})" if changed else
                        "the added outputs left every original layer's type and precision unchanged")]
+        kinds = {name.split("/")[0]: layer[2] for name, layer in self.layers_plain.items() if layer[1] in INT_KERNELS}
+        floats = sorted(name for name in uint8_weight_readers(qproto) if kinds.get(name, "u8") not in ("u8", "i8"))
+        if floats:
+            self.notes.append(
+                f"{len(floats)} layers with uint8 weights run in float ({', '.join(floats[:5])}): "
+                "protect-pair-sums (cpu x86-64) stores them so for CPUs without VNNI, and OpenVINO runs "
+                "int8 weights only; config cpu x86-64-vnni keeps them int8 if only VNNI CPUs run the model")
 
     def run(self, feed) -> dict[str, np.ndarray]:
         result = self._exposed.create_infer_request().infer(feed)
@@ -219,6 +226,14 @@ class OpenVino:
         if kind == "Subgraph":
             return f"float subgraph (Snippets) in {runtime}, then quantized"
         return f"{kind} in {runtime}"
+
+
+def uint8_weight_readers(proto: onnx.ModelProto) -> set[str]:
+    """Names of the nodes whose weight (input 1) is dequantized from a uint8 initializer."""
+    inits = {t.name: t.data_type for t in proto.graph.initializer}
+    uint8 = {n.output[0] for n in proto.graph.node
+             if n.op_type == "DequantizeLinear" and inits.get(n.input[0]) == onnx.TensorProto.UINT8}
+    return {n.name for n in proto.graph.node if len(n.input) > 1 and n.input[1] in uint8}
 
 
 def _ov_outputs(compiled, feed, outputs: list[str]) -> list[np.ndarray]:
