@@ -72,3 +72,12 @@ def test_fewest_leaves_the_reserve_and_aim_spends_it_on_whole_heads():
     assert chosen == ["a"]
     promoted, reached, order = aimed(walk, [names, names[::-1]], chosen, 30.0, _one_op_each(names, 0.25))
     assert walk.left == 0 and (promoted, reached, order) == (["a", "d", "c"], 16.0, 1)
+
+
+def test_the_share_counts_multiply_accumulates_not_ops():
+    """Op 0 does 90 % of the work: promoting its reader leaves 10 % of the cost 8-bit, under any
+    share, while promoting the three light ones keeps 90 %."""
+    share = EightBitShare({"heavy": {0}, "a": {1}, "b": {2}, "c": {3}}, 100.0, 100.0, 0.8,
+                          {0: 90.0, 1: 10 / 3, 2: 10 / 3, 3: 10 / 3})
+    assert share.cap(["heavy", "a"]) == 0 and share.cap(["a", "b", "c", "heavy"]) == 3
+    assert share.lost(["a", "b"]) == 20 / 3

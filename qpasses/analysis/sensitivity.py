@@ -124,22 +124,44 @@ def _relative_error_db(x: np.ndarray, tq) -> float:
 
 def eight_bit_share(model: QModel, groups: dict[str, list[str]], keep: float) -> EightBitShare:
     """Which weighted ops (Conv/ConvTranspose/Gemm/MatMul with a constant weight, in bodies too)
-    with an 8-bit input and weight each group's promotion takes out of 8 bits: those reading a member."""
+    with an 8-bit input and weight each group's promotion takes out of 8 bits (those reading a
+    member), each counted by its multiply-accumulates (``macs``): what it costs to run in float."""
     owner = {member: root for root, members in groups.items() for member in members}
     reads: dict[str, set[int]] = {root: set() for root in groups}
-    eight = total = 0
+    ops, eight = [], set()
     for scope in scopes(model).scopes:
         for node in scope.graph.nodes:
             if node.op not in WEIGHTED_OPS or len(node.inputs) < 2 or not isinstance(node.inputs[1], gs.Constant):
                 continue
-            total += 1
+            ops.append(node)
             names = (node.inputs[0].name, node.inputs[1].name)
             if all(n in model.quant and model.quant[n].qtype in EIGHT_BIT for n in names):
-                eight += 1
+                eight.add(id(node))
                 for name in names:
                     if name in owner:
                         reads[owner[name]].add(id(node))
-    return EightBitShare(reads, eight, total, keep)
+    cost = macs(ops)
+    return EightBitShare(reads, sum(cost[i] for i in eight), sum(cost.values()), keep, cost)
+
+
+def macs(nodes: list[gs.Node]) -> dict[int, float]:
+    """id(node) -> its multiply-accumulates per run: its weight's elements times the positions each
+    is applied at (a Conv's output positions, a ConvTranspose's input positions, a MatMul's or Gemm's
+    output rows) where that shape is known; where it is not, the median positions of the ops whose
+    shape is (1 if none is), so that unknown shapes neither vanish nor dominate."""
+    positions: dict[int, float | None] = {}
+    for node in nodes:
+        tensor = node.inputs[0] if node.op == "ConvTranspose" else node.outputs[0]
+        dims = list(tensor.shape) if tensor.shape is not None else []
+        if not dims or not all(isinstance(d, int) and d > 0 for d in dims):
+            positions[id(node)] = None
+        elif node.op in ("Conv", "ConvTranspose"):
+            positions[id(node)] = float(dims[0] * np.prod(dims[2:]))
+        else:
+            positions[id(node)] = float(np.prod(dims[:-1]))
+    known = [p for p in positions.values() if p is not None]
+    typical = float(np.median(known)) if known else 1.0
+    return {id(node): float(node.inputs[1].values.size) * (positions[id(node)] or typical) for node in nodes}
 
 
 def graph_order(model: QModel, groups: dict[str, list[str]], ranked: list[str]) -> list[str]:

@@ -35,22 +35,27 @@ class Walk:
 @dataclass(frozen=True)
 class EightBitShare:
     """Which weighted ops each group's promotion takes out of 8 bits (``reads``: root -> op ids),
-    how many are 8-bit now (``eight``) of ``total``, and the share to keep."""
+    what the 8-bit ones cost now (``eight``) of ``total``, and the share to keep; ``cost``: op id ->
+    its multiply-accumulates (None: every op counts 1)."""
 
     reads: dict
-    eight: int
-    total: int
+    eight: float
+    total: float
     keep: float
+    cost: dict | None = None
 
-    def lost(self, names) -> int:
-        return len(set().union(*(self.reads.get(n, ()) for n in names)))
+    def lost(self, names) -> float:
+        return self._cost(set().union(*(self.reads.get(n, ()) for n in names)))
+
+    def _cost(self, ops: set) -> float:
+        return float(len(ops)) if self.cost is None else sum(self.cost[i] for i in ops)
 
     def cap(self, ranked: list[str]) -> int:
-        """The longest head of ``ranked`` whose promotion keeps ``keep`` of the weighted ops 8-bit."""
+        """The longest head of ``ranked`` whose promotion keeps ``keep`` of the weighted ops' cost 8-bit."""
         lost: set = set()
         for i, name in enumerate(ranked):
             lost |= self.reads.get(name, set())
-            if self.eight - len(lost) < self.keep * self.total:
+            if self.eight - self._cost(lost) < self.keep * self.total:
                 return i
         return len(ranked)
 

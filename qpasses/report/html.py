@@ -139,7 +139,7 @@ def _summary(info: dict) -> list[str]:
     search = info.get("decisions", {}).get("precision_search")
     if search:
         promoted = search.get("promoted", [])
-        aim = (f" (aim {escape(str(search['aim']))} with {100 * search.get('keep_8bit', 0):.0f} % of the weighted ops "
+        aim = (f" (aim {escape(str(search['aim']))} with {100 * search.get('keep_8bit', 0):.0f} % of the weighted ops' multiply-accumulates "
                f"8-bit, {'met' if search.get('aim_met') else 'not met'}: {escape(str(search.get('aimed')))})"
                if "aimed" in search else "")
         out.append(f"<p>search-precision: target {escape(str(search.get('target')))} {escape(str(search.get('metric')))}{aim}, "

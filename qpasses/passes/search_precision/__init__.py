@@ -25,8 +25,9 @@ DECISION = PRECISION_SEARCH
 # evaluations and 8-bit layers on models that already work (tools/README.md).
 DEFAULT_TARGET_DB = 12.0
 # Beyond the target, without one given: 25 dB (the issue's bar for a usable model on every class
-# measured) while 80 % of the weighted ops stay 8-bit. On ppocr_v4_det IoU 0.960 -> 0.984, on
-# ppocr_v4_rec text 0.836 -> 0.875, each with 20 % of its weighted ops out of 8 bits (tools/README.md).
+# measured) while 80 % of the weighted ops' multiply-accumulates stay 8-bit: the cost of float is
+# the work it does (counting ops instead, ppocr_v4_rec read 0.891 on 128 samples, 0.938 by
+# multiply-accumulates, both under onnxruntime's latency; tools/RESULTS.md).
 DEFAULT_AIM_DB = 25.0
 
 
@@ -53,7 +54,7 @@ class SearchPrecision(Pass):
     (one evaluation); while it misses there, the worst of them join the check feeds and the bisection
     goes on from the promotions made, down the ranking (the same budget). Then, below ``aim`` (default:
     25 dB of SNR when no target is given), it goes on promoting while ``keep_8bit`` of the weighted
-    ops stay 8-bit: each of two orders (the same ranking; the graph order, the inputs' end first, as
+    ops' multiply-accumulates stay 8-bit (analysis.sensitivity.macs: the cost of running them in float): each of two orders (the same ranking; the graph order, the inputs' end first, as
     errors made early grow through the rest) is cut where the share would drop below ``keep_8bit``,
     the order whose head scores higher is searched (bisection to the aim, then at most 4 evaluations
     giving members back), within the same evaluation budget. With
@@ -69,8 +70,8 @@ class SearchPrecision(Pass):
     and ``requested`` those the config named (never promoted).
     Invariants: the graph is not changed; what the config names (tensor_overrides, mixed_precision,
     nodes_to_quantize: qpasses.analysis.requests.pinned) is never promoted; nothing is promoted when the quantized model already meets the
-    aim (the target when there is no aim); the aim never takes the share of 8-bit weighted ops below
-    ``keep_8bit`` (the target may); nothing is done (and it says why) without calibration data or above
+    aim (the target when there is no aim); the aim never takes the 8-bit share of the weighted ops' multiply-accumulates
+    below ``keep_8bit`` (the target may); nothing is done (and it says why) without calibration data or above
     ``max_nodes`` / ``max_weight_mb``.
     """
 
@@ -100,11 +101,11 @@ class SearchPrecision(Pass):
         "help": "what a promoted tensor becomes: float (runs everywhere) or uint16/int16 (empty: "
                 "config accuracy.fallback, float)", "choices": ("",) + ACCURACY_FALLBACKS})
     aim: float | None = field(default=None, metadata={
-        "help": "beyond the target, promote towards this score while keep_8bit of the weighted ops stay "
+        "help": "beyond the target, promote towards this score while keep_8bit of the weighted ops' work stays "
                 f"8-bit (empty: config accuracy.aim, else {DEFAULT_AIM_DB:g} dB of SNR when no target is given)"})
     keep_8bit: float | None = field(default=None, metadata={
-        "help": "share of the weighted ops (Conv/ConvTranspose/Gemm/MatMul with a constant weight) that stays "
-                "8-bit while aiming (empty: config accuracy.keep_8bit, 0.8)"})
+        "help": "share of the weighted ops' multiply-accumulates (Conv/ConvTranspose/Gemm/MatMul with a constant "
+                "weight) that stays 8-bit while aiming (empty: config accuracy.keep_8bit, 0.8)"})
     samples: int = field(default=32, metadata={"help": "most feeds a check runs (held out when calibrate held some out)"})
     output_values: int = field(default=2**17, metadata={"help": "fewer feeds (not under 8) once the outputs hold this "
                             "many values: bert_encoder's 128-value embedding read 3 dB above its eval set on 8, 1 on 24"})
