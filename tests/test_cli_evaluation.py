@@ -9,8 +9,9 @@ import pytest
 
 from qpasses.calibration.data import open_data
 from qpasses.calibration.kept import KeptSamples
-from qpasses.cli import _kept_float_outputs, main
+from qpasses.cli import main
 from qpasses.cli.examples import example_data, write_example
+from qpasses.cli.run import _kept_float_outputs
 from qpasses.evaluation.evaluate import compare
 
 

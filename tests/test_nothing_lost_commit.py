@@ -107,9 +107,9 @@ def _fail_user_metric(ws, monkeypatch):
 
 
 def _fail_summary(ws, monkeypatch):
-    import qpasses.cli
+    import qpasses.cli.run
 
-    monkeypatch.setattr(qpasses.cli, "_EVAL_SAMPLES", "not a number")
+    monkeypatch.setattr(qpasses.cli.run, "_EVAL_SAMPLES", "not a number")
     return 1, "internal error"
 
 

@@ -104,3 +104,10 @@ def write_example(folder, *, force: bool = False) -> tuple[Path, Path, Path]:
             raise QpassesError(str(exc).replace(": cannot write to", ": cannot write the example to", 1)) from None
         staging.commit()
     return model_path, calib_path, eval_path
+
+
+def cmd_example(args) -> int:
+    model, calib, evald = write_example(args.folder, force=args.force)
+    print(f"wrote {model}, {calib}, {evald}\n"
+          f"next: qpasses run {model} -o {Path(args.folder) / 'model.qdq.onnx'} --calib {calib} --eval {evald}")
+    return 0

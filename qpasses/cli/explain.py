@@ -5,7 +5,13 @@ from ..analysis.saturation import decision_line
 from ..analysis.scopes import scopes
 from ..errors import QpassesError
 from ..ir.decisions import float_reasons
-from ..ir.model import QModel
+from ..ir.model import QModel, load
+
+
+def cmd_explain(args) -> int:
+    for line in explain_lines(load(args.model), args.tensor):
+        print(line)
+    return 0
 
 
 def explain_lines(model: QModel, tensor: str | None = None) -> list[str]:

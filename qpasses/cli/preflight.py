@@ -7,6 +7,7 @@ What stays float and why is then read from the saved decisions (ir/decisions.py)
 """
 from __future__ import annotations
 
+import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 
 from ..errors import PassFailure, QpassesError, first_line
 from ..ir.graphutil import in_default_domain
+from .paths import escape
 
 # the passes of the default pipeline up to the final types (calibration needs data: not run)
 TYPE_PIPELINE = "fold-constants,fold-batchnorm,cleanup,annotate-types,propagate-mixed-precision"
@@ -51,6 +53,16 @@ def check(path, config=None) -> Preflight:
     out.lines.append(f"verdict: {'can be quantized' if out.ok else 'cannot be quantized'}")
     out.lines += [f"  problem: {p}" for p in out.problems]
     return out
+
+
+def cmd_check(args) -> int:
+    result = check(args.model, args.config)
+    print("\n".join(escape(line) for line in result.lines))
+    if result.ok:
+        return 0
+    more = f" (and {len(result.problems) - 1} more, above)" if len(result.problems) > 1 else ""
+    print(escape(f"qpasses: error: {args.model} cannot be quantized: {result.problems[0]}{more}"), file=sys.stderr)
+    return 2
 
 
 def _mb(n: int) -> str:
