@@ -235,3 +235,20 @@ def test_cleanup_merges_big_equal_weights_by_sampled_fingerprint():
     feed = random_feed(proto)
     for got, ref in zip(run(model, feed), run(proto, feed)):
         np.testing.assert_array_equal(got, ref)
+
+
+def test_the_cli_commits_a_model_saved_with_external_data(tmp_path, monkeypatch, capsys):
+    """`qpasses run` saves into its staging folder in place (ir.save(atomic=False)): the model and
+    its .data file are both committed, and nothing else is left beside them."""
+    from qpasses.cli import main
+
+    monkeypatch.setattr(ir, "EXTERNAL_DATA_THRESHOLD", 64 * 1024)
+    onnx.save(_mlp(layers=3, width=128), str(tmp_path / "float.onnx"))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["run", str(tmp_path / "float.onnx"), "-o", str(out / "q.onnx"), "--quiet"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["q.onnx", "q.onnx.data"]
+    saved = onnx.load(str(out / "q.onnx"), load_external_data=False)
+    assert any(t.data_location == TensorProto.EXTERNAL for t in saved.graph.initializer)
+    again = qpasses.load(out / "q.onnx")
+    assert len(again.graph.nodes) == len(qpasses.load(tmp_path / "float.onnx").graph.nodes)

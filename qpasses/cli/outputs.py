@@ -199,12 +199,13 @@ def remove_tree(folder: Path) -> str | None:
 
 
 def save_staged(model, staged: Path, target: Path) -> None:
-    """``ir.save`` to the staged path; its one-line errors name the target."""
+    """``ir.save`` to the staged path (in place: the staging folder is committed whole); its
+    one-line errors name the target."""
     from ..errors import ModelError
     from ..ir.model import save
 
     try:
-        save(model, staged)
+        save(model, staged, atomic=False)
     except ModelError as exc:
         raise ModelError(str(exc).replace(str(staged), str(target)).replace(str(staged.parent), str(target.parent))) from None
 

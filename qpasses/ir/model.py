@@ -456,8 +456,10 @@ def tensor_bytes(proto: onnx.ModelProto) -> int:
 
 
 @relaxed_gc()
-def save(model: QModel | onnx.ModelProto, path: str | Path, *, external_data: bool | None = None) -> Path:
-    """Write atomically: a temporary file in the target folder is renamed into place.
+def save(model: QModel | onnx.ModelProto, path: str | Path, *, external_data: bool | None = None,
+         atomic: bool = True) -> Path:
+    """Write atomically: a temporary file in the target folder is renamed into place (``atomic=False``:
+    written in place, for a path in a folder of its own that is committed whole, as the CLI's staging).
 
     Models whose tensor data exceed ~1.8 GB are written with one external data file
     ``<name>.data`` beside the model.
@@ -470,7 +472,7 @@ def save(model: QModel | onnx.ModelProto, path: str | Path, *, external_data: bo
     if external_data is None:
         external_data = tensor_bytes(proto) > EXTERNAL_DATA_THRESHOLD
     try:
-        tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)) if atomic else path.parent
     except OSError as exc:
         raise ModelError(f"{path}: cannot write to '{path.parent}' ({exc.strerror})") from None
     try:
@@ -480,16 +482,19 @@ def save(model: QModel | onnx.ModelProto, path: str | Path, *, external_data: bo
             onnx.save_model(proto, str(tmp_model), save_as_external_data=True,
                             all_tensors_to_one_file=True, location=location, size_threshold=1024)
             _fsync(tmpdir / location)
-            os.replace(tmpdir / location, path.parent / location)
+            if atomic:
+                os.replace(tmpdir / location, path.parent / location)
         else:
             with open(tmp_model, "wb") as f:
                 f.write(proto.SerializeToString())
         _fsync(tmp_model)
-        os.replace(tmp_model, path)
+        if atomic:
+            os.replace(tmp_model, path)
     except OSError as exc:
         raise ModelError(f"{path}: write failed ({exc.strerror or exc}); previous file left intact") from None
     finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+        if atomic:
+            shutil.rmtree(tmpdir, ignore_errors=True)
     return path
 
 
