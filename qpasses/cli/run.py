@@ -7,8 +7,10 @@ import sys
 from pathlib import Path
 
 from ..errors import PassFailure, QpassesError, TargetNotMet
+from ..ir.model import relaxed_gc
 
 
+@relaxed_gc()   # as the pipeline: its own steps and the modules it imports build long-lived objects
 def cmd_run(args) -> int:
     from ..api import run_pipeline
     from ..core.context import RunContext
