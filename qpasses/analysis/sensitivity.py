@@ -18,7 +18,7 @@ from ..evaluation.evaluate import session
 from ..ir.decisions import leave_float
 from ..ir.graphutil import subgraphs
 from ..ir.model import QModel
-from ..quant.oprules import WEIGHTED_OPS
+from ..quant.oprules import OUTPUT_QUANTIZED_OPS, WEIGHTED_OPS
 from ..quant.qparams import dequantize, quantize
 from ..quant.qtypes import EIGHT_BIT
 from .scopes import scopes
@@ -124,8 +124,10 @@ def _relative_error_db(x: np.ndarray, tq) -> float:
 
 def eight_bit_share(model: QModel, groups: dict[str, list[str]], keep: float) -> EightBitShare:
     """Which weighted ops (Conv/ConvTranspose/Gemm/MatMul with a constant weight, in bodies too)
-    with an 8-bit input and weight each group's promotion takes out of 8 bits (those reading a
-    member), each counted by its multiply-accumulates (``macs``): what it costs to run in float."""
+    run as integer kernels, and which of them each group's promotion takes out of 8 bits, each
+    counted by its multiply-accumulates (``macs``): what it costs to run in float. An op runs so
+    when its input and weight are 8-bit and, for a Conv or ConvTranspose, its output too (without a
+    QuantizeLinear after it onnxruntime runs a Conv in float); a member among those takes it out."""
     owner = {member: root for root, members in groups.items() for member in members}
     reads: dict[str, set[int]] = {root: set() for root in groups}
     ops, eight = [], set()
@@ -135,6 +137,7 @@ def eight_bit_share(model: QModel, groups: dict[str, list[str]], keep: float) ->
                 continue
             ops.append(node)
             names = (node.inputs[0].name, node.inputs[1].name)
+            names += (node.outputs[0].name,) if node.op in OUTPUT_QUANTIZED_OPS else ()
             if all(n in model.quant and model.quant[n].qtype in EIGHT_BIT for n in names):
                 eight.add(id(node))
                 for name in names:

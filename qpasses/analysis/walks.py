@@ -93,7 +93,7 @@ def fewest(walk: Walk, ranked: list[str], target: float, start: int = 0, reserve
 def aimed(walk: Walk, orders: list[list[str]], chosen: list[str], aim: float,
           share: EightBitShare) -> tuple[list[str], float, int]:
     """From ``chosen`` (short of ``aim``) towards ``aim``: each order of the candidates (``chosen``
-    first) is cut to its longest head that keeps ``share.keep`` of the weighted ops 8-bit and that
+    first) is cut to its longest head that keeps ``share.keep`` of the weighted ops' work 8-bit and that
     head is scored; the order whose head scores highest is then searched with ``fewest`` (at most
     ``GIVE_BACK`` evaluations giving members back). (promoted, score, index of the order; -1:
     ``chosen`` stays, as nothing within the share scored higher.)"""

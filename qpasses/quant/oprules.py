@@ -31,6 +31,9 @@ WEIGHTED_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})   # ops wi
 # override, an excluded node) would run 8-bit on a coarser grid than its own, so insert-qdq lets such
 # a reader read the float tensor instead.
 FLOAT_WEIGHT_OPS = frozenset({"Conv", "ConvTranspose", "Gemm"})
+# weighted ops onnxruntime's CPU provider runs as integer kernels only with a QuantizeLinear after
+# them (QLinearConv); a MatMul or Gemm with a float output still runs MatMulIntegerToFloat or QGemm
+OUTPUT_QUANTIZED_OPS = frozenset({"Conv", "ConvTranspose"})
 Q_OP, DQ_OP = "QuantizeLinear", "DequantizeLinear"
 QDQ_OPS = frozenset({Q_OP, DQ_OP})
 

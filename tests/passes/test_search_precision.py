@@ -313,7 +313,7 @@ def test_without_a_target_it_aims_higher_within_the_8_bit_share(options):
     eight, total = weighted_ops(model.to_proto())
     assert total == 5 and eight >= 4
     reason = float_reasons(model)[decision["promoted"][0]]["reason"]
-    assert f"aim 25 with 80% of the weighted ops 8-bit: taken over the {decision['aimed']}" in reason
+    assert f"aim 25 with 80% of the weighted ops' multiply-accumulates 8-bit: taken over the {decision['aimed']}" in reason
     ranked = [float_reasons(model)[name]["reason"] for name in decision["promoted"]]
     assert all(("; this one ranks " in r) != ("; this one was taken in graph order" in r) for r in ranked), ranked
 

@@ -189,7 +189,8 @@ class SearchPrecision(Pass):
                           if search.check_ref is not check else ("", ""))
             how = f"taken over the {search.aimed}" if search.aimed in ORDERS else search.aimed
             goal = (f"target {target:g}" + (f", {needed:g} on feeds the ranges came from" if needed > target else "")
-                    + (f", aim {aim:g} with {keep:.0%} of the weighted ops 8-bit: {how}" if "aimed" in decision else ""))
+                    + (f", aim {aim:g} with {keep:.0%} of the weighted ops' multiply-accumulates 8-bit: {how}"
+                       if "aimed" in decision else ""))
             gain = (f"keeping {len(chosen)} of {total} tensors {fallback} takes the worst output component's "
                     f"{metric} from {unpromoted:.4g}{first} to {search.raw[frozenset(chosen)]:.4g}{now} ({goal}"
                     f"{_margin(self.confidence, search.scores[frozenset(chosen)])})")
