@@ -252,3 +252,43 @@ def test_mixed_precision_regions_match_quantize_static_with_onnxruntimes_fixer(e
     default = qpasses.quantize(model, feeds, config)
     assert _sixteen_bit(default.to_proto()) == _sixteen_bit(ort_model) | {"output_0"}
     assert any("region of 'op4_out'" in line and "tied to op5" in line for line in default.quant["output_0"].why)
+
+
+# -- weights the model computes: quantize_static quantizes them as activations ---------------------
+CONSTANT_WEIGHT_CONV = """
+g (float[1, 4, 8, 8] x) => (float[1, 8, 8, 8] y) {
+    w = Constant <value = float[8, 4, 3, 3] {%s}> ()
+    c = Conv <pads = [1, 1, 1, 1]> (x, w)
+    y = Relu(c)
+}
+"""
+
+
+def _weight_grid(proto: onnx.ModelProto) -> tuple:
+    """(scale, zero point, its dtype) of the Conv's weight DequantizeLinear."""
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+    writer = {o: n for n in proto.graph.node for o in n.output}
+    conv = next(n for n in proto.graph.node if n.op_type == "Conv")
+    dq = writer[conv.input[1]]
+    zp = inits[dq.input[2]]
+    return float(inits[dq.input[1]]), int(zp), zp.dtype
+
+
+@pytest.mark.parametrize("config", [{"target": "onnxruntime"},
+                                    {"per_channel": False, "computed_weights": "activation"}])
+def test_a_constant_node_weight_gets_quantize_statics_activation_grid(config, tmp_path):
+    """quantize_static quantizes a weight held in a Constant node as an activation (uint8, asymmetric,
+    its min/max): the onnxruntime preset and ``computed_weights: activation`` give the same grid;
+    by default it is an int8 weight."""
+    values = np.random.default_rng(0).standard_normal(8 * 4 * 9) * 0.3 + 0.1
+    model = parse(CONSTANT_WEIGHT_CONV % ", ".join(f"{v:.4f}" for v in values))
+    feeds = [random_feed(model, seed) for seed in range(8)]
+    onnx.save(model, tmp_path / "float.onnx")
+    quantize_static(tmp_path / "float.onnx", tmp_path / "ort.onnx", _Reader(feeds), quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=False)
+    expected = _weight_grid(onnx.load(tmp_path / "ort.onnx"))
+    ours = _weight_grid(qpasses.quantize(model, feeds, config).to_proto())
+    assert expected[2] == ours[2] == np.uint8 and expected[1] != 0
+    assert ours[:2] == pytest.approx(expected[:2], rel=1e-6)
+    default = _weight_grid(qpasses.quantize(model, feeds, {"per_channel": False, "cpu": "x86-64-vnni"}).to_proto())
+    assert default[2] == np.int8   # (with cpu x86-64, protect-pair-sums may store it as uint8 on the same grid)

@@ -10,7 +10,8 @@ and prints its SNR line).
 Parts:
 * static: quantize_static (QDQ, QUInt8 activations, QInt8 weights, per tensor, MinMax) against
   `qpasses run --config` with onnxruntime's config in qpasses' spelling (ORT_CONFIG: its symmetric
-  QInt8 weight grid, accuracy target 0: no search) on the accuracy models (tools/accuracy_models.py)
+  QInt8 weight grid, weights held in Constant nodes quantized as activations as it does, accuracy
+  target 0: no search) on the accuracy models (tools/accuracy_models.py)
   and any corpus model named; output SNR of both on the eval set (worst output), measured here.
 * chain: the 3,200-node Conv+Relu chain of bench_quant_scale.py through `qpasses run` with the
   default config (mse histograms), 8 samples (target <= 5 s; quantize_static needs minutes: not run).
@@ -43,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO = Path(__file__).resolve().parents[1]
 
 ORT_CONFIG = {"activation_type": "uint8", "weight_type": "int8", "per_channel": False, "weight_symmetric": True,
-              "calibration": {"method": "minmax"}, "accuracy": {"target": 0}, "smooth_quant": False}
+              "calibration": {"method": "minmax"}, "accuracy": {"target": 0}, "smooth_quant": False,
+              "computed_weights": "activation"}
 RTN_CONFIG = {"mode": "weight_only", "weight_only": {"bits": 4, "block_size": 32, "symmetric": True, "algorithm": "rtn", "format": "matmulnbits"}}
 ACC_MODELS = ("bert_encoder", "byte_classifier", "crnn_lstm")
 CHAIN_NODES, CHAIN_SAMPLES = 3200, 8

@@ -94,6 +94,9 @@ PAIR_SATURATING_CPUS = frozenset({"x86-64"})
 MODES = ("static", "weight_only", "dynamic")    # pipeline.MODE_PIPELINES: the default pipeline of each mode
 FORMATS = ("qdq", "qoperator")
 EFFORTS = ("default", "high")   # pipeline.default_pipeline: high reconstructs the weights (reconstruct-weights)
+# how a weight the input model computes (a Constant node's value, or ops on initializers: fold-constants
+# records them) is quantized: as a weight, or as onnxruntime's quantize_static does, as an activation
+COMPUTED_WEIGHTS = ("weight", "activation")
 
 
 @dataclass
@@ -122,6 +125,7 @@ class QuantConfig:
     target: str | None = None                     # preset in qpasses/config/targets/<target>.json
     cpu: str = "x86-64"                           # one of CPUS: which int8 kernels the model must not saturate
     keep_removable_activations: bool = False      # keep Relu/Clip instead of merging them
+    computed_weights: str = "weight"              # one of COMPUTED_WEIGHTS
     op_types_to_exclude_output_quantization: list[str] = field(default_factory=list)
     per_channel_axes: dict = field(default_factory=dict)  # op type -> weight channel axis
     force_quantize_no_input_check: bool = False   # quantize data-movement ops outside quantized regions
@@ -137,7 +141,8 @@ class QuantConfig:
         if self.weight_symmetric is None and self.weight_type in QTYPES:
             self.weight_symmetric = qtype(self.weight_type).signed
         self.mode = str(self.mode).lower().replace("-", "_")
-        for key, allowed in (("mode", MODES), ("format", FORMATS), ("effort", EFFORTS), ("cpu", tuple(CPUS))):
+        for key, allowed in (("mode", MODES), ("format", FORMATS), ("effort", EFFORTS), ("cpu", tuple(CPUS)),
+                             ("computed_weights", COMPUTED_WEIGHTS)):
             if getattr(self, key) not in allowed:
                 problems.append(f"{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
         if self.scale_type not in ("float32", "float16"):

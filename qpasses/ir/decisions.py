@@ -6,6 +6,7 @@ from .model import QModel
 FLOAT = "float"
 PRECISION_SEARCH = "precision_search"   # search-precision's: metric, target, aim, promotions
 PAIR_SUMS = "pair_sums"                 # protect-pair-sums': the layers whose int16 pair sums could saturate
+COMPUTED = "computed"                   # fold-constants': the tensors it made constant (not initializers in the input)
 
 
 def leave_float(model: QModel, reasons: dict[str, str], by: str) -> None:

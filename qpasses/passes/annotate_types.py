@@ -134,6 +134,7 @@ class TypePlanner:
         self.float_outputs: dict[str, str] = {}  # weight MatMul outputs left float (and islands): why
         self.quantized: set[str] = set()        # names of the nodes quantize_node ran on
         given, self.chosen = config.given, chosen(config)
+        self.computed = set(model.decisions.get(decisions.COMPUTED, [])) if config.computed_weights == "activation" else set()
         defaults = load_target(config.target).defaults if config.target else {}
         self.source = {key: f"target {config.target} default" if key in defaults and key not in given
                        else "config default" for key in ("activation_type", "weight_type")}
@@ -270,6 +271,11 @@ class TypePlanner:
                         self.add_weight(t, node, slot, f"bias of {where}, overridden, so quantized as a weight")
                     elif self.config.quantize_bias:
                         self.biases.append((node, rule, i))
+            elif slot.kind == WEIGHT and isinstance(t, gs.Constant) and t.name in self.computed:
+                self.add_activation(t.name, f"weight of {where} that the input model computes (a Constant node's "
+                                            "value or ops on initializers): quantized as an activation, as "
+                                            "onnxruntime's quantize_static does (computed_weights: activation)",
+                                    constant=True)
             elif slot.kind == WEIGHT and isinstance(t, gs.Constant):
                 self.add_weight(t, node, slot, f"weight of {where}")
             elif isinstance(t, gs.Constant):

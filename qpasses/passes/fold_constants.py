@@ -14,6 +14,7 @@ from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
 from ..ir.graphutil import (has_subgraph, in_default_domain, overridable_initializers, remove_nodes, replace_all_uses,
                             topological_order)
+from ..ir.decisions import COMPUTED
 from ..ir.model import QModel, choose_ir_version, make_constant
 
 # Never folded: quantization ops (their outputs are what quantization is about) and random ops.
@@ -38,7 +39,8 @@ class FoldConstants(Pass):
     ConstantOfShape, Shape/Size of tensors with a fully static shape, and any default-domain op on them.
 
     Writes: folded tensors become initializers under the same name (readers and graph outputs are
-    unchanged); the producer nodes that became dead are removed. Evaluation runs the foldable
+    unchanged), their names in ``model.decisions["computed"]`` (what the input model computed, for
+    the config's ``computed_weights``); the producer nodes that became dead are removed. Evaluation runs the foldable
     subgraph in onnxruntime (sessions of up to 512 nodes), then onnx.reference, then node by node.
 
     Invariants: never folds QuantizeLinear/DequantizeLinear, random ops, nodes with subgraphs or
@@ -89,6 +91,9 @@ g (float[1,4] x) => (float[1,4] y) {
         outputs = {id(t) for t in graph.outputs}
         for t in plan.frontier:
             replace_all_uses(t, make_constant(t.name, values[t.name]), graph if id(t) in outputs else None)
+        if plan.frontier:
+            computed = set(model.decisions.get(COMPUTED, [])) | {t.name for t in plan.frontier}
+            model.decisions[COMPUTED] = sorted(computed)
         outputs = {id(t) for t in graph.outputs}
         dead: dict[int, gs.Node] = {}
         for node in reversed(plan.needed):
