@@ -10,7 +10,7 @@ from qpasses.evaluation.evaluate import session
 from qpasses.report import localise, provider
 from qpasses.report.backends import with_outputs
 
-import report_kit
+from tests.kits import report_kit
 
 
 class Table:

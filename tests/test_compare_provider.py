@@ -11,7 +11,7 @@ from qpasses.report import backends, provider
 from qpasses.report.backends import with_outputs
 from qpasses.report.layers import layers
 
-import report_kit
+from tests.kits import report_kit
 
 @pytest.fixture(scope="module")
 def convs():

@@ -15,7 +15,7 @@ from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantTy
 from onnxruntime.quantization.quant_utils import compute_scale_zp, get_qmin_qmax_for_qType
 from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
-from example_graphs import ORT_PR_20028
+from tests.kits.example_graphs import ORT_PR_20028
 from qpasses.cli import main
 from qpasses.config.targets import load_target
 from qpasses.quant.oprules import RULES

@@ -7,8 +7,8 @@ Long runs: ``python tools/fuzz.py N``. Crashes found by fuzzing stay below as re
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from fuzzgen.cases import FuzzCase, cases
-from fuzzgen.outcome import run_case, snr_floor
+from tests.kits.fuzzgen.cases import FuzzCase, cases
+from tests.kits.fuzzgen.outcome import run_case, snr_floor
 from qpasses.testing import parse, random_feed
 
 

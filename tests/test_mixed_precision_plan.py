@@ -15,7 +15,7 @@ from onnxruntime.quantization.execution_providers.qnn.mixed_precision_overrides_
                                                                                               )
 from onnxruntime.quantization.tensor_quant_overrides import TensorQuantOverridesHelper
 
-from example_graphs import ORT_PR_20028
+from tests.kits.example_graphs import ORT_PR_20028
 from qpasses.errors import ConfigError
 from qpasses.ir.dataflow import dataflow
 from qpasses.passes.propagate_mixed_precision import float_tensors

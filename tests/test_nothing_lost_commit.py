@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nothing_lost_kit import Workspace, assert_refused, convs, run_cli, snapshot, with_initializer
+from tests.kits.nothing_lost_kit import Workspace, assert_refused, convs, run_cli, snapshot, with_initializer
 
 
 

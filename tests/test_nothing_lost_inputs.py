@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from nothing_lost_kit import (Workspace, assert_refused, convs, mlp, set_external, with_initializer,
+from tests.kits.nothing_lost_kit import (Workspace, assert_refused, convs, mlp, set_external, with_initializer,
                               with_raw_data, write_model, write_npz)
 from qpasses.testing import parse
 

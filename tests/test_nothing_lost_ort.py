@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from nothing_lost_kit import Workspace, assert_refused, convs, mlp, run_cli, snapshot
+from tests.kits.nothing_lost_kit import Workspace, assert_refused, convs, mlp, run_cli, snapshot
 from qpasses.testing import parse
 
 # the default pipeline without search-precision (which may promote the 4-bit tensors away)

@@ -18,7 +18,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from nothing_lost_kit import (Workspace, assert_refused, char_device, external, make_fifo, mlp, run_cli, snapshot,
+from tests.kits.nothing_lost_kit import (Workspace, assert_refused, char_device, external, make_fifo, mlp, run_cli, snapshot,
                               write_npz)
 
 

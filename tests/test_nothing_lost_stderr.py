@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import pytest
 
-from nothing_lost_kit import (Workspace, assert_refused, convs, make_fifo, mlp, run_cli, snapshot, strict_loads,
+from tests.kits.nothing_lost_kit import (Workspace, assert_refused, convs, make_fifo, mlp, run_cli, snapshot, strict_loads,
                               write_model, write_npz)
 from qpasses.testing import parse
 

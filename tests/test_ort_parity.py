@@ -24,7 +24,7 @@ from qpasses.quant.qtypes import qtype
 from qpasses.quant.upgrade import upgrade_opset
 from qpasses.testing import parse, random_feed
 
-from example_graphs import ORT_PR_20028
+from tests.kits.example_graphs import ORT_PR_20028
 
 TYPES = ["uint8", "int8", "uint16", "int16", "uint4", "int4"]
 

@@ -1,7 +1,7 @@
 """Package hygiene: every module imports, none imports a test dependency, and a module stays
 readable in one sitting.
 
-Hypothesis strategies and fuzz generators live under tests/ (tests/fuzzgen). The size guard is
+Hypothesis strategies and fuzz generators live under tests/ (tests/kits/fuzzgen). The size guard is
 soft: where code belongs is decided by the layers (test_layering.py), and a module over MAX_LINES
 stays whole only with the reason ALLOWED_LONG gives.
 """

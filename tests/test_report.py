@@ -12,7 +12,7 @@ from qpasses.report import build
 from qpasses.report.layers import layers, precision_cells
 from qpasses.testing import model_from_text
 
-import report_kit
+from tests.kits import report_kit
 
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):

@@ -9,7 +9,7 @@ import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from fuzzgen.cases import cases
+from tests.kits.fuzzgen.cases import cases
 from qpasses import QpassesError
 from qpasses.api import run_pipeline
 from qpasses.core.context import RunContext

@@ -108,13 +108,9 @@ def test_onnxruntimes_compiled_rtn_is_no_drop_in_for_ours():
 @pytest.mark.parametrize("gemm_trans", [False, True])
 def test_the_pass_writes_the_same_model_without_fastrtn(monkeypatch, wo, gemm_trans):
     import hashlib
-    import sys
-    from pathlib import Path
 
     from qpasses.api import run_pipeline
-
-    sys.path.insert(0, str(Path(__file__).parent / "passes"))
-    from test_quantize_weights import mlp
+    from tests.passes.test_quantize_weights import mlp
 
     proto, _ = mlp(k=96, n=40, gemm_trans=gemm_trans, outliers=True)
 

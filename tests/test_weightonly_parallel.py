@@ -1,10 +1,8 @@
 """Speed work with the same bytes: weights on threads (results in order, bounded in flight), the
 Hessian products, GPTQ on the weights sharing an input at once."""
 import hashlib
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,8 +10,7 @@ import pytest
 from qpasses.api import run_pipeline
 from qpasses.weightonly import parallel
 
-sys.path.insert(0, str(Path(__file__).parent / "passes"))
-from test_quantize_weights import mlp  # noqa: E402
+from tests.passes.test_quantize_weights import mlp
 
 
 def digest(proto, feeds, **wo):

@@ -1,4 +1,4 @@
-"""Long fuzz runs of the default pipeline on random models (tests/fuzzgen).
+"""Long fuzz runs of the default pipeline on random models (tests/kits/fuzzgen).
 
     python tools/fuzz.py 2000                    # 2000 examples, random seed
     python tools/fuzz.py 500 --seed 7 --out crashes/
@@ -27,9 +27,9 @@ import numpy as np
 import onnx
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the fuzz generators
-from fuzzgen.cases import FuzzCase, cases  # noqa: E402
-from fuzzgen.outcome import no_floor_reasons, run_case  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the fuzz generators: tests.kits.fuzzgen
+from tests.kits.fuzzgen.cases import FuzzCase, cases  # noqa: E402
+from tests.kits.fuzzgen.outcome import no_floor_reasons, run_case  # noqa: E402
 
 
 class _Crash(Exception):

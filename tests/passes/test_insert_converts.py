@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from test_insert_qdq import act_entry, assert_close_to_float, build_table, feeds_for, insert, observe, text
+from tests.passes.test_insert_qdq import act_entry, assert_close_to_float, build_table, feeds_for, insert, observe, text
 
 from qpasses import Convert, ModelError, PassManager, PreconditionError, TensorQuant
 from qpasses.core.verify import check_onnx

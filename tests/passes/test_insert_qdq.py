@@ -13,7 +13,7 @@ import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import pytest
 
-from cpu_kit import without_u8s8_saturation
+from tests.kits.cpu_kit import without_u8s8_saturation
 from qpasses import ModelError, PassManager, PreconditionError, TensorQuant
 from qpasses.core.verify import check_onnx, check_structure
 from qpasses.evaluation.evaluate import judging_session, session, snr_db

@@ -16,7 +16,7 @@ from qpasses.core.pipeline import default_pipeline
 from qpasses.passes.lower_qoperator import LowerQOperator, plan_lowering
 from qpasses.testing import model_from_text, random_feed, run_pass
 
-from cpu_kit import without_u8s8_saturation
+from tests.kits.cpu_kit import without_u8s8_saturation
 
 LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 

@@ -8,7 +8,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from example_graphs import ORT_PR_20028
+from tests.kits.example_graphs import ORT_PR_20028
 from qpasses.config.quant_config import QuantConfig, load_config
 from qpasses.core.context import RunContext
 from qpasses.core.pipeline import PassManager

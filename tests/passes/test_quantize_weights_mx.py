@@ -15,7 +15,7 @@ from qpasses.config.quant_config import load_config
 from qpasses.errors import ConfigError
 from qpasses.weightonly.mx import ELEMENTS, block_error, choose_exponents, exponent_bounds, ocp_exponents, quantize_mx
 
-from test_quantize_weights import mlp, outputs, quantized, snr
+from tests.passes.test_quantize_weights import mlp, outputs, quantized, snr
 
 SCHEMES = ["mxint8", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"]
 STORED = {"mxint8": TensorProto.INT8, "mxfp8_e4m3": TensorProto.FLOAT8E4M3FN,

@@ -1,6 +1,4 @@
 """reconstruct-weights: codes (and biases) chosen against the quantized model's own inputs to each layer."""
-import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -18,8 +16,7 @@ from qpasses.quant.qparams import quantize as quantize_values
 from qpasses.quant.rounding import Geometry, Hessian, conv_geometry, input_rows, paired_rows, refine_codes, round_codes
 from qpasses.testing import model_from_text, parse, run, run_passes
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from test_control_flow import _feeds as control_flow_feeds, vad_model  # noqa: E402
+from tests.test_control_flow import _feeds as control_flow_feeds, vad_model
 
 PRELUDE = "annotate-types,calibrate,compute-qparams"
 THEN = "fix-bias-scales,insert-qdq,insert-converts"

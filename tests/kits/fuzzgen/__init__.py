@@ -24,6 +24,6 @@ Numerics are kept well-conditioned on purpose: divisors are constants away from 
 ``Sigmoid(t) + 1``, the Where condition is a bool graph input, Softmax never runs over a size-1
 axis (onnxruntime's QLinearSoftmax turns that 1.0 into 0).
 
-Hypothesis is a test dependency: these generators live under tests/ (tests/conftest.py puts tests/
-on the import path; tools/fuzz.py adds it itself), never in the qpasses package.
+Hypothesis is a test dependency: these generators live under tests/ (``tests.kits.fuzzgen``; tools/fuzz.py
+puts the repository on the import path itself), never in the qpasses package.
 """

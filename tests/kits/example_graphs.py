@@ -1,4 +1,4 @@
-"""Test graphs shared by several test files (tests/ is on sys.path through tests/conftest.py)."""
+"""Test graphs shared by several test files."""
 
 # The example of onnxruntime PR 20028 (mixed-precision overrides; op names as in the PR, lower case).
 ORT_PR_20028 = """
