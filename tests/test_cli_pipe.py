@@ -1,13 +1,11 @@
 """A reader that closes stdout early (`qpasses passes | head -1`) ends the command quietly."""
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from qpasses.cli import main
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.kits import ROOT
 
 
 def _closed_early(*args) -> tuple[int, str]:

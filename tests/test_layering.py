@@ -8,7 +8,9 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "qpasses"
+from tests.kits import ROOT
+
+PACKAGE = ROOT / "qpasses"
 
 FRAMEWORK = ("qpasses.core", "qpasses.errors")
 COMMANDS_AND_REPORTS = ("qpasses.passes", "qpasses.cli", "qpasses.report", "qpasses.evaluation.summary")

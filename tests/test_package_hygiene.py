@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "qpasses"
+from tests.kits import ROOT
+
+PACKAGE = ROOT / "qpasses"
 TEST_ONLY = frozenset({"hypothesis", "pytest"})
 MAX_LINES = 600
 

@@ -1,14 +1,12 @@
 """passes.md is generated from the registry (tools/gen_passes_md.py) and must be current."""
 import importlib.util
-from pathlib import Path
 from typing import ClassVar
 
 import pytest
 
 from qpasses import Pass, PassResult, register
 from qpasses.core.registry import unregister
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.kits import ROOT
 
 
 @pytest.fixture(scope="module")

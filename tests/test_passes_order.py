@@ -1,6 +1,5 @@
 """`qpasses passes` and passes.md list passes in pipeline order: the default quantize pipeline's, then the rest."""
 import importlib.util
-from pathlib import Path
 from typing import ClassVar
 
 from qpasses import Pass, PassResult, register
@@ -8,8 +7,7 @@ from qpasses.cli import main
 from qpasses.core.pipeline import default_pipeline
 from qpasses.core.pipeline import in_pipeline_order
 from qpasses.core.registry import all_passes, unregister
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.kits import ROOT
 
 
 def _default_names() -> list[str]:

@@ -3,13 +3,11 @@ import io
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from qpasses.core.progress import Progress, progress
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.kits import ROOT
 
 
 class Clock:

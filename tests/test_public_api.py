@@ -4,7 +4,6 @@ import importlib
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -12,8 +11,8 @@ import onnx.parser
 import pytest
 
 import qpasses
+from tests.kits import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PUBLIC = {
     "CalibrationDataError", "ConfigError", "Convert", "ModelError", "Pass", "PassFailure", "PassManager",
     "PassResult", "PipelineError", "PreconditionError", "QModel", "QpassesError", "QuantConfig", "QuantTable",

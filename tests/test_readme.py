@@ -26,8 +26,8 @@ import yaml
 from qpasses.cli import _parser
 from qpasses.cli.examples import write_example
 from qpasses.config.quant_config import load_config
+from tests.kits import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)

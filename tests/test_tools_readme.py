@@ -2,11 +2,11 @@
 (no machine-specific paths), and stays a how-to: the numbers go to tools/RESULTS.md, what they decided
 to docs/decisions/."""
 import re
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.kits import ROOT
+
 TEXT = (ROOT / "tools" / "README.md").read_text()
 
 
