@@ -96,7 +96,7 @@ def _run_quantized_weighted_ops(path) -> dict[str, int]:
 def test_check_counts_the_weighted_ops_run_quantizes(det_files, tmp_path, capsys, which):
     """MiniLM-class MatMuls whose output is read as float (a bias Add follows) are quantized: check
     says so, as run does (the accuracy search off: a target any model meets)."""
-    from tests.test_claims import VOCAB, encoder
+    from tests.core.test_claims import VOCAB, encoder
 
     from qpasses.cli.preflight import check
 

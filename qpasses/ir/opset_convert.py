@@ -1,5 +1,5 @@
 """Raise a model's default opset without changing what it computes: onnx.version_converter, plus
-qpasses' own rewrites where the converter is wrong (each measured in onnxruntime: tests/test_opset_convert.py).
+qpasses' own rewrites where the converter is wrong (each measured in onnxruntime: tests/ir/test_opset_convert.py).
 
 - Resize-10 and Upsample read output pixel ``i`` from input coordinate ``i / scale`` (onnxruntime's
   'asymmetric'), and nearest rounds down when enlarging and up when shrinking. The converter gives
