@@ -3,7 +3,7 @@ and weight codes that cannot.
 
 Measured with onnxruntime 1.32, natively (AVX512-VNNI: exact) against ``qemu-x86_64 -cpu Haswell``
 (AVX2), with weight codes crafted so that one pairing saturates and another does not
-(tests/test_saturation.py, ``slow``):
+(tests/analysis/test_saturation.py, ``slow``):
 
 - QLinearConv, QLinearMatMul, MatMulIntegerToFloat and QGemm (a QDQ Conv with a Q after it, a QDQ
   MatMul or Gemm) multiply uint8 activation codes by int8 weight codes as stored (zero points are

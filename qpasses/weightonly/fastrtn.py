@@ -1,6 +1,6 @@
 """RTN without per-block weighting or clip search (the quantize-weights default), in fewer passes
 over the weight: the same codes, scales and zero points as rtn.choose_params + rtn.centered_codes,
-bit for bit (tests/test_weightonly_fastrtn.py).
+bit for bit (tests/weightonly/test_fastrtn.py).
 
 Per chunk of blocks, in one reused float32 buffer: min, max; then per refit the codes (product,
 rint, clip), the sums of squared codes and of w * q (einsum: no product array); then the final

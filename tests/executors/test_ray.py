@@ -62,7 +62,7 @@ def test_models_are_byte_identical(cluster, config, tmp_path):
 def test_search_precision_on_ray_decides_the_same(cluster, tmp_path, monkeypatch):
     """search-precision's checks as rounds of tasks on 2 CPUs: its decision, findings and the
     model bytes are the local run's (a model where it keeps four of twelve tensors float)."""
-    from tests.test_executors_search import BRANCHY, _feeds as branchy_feeds
+    from tests.executors.test_speculate import BRANCHY, _feeds as branchy_feeds
 
     from qpasses.core.context import RunContext
     from qpasses.core.pipeline import PassManager

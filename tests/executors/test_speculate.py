@@ -1,6 +1,6 @@
 """search-precision with a parallel executor: candidates scored several at once, found by replaying
 the search's decisions on the scores known (qpasses.executors.speculate); the checks, the decision
-and the model are the one-process run's. Ray: tests/test_executors_ray.py."""
+and the model are the one-process run's. Ray: tests/executors/test_ray.py."""
 import math
 import random
 from types import SimpleNamespace

@@ -1,6 +1,6 @@
 """Executors (qpasses.executors): the spec, and sharded calibration that merges to exactly the
 statistics, ranges and model of the one-process run. A LocalExecutor with several workers takes
-the sharded code path in this process; tests/test_executors_ray.py runs it on Ray."""
+the sharded code path in this process; tests/executors/test_ray.py runs it on Ray."""
 import subprocess
 import sys
 
