@@ -1,4 +1,4 @@
-"""Shared pieces of the 'nothing lost' suites (tests/test_nothing_lost_*.py, issue 14).
+"""Shared pieces of the 'nothing lost' suites (tests/integration/test_nothing_lost_*.py, issue 14).
 
 Every failure case runs the CLI in-process (``qpasses.cli.main``) in a workspace folder and checks
 the README's promises at once (``assert_refused``):

@@ -16,7 +16,7 @@ from qpasses.quant.qparams import quantize as quantize_values
 from qpasses.quant.rounding import Geometry, Hessian, conv_geometry, input_rows, paired_rows, refine_codes, round_codes
 from qpasses.testing import model_from_text, parse, run, run_passes
 
-from tests.test_control_flow import _feeds as control_flow_feeds, vad_model
+from tests.integration.test_control_flow import _feeds as control_flow_feeds, vad_model
 
 PRELUDE = "annotate-types,calibrate,compute-qparams"
 THEN = "fix-bias-scales,insert-qdq,insert-converts"

@@ -1,5 +1,6 @@
 """Hypothesis generators for fuzzing qpasses: random valid float models, quantization configs and
-data, and the check of what the default pipeline does with them (tests/test_fuzz.py, tools/fuzz.py).
+data, and the check of what the default pipeline does with them (tests/integration/test_fuzz.py,
+tools/fuzz.py).
 
 - ``builder``: ``Builder`` grows a graph one op at a time, tracking every float tensor's static shape;
 - ``ops``: one generator per op (``OPS``) and ``op_step``, the strategy that adds one random op;

@@ -6,10 +6,10 @@ saturate in int16: judged there, the mask model below promotes 's' and the examp
 instead of 44.4); calibrated ranges keep RANGE_BITS significant bits, so the last bits in which
 AVX2 and AVX-512 float kernels differ do not reach a scale.
 
-The hashes were computed on a CPU with AVX-512 VNNI and are the same under
-``qemu-x86_64 -cpu Haswell .venv/bin/python -m pytest tests/test_cpu_independence.py`` (AVX2, no
-VNNI). A change to what the default pipeline writes for these models changes them: put the new
-ones here, then run the file under qemu as above (in one process: a subprocess leaves the emulator).
+The hashes were computed on a CPU with AVX-512 VNNI and are the same under ``qemu-x86_64 -cpu Haswell
+.venv/bin/python -m pytest tests/integration/test_cpu_independence.py`` (AVX2, no VNNI). A change to
+what the default pipeline writes for these models changes them: put the new ones here, then run the
+file under qemu as above (in one process: a subprocess leaves the emulator).
 """
 from __future__ import annotations
 
