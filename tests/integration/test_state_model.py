@@ -70,7 +70,9 @@ def test_dump_after_models_resume_to_the_same_bytes(tmp_path):
     data = _feeds(12)
     whole = _run(from_proto(example_model()), text, config, data, dump_after=tmp_path)
     passes = [p.text() for p in parse_pipeline(text)]
-    for k, dumped in enumerate(sorted(tmp_path.glob("*.onnx")), start=1):
+    dumps = sorted(tmp_path.glob("*.onnx"))
+    assert len(dumps) == len(passes), [d.name for d in dumps]   # one per pass, in pipeline order
+    for k, dumped in enumerate(dumps, start=1):
         if k == len(passes):
             assert _bytes(load(dumped)) == _bytes(whole)
             continue

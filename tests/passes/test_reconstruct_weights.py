@@ -343,7 +343,10 @@ def test_refine_codes_never_raises_the_loss_and_keeps_bounds(seed):
     codes = round_codes(goal, np.ones((3, 5)), np.zeros((3, 5)), lo, hi, h, 0.0)
     loss = lambda q: np.einsum("grk,gkl,grl->gr", q - goal, h, q - goal)  # noqa: E731
     refined, moves = refine_codes(codes, goal, lo, hi, h, 10)
-    assert np.all(loss(refined) <= loss(codes) + 1e-9) and moves >= 0
+    changed = np.any(refined != codes, axis=2)
+    assert np.all(loss(refined)[changed] < loss(codes)[changed]) and np.all(loss(refined) <= loss(codes) + 1e-9)
+    assert moves >= np.count_nonzero(refined != codes) > 0   # each changed code moved at least once
+    assert refine_codes(refined, goal, lo, hi, h, 10)[1] == 0   # it stopped where no move lowers the loss
     assert np.all(refined >= lo) and np.all(refined <= hi) and np.array_equal(refined, np.rint(refined))
     nearest = np.clip(np.rint(goal), lo, hi)
     assert loss(refined).sum() < loss(nearest).sum()

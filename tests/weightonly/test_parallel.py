@@ -93,7 +93,7 @@ def test_gptq_on_weights_sharing_an_input_is_gptq_on_each(symmetric, act_order, 
     ws = [(rng.standard_normal((80, n)) * 0.05).astype(np.float32) for n in (48, 17, 64)]
     element = ELEMENTS.get(scheme)
     together = quantize_gptq_shared(ws, h, 4, 32, symmetric, 0.01, act_order, element=element)
-    for w, got in zip(ws, together):
+    for w, got in zip(ws, together, strict=True):
         alone = quantize_gptq(w, h, 4, 32, symmetric, 0.01, act_order, element=element)
         np.testing.assert_array_equal(got.codes, alone.codes)
         np.testing.assert_array_equal(got.dequantize(), alone.dequantize())
