@@ -1,3 +1,3 @@
-"""Typed analyses shared by passes, cached per model generation (``QModel.cached``).
+"""Analyses shared by passes; those worth caching are typed keys (``qpasses.ir.analyses``).
 
 Passes import analyses, never each other: what two passes share lives here."""

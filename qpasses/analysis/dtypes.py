@@ -1,5 +1,5 @@
-"""Float dtypes of the graph's tensors, cached per model generation: what gs knows, completed by
-at most one ONNX shape inference per generation (``inferred``).
+"""Float dtypes of the graph's tensors, cached analyses of the graph: what gs knows, completed by
+at most one ONNX shape inference per state of the graph (``inferred``).
 
 - ``float_tensors``: the float32/float16 tensors annotate-types and propagate-mixed-precision type;
 - ``float_types``: the float type name of table tensors (insert-qdq: their scales' and DQs' type);
@@ -14,7 +14,8 @@ import onnx
 from onnx import helper
 
 from ..ir.graphutil import proto_subgraphs
-from ..ir.model import QModel, body_graphs
+from ..ir.analyses import GRAPH, analysis
+from ..ir.model import QModel
 from ..quant.oprules import FLOAT, rule_for
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
@@ -65,14 +66,13 @@ def _body_types(graph: onnx.GraphProto):
             yield from _body_types(sub)
 
 
+@analysis(GRAPH)
 def inferred(model: QModel) -> tuple[dict[str, int], dict[str, int]]:
-    """``infer_types`` of the model, run once per generation (big weights are not copied to export it)."""
-    def build(m: QModel):
-        try:
-            return infer_types(m.to_proto(metadata=False, weights={}))
-        except Exception:  # best effort: what stays unknown keeps its default
-            return {}, {}
-    return model.cached("dtypes.inferred", build)
+    """``infer_types`` of the model, run once per state of the graph (big weights are not copied to export it)."""
+    try:
+        return infer_types(model.to_proto(metadata=False, weights={}))
+    except Exception:  # best effort: what stays unknown keeps its default
+        return {}, {}
 
 
 def float_type_name(dtype) -> str | None:
@@ -108,30 +108,28 @@ _SAME_DTYPE_OPS = frozenset({"Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "
                              "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceL2"})
 
 
+@analysis(GRAPH)
 def float_tensors(model: QModel) -> set[str]:
-    """Names of float32/float16 tensors (cached per generation).
+    """Names of float32/float16 tensors.
 
     Dtypes come from the graph, then from the op rules (outputs of rule ops, and of ops like Neg,
     have their data input's dtype); ``inferred`` is read only if a tensor read or written by a rule
     op is still unknown (it exports the whole model, which is slow on big graphs).
     """
-    def build(m: QModel) -> set[str]:
-        is_float: dict[str, bool] = {}
-        for name, tensor in m.tensors().items():
-            if tensor.dtype is not None:
-                try:
-                    is_float[name] = np.dtype(tensor.dtype) in FLOAT_DTYPES
-                except TypeError:
-                    is_float[name] = False
-        if _propagate_dtypes(m, is_float):   # what inference cannot type stays unknown: not quantized
-            tensors = m.tensors()
-            for name, elem in inferred(m)[0].items():
-                if name in tensors:
-                    is_float.setdefault(name, elem in FLOAT_ONNX)
-            _propagate_dtypes(m, is_float)
-        return {name for name, flag in is_float.items() if flag}
-
-    return model.cached("dtypes.float_tensors", build)
+    is_float: dict[str, bool] = {}
+    for name, tensor in model.tensors().items():
+        if tensor.dtype is not None:
+            try:
+                is_float[name] = np.dtype(tensor.dtype) in FLOAT_DTYPES
+            except TypeError:
+                is_float[name] = False
+    if _propagate_dtypes(model, is_float):   # what inference cannot type stays unknown: not quantized
+        tensors = model.tensors()
+        for name, elem in inferred(model)[0].items():
+            if name in tensors:
+                is_float.setdefault(name, elem in FLOAT_ONNX)
+        _propagate_dtypes(model, is_float)
+    return {name for name, flag in is_float.items() if flag}
 
 
 def _propagate_dtypes(model: QModel, is_float: dict[str, bool]) -> bool:
@@ -166,5 +164,5 @@ def _propagate_dtypes(model: QModel, is_float: dict[str, bool]) -> bool:
 def _all_nodes(model: QModel):
     """The main graph's nodes, then those of its If/Loop/Scan bodies (outer tensors typed first)."""
     yield from model.graph.nodes
-    for body in model.cached("body_graphs", lambda m: body_graphs(m.graph)):
+    for body in model.bodies():
         yield from body.nodes

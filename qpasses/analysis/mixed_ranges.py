@@ -3,32 +3,32 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..ir.analyses import GRAPH, QUANT, RANGES, WEIGHTS, analysis
 from ..ir.model import QModel
 
 MAX_RATIO = 16.0   # an input 16x narrower than the widest keeps under 16 of the grid's 256 steps
 
 
-def mixed_range_concats(model: QModel, max_ratio: float = MAX_RATIO) -> dict[str, str]:
+@analysis(GRAPH, WEIGHTS, QUANT, RANGES)
+def mixed_range_concats(model: QModel) -> dict[str, str]:
     """Concat output -> why one grid would erase an input, for Concats whose widest input range is
-    more than ``max_ratio`` times their narrowest (ranges: calibrated, or a constant's values)."""
-    def build(m: QModel) -> dict[str, str]:
-        out = {}
-        for node in m.graph.nodes:
-            if node.op != "Concat" or not node.outputs or node.outputs[0].name not in m.quant:
-                continue
-            widths = {t.name: _width(m, t) for t in node.inputs}
-            known = {name: w for name, w in widths.items() if w}
-            if len(known) < 2:
-                continue
-            wide, narrow = max(known, key=known.get), min(known, key=known.get)
-            ratio = known[wide] / known[narrow]
-            if ratio > max_ratio:
-                out[node.outputs[0].name] = (
-                    f"Concat '{node.name}' joins ranges {ratio:.0f}x apart ('{wide}' spans {known[wide]:.4g}, "
-                    f"'{narrow}' {known[narrow]:.4g}): one 8-bit grid would leave '{narrow}' "
-                    f"{256 / ratio:.1f} steps (each input keeps its own Q/DQ)")
-        return out
-    return model.cached(("mixed_range_concats", max_ratio), build)
+    more than ``MAX_RATIO`` times their narrowest (ranges: calibrated, or a constant's values)."""
+    out = {}
+    for node in model.graph.nodes:
+        if node.op != "Concat" or not node.outputs or node.outputs[0].name not in model.quant:
+            continue
+        widths = {t.name: _width(model, t) for t in node.inputs}
+        known = {name: w for name, w in widths.items() if w}
+        if len(known) < 2:
+            continue
+        wide, narrow = max(known, key=known.get), min(known, key=known.get)
+        ratio = known[wide] / known[narrow]
+        if ratio > MAX_RATIO:
+            out[node.outputs[0].name] = (
+                f"Concat '{node.name}' joins ranges {ratio:.0f}x apart ('{wide}' spans {known[wide]:.4g}, "
+                f"'{narrow}' {known[narrow]:.4g}): one 8-bit grid would leave '{narrow}' "
+                f"{256 / ratio:.1f} steps (each input keeps its own Q/DQ)")
+    return out
 
 
 def _width(model: QModel, tensor) -> float:

@@ -9,6 +9,7 @@ import onnx_graphsurgeon as gs
 from ..calibration.softmax import NEGLIGIBLE, lower_bound, upper_bound
 from ..config.quant_config import QuantConfig
 from ..errors import ModelError
+from ..ir.analyses import GRAPH, QUANT, RANGES, analysis
 from ..ir.annotations import TensorQuant
 from ..ir.model import QModel
 from ..quant.qparams import value_range
@@ -24,16 +25,15 @@ def fmt(x) -> str:
     return f"{float(x):.6g}"
 
 
+@analysis(GRAPH)
 def max_pooled(model: QModel) -> dict[str, list[str]]:
     """Tensor -> the MaxPool outputs computed from it: they hold the top of its values, so a clipped
     range of the tensor clips them far more (compute-qparams widens the tensor's range to theirs)."""
-    def build(m: QModel) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for node in all_nodes(m):
-            if node.op in MAX_POOLS and node.inputs and node.outputs:
-                out.setdefault(node.inputs[0].name, []).append(node.outputs[0].name)
-        return out
-    return model.cached("max_pooled", build)
+    out: dict[str, list[str]] = {}
+    for node in all_nodes(model):
+        if node.op in MAX_POOLS and node.inputs and node.outputs:
+            out.setdefault(node.inputs[0].name, []).append(node.outputs[0].name)
+    return out
 
 
 def tensors_needing_ranges(model: QModel) -> set[str] | None:
@@ -92,25 +92,25 @@ def activation_range(model: QModel, name: str, tq: TensorQuant, qt: str, config:
     return rmin, rmax, source
 
 
+@analysis(GRAPH, QUANT, RANGES)
 def _max_pool_outputs(model: QModel) -> dict[str, list[str]]:
     """Tensor -> the calibrated MaxPool outputs computed from it (through tensors sharing its qparams)."""
-    def root(m: QModel, name: str) -> str:
+    def root(name: str) -> str:
         seen = {name}
-        while name in m.quant and m.quant[name].shares is not None and m.quant[name].shares not in seen:
-            name = m.quant[name].shares
+        while name in model.quant and model.quant[name].shares is not None and model.quant[name].shares not in seen:
+            name = model.quant[name].shares
             seen.add(name)
         return name
 
-    def build(m: QModel) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for name, outputs in max_pooled(m).items():
-            out.setdefault(root(m, name), []).extend(o for o in outputs if o in m.ranges)
-        return out
-    return model.cached("max_pool_outputs", build)
+    out: dict[str, list[str]] = {}
+    for name, outputs in max_pooled(model).items():
+        out.setdefault(root(name), []).extend(o for o in outputs if o in model.ranges)
+    return out
 
 
+@analysis(GRAPH)
 def _graph_outputs(model: QModel) -> set[str]:
-    return model.cached("graph_output_names", lambda m: {t.name for t in m.graph.outputs})
+    return {t.name for t in model.graph.outputs}
 
 
 def weight_range(model: QModel, name: str, tq: TensorQuant):

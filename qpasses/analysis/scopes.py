@@ -1,4 +1,4 @@
-"""Where each tensor of a model with If/Loop/Scan bodies lives (cached per model generation).
+"""Where each tensor of a model with If/Loop/Scan bodies lives (a cached analysis of the graph).
 
 The quantization table (qpasses.ir.annotations) is keyed by tensor name, in bodies as in the main
 graph. ONNX keeps names unique within a graph (SSA) and forbids a body to redefine a name of an
@@ -23,7 +23,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..ir.graphutil import holds_graph, named_subgraphs
-from ..ir.model import QModel, body_graphs
+from ..ir.analyses import GRAPH, analysis
+from ..ir.model import QModel
 
 
 @dataclass(frozen=True)
@@ -82,13 +83,11 @@ class Scopes:
         return list({id(n): n for n in tensor.outputs if self.node_scope.get(id(n), 0) == index}.values())
 
 
+@analysis(GRAPH)
 def scopes(model: QModel) -> Scopes:
-    """The scopes of ``model`` (see the module docstring); rebuilt after each ``model.touch()``.
-    A model without bodies has one scope and empty indexes (every name lives in the main graph)."""
-    def build(m: QModel) -> Scopes:
-        has_bodies = m.cached("body_graphs", lambda m: body_graphs(m.graph))
-        return build_scopes(m.graph) if has_bodies else Scopes([Scope(m.graph)], {}, {})
-    return model.cached("scopes", build)
+    """The scopes of ``model`` (see the module docstring). A model without bodies has one scope
+    and empty indexes (every name lives in the main graph)."""
+    return build_scopes(model.graph) if model.bodies() else Scopes([Scope(model.graph)], {}, {})
 
 
 def build_scopes(graph: gs.Graph) -> Scopes:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ModelError, PassFailure
+from ..ir.analyses import stale_analyses
 from ..ir.model import QModel, save
 from .verify import verify
 
@@ -66,8 +67,8 @@ def _aggregated(rows: list[tuple]) -> list[tuple]:
 
 
 class VerifyEach(Instrument):
-    """Checks the IR after every pass at the given level (structure, checker, ort or reload), and
-    the model's facts; ``reload`` also replaces the model by its saved form reloaded, so each
+    """Checks the IR after every pass at the given level (structure, checker, ort or reload), the
+    model's facts and its cached analyses (each as a fresh build gives it); ``reload`` also replaces the model by its saved form reloaded, so each
     pass starts from what a saved model holds."""
 
     def __init__(self, level: str):
@@ -85,6 +86,11 @@ class VerifyEach(Instrument):
             fact, text = failed
             error = PassFailure if record.modified or fact in p.establishes else ModelError
             raise error(f"after pass '{p.name}': {text}")
+        stale = stale_analyses(model)
+        if stale:
+            raise PassFailure(f"after pass '{p.name}': cached analyses no longer match the model "
+                              f"({', '.join(stale)}): it changed a part of the model it declares "
+                              f"unchanged, or reported no change")
         if self.level == "reload":
             model.reload()
 

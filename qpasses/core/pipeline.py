@@ -27,13 +27,16 @@ class Pass:
 
     Facts have a safe default: a pass that reports a modification keeps only the facts it declares
     it ``preserves`` and the claims (facts.CLAIMS) it does not declare it ``invalidates``, and adds
-    those it ``establishes``."""
+    those it ``establishes``. Analyses too (qpasses.ir.analyses): it keeps only those reading parts
+    of the model it declares ``unchanged`` (e.g. GRAPH and WEIGHTS for a pass that edits the table),
+    and any analysis it names there."""
 
     name: ClassVar[str] = ""
     requires: ClassVar[frozenset] = frozenset()
     establishes: ClassVar[frozenset] = frozenset()
     preserves: ClassVar[frozenset] = frozenset()
     invalidates: ClassVar[frozenset] = frozenset()   # claims (facts.CLAIMS) its rewrite undoes
+    unchanged: ClassVar[frozenset] = frozenset()     # ir.analyses.Part it never changes, or analyses
 
     def run(self, model: QModel, ctx: RunContext) -> PassResult:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -294,7 +297,7 @@ class PassManager:
             seconds = time.perf_counter() - start
             model = result.model
             if result.modified:
-                model.touch()
+                model.analyses.invalidate(p.unchanged)
                 model.facts &= set(p.preserves) | (CLAIMS - p.invalidates)
             model.facts |= set(p.establishes)
             if collect and result.modified:

@@ -5,6 +5,8 @@ import dataclasses
 import importlib
 import pkgutil
 
+from ..ir.analyses import Analysis, Part
+
 _PASSES: dict[str, type] = {}
 _builtins_loaded = False
 
@@ -18,6 +20,8 @@ def register(cls):
         raise ValueError(f"pass {name} needs a one-line docstring")
     if name in _PASSES and _PASSES[name].__qualname__ != cls.__qualname__:
         raise ValueError(f"pass name '{name}' registered twice ({_PASSES[name].__qualname__}, {cls.__qualname__})")
+    if not all(isinstance(x, (Part, Analysis)) for x in getattr(cls, "unchanged", ())):
+        raise ValueError(f"pass {name}: 'unchanged' holds parts of the model (ir.analyses.Part) and analyses only")
     if "__dataclass_fields__" not in cls.__dict__:
         cls = dataclasses.dataclass(cls)
     _PASSES[name] = cls

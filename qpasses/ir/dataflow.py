@@ -1,5 +1,5 @@
-"""Read-only view of a QModel's dataflow (maps, and a networkx graph on demand), cached per model
-generation.
+"""Read-only view of a QModel's dataflow (maps, and a networkx graph on demand), a cached analysis
+of the graph.
 
 Nodes are integers: one per op node (attribute ``kind="op"``), graph input (``"input"``),
 constant tensor (``"initializer"``) and graph output (``"output"``). Every edge carries the tensor
@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
+from .analyses import GRAPH, analysis
 from .model import QModel
 
 
 class Dataflow:
-    """The dataflow of one model generation: ``node_id`` (op node name -> id), ``producer`` (tensor
+    """The dataflow of one state of the graph: ``node_id`` (op node name -> id), ``producer`` (tensor
     name -> id of the node or source producing it), ``consumers`` (tensor name -> ids of the op
     nodes and outputs reading it), and ``graph``, the frozen networkx view, built on first use (most
     passes read only the maps: networkx is imported when a graph algorithm needs it)."""
+
+    _on_demand = ("_graph",)   # built from the others (ir.analyses compares the rest)
 
     def __init__(self, nodes: list[dict], edges: dict, node_id: dict[str, int], producer: dict[str, int],
                  consumers: dict[str, list[int]]):
@@ -58,12 +61,9 @@ class Dataflow:
         return self.name(node) if node is not None and self.kind(node) == "op" else None
 
 
+@analysis(GRAPH)
 def dataflow(model: QModel) -> Dataflow:
-    """The dataflow view of ``model``; rebuilt after each ``model.touch()``."""
-    return model.cached("dataflow", _build)
-
-
-def _build(model: QModel) -> Dataflow:
+    """The dataflow view of ``model``."""
     nodes: list[dict] = []
     edges: dict[tuple, list[int]] = {}
     node_id: dict[str, int] = {}

@@ -21,6 +21,7 @@ from onnx import external_data_helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from ..errors import ModelError, first_line
+from .analyses import GRAPH, AnalysisCache, analysis
 from .annotations import QuantTable
 from .graphutil import DEFAULT_DOMAINS, holds_graph, proto_subgraphs, subgraphs, toposort, unique_name
 from .metadata import DECISIONS_KEY, FACTS_KEY, KEYS, OBSERVED_KEY, QUANT_TABLE_KEY, RANGES_KEY, pack, read_saved
@@ -75,25 +76,21 @@ class QModel:
         self.input_order = list(input_order or [i.name for i in graph.inputs])
         self.input_initializers: dict[str, onnx.ValueInfoProto] = dict(input_initializers or {})
         self.base_dir = base_dir
-        self.generation = 0
-        self._cache: dict = {}
+        self.analyses = AnalysisCache()   # results of qpasses.ir.analyses' typed keys
         self.summary: str | None = None   # qpasses.quantize: what the command line would print
 
-    # -- cached indexes ------------------------------------------------------------------
+    # -- cached analyses -----------------------------------------------------------------
     def touch(self) -> None:
-        """Mark the graph as changed: cached indexes and the dataflow view are rebuilt on demand."""
-        self.generation += 1
-        self._cache.clear()
-
-    def cached(self, key: str, build):
-        """Return ``build(self)`` cached until the next ``touch()``."""
-        if key not in self._cache:
-            self._cache[key] = build(self)
-        return self._cache[key]
+        """Mark the graph as changed mid-pass: every cached analysis is rebuilt on demand."""
+        self.analyses.clear()
 
     def tensors(self) -> dict[str, gs.Tensor]:
         """Name -> tensor of the main graph, then of the If/Loop/Scan bodies (``model_tensor_map``)."""
-        return self.cached("tensors", lambda m: model_tensor_map(m.graph))
+        return model_tensors(self)
+
+    def bodies(self) -> list[gs.Graph]:
+        """Every If/Loop/Scan body of the graph (``body_graphs``)."""
+        return model_bodies(self)
 
     @property
     def opset(self) -> int:
@@ -129,7 +126,7 @@ class QModel:
             for t, values in stubs:
                 t._values = values
         _restore_input_initializers(proto, self.input_order, self.input_initializers)
-        if self.cached("body_graphs", lambda m: body_graphs(m.graph)):
+        if self.bodies():
             _drop_outer_copies(proto.graph)
         for key, value in self.model_fields.items():
             setattr(proto, key, value)
@@ -175,9 +172,7 @@ class QModel:
         """Become what saving and loading this model gives (``--verify-each reload``)."""
         fresh = from_proto(self.to_proto(), base_dir=self.base_dir)
         _own_constants(fresh.graph, self.base_dir or Path("."))
-        generation = self.generation
-        self.__dict__.update(fresh.__dict__)
-        self.generation = generation + 1
+        self.__dict__.update(fresh.__dict__)   # a new graph: no cached analysis left
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -605,6 +600,18 @@ def body_graphs(graph: gs.Graph) -> list[gs.Graph]:
                 out.append(sub)
                 out.extend(body_graphs(sub))
     return out
+
+
+@analysis(GRAPH)
+def model_bodies(model: QModel) -> list[gs.Graph]:
+    """``body_graphs`` of the model's graph (``QModel.bodies``)."""
+    return body_graphs(model.graph)
+
+
+@analysis(GRAPH)
+def model_tensors(model: QModel) -> dict[str, gs.Tensor]:
+    """``model_tensor_map`` of the model's graph (``QModel.tensors``)."""
+    return model_tensor_map(model.graph)
 
 
 def model_tensor_map(graph: gs.Graph) -> dict[str, gs.Tensor]:

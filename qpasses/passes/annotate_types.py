@@ -15,6 +15,7 @@ from ..config.targets import apply_target_rules, chosen, load_target
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
 from ..ir import decisions
+from ..ir.analyses import GRAPH, RANGES, WEIGHTS
 from ..ir.annotations import Convert, TensorQuant
 from ..ir.dataflow import dataflow
 from ..ir.graphutil import unique_name
@@ -45,6 +46,7 @@ class AnnotateTypes(Pass):
     name = "annotate-types"
     establishes = frozenset({"types-annotated"})
     preserves = frozenset({"calibrated"})   # ranges are per tensor: a new table does not change them
+    unchanged = frozenset({GRAPH, WEIGHTS, RANGES})   # it changes the table (bias copies it makes: model.touch())
     example: ClassVar[str] = """
     g (float[1,3,8,8] x, float[1,4,8,8] s) => (float[1,4,8,8] y) <float[4,3,1,1] w = {1,2,3,4,5,6,7,8,9,10,11,12}, float[4] b = {1,2,3,4}> {
       c = Conv (x, w, b)

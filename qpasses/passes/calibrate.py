@@ -17,6 +17,7 @@ from ..config.quant_config import CALIBRATION_METHODS, CalibrationConfig, QuantC
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
 from ..errors import CalibrationDataError
+from ..ir.analyses import GRAPH, QUANT, WEIGHTS
 from ..ir.model import QModel
 from ..quant.qtypes import qtype
 
@@ -50,6 +51,7 @@ class Calibrate(Pass):
     name: ClassVar[str] = "calibrate"
     establishes: ClassVar[frozenset] = frozenset({"calibrated"})
     preserves: ClassVar[frozenset] = frozenset({"types-annotated"})
+    unchanged: ClassVar[frozenset] = frozenset({GRAPH, WEIGHTS, QUANT})   # it changes ranges and observed min/max only
     example: ClassVar[str] = """
         <ir_version: 10, opset_import: ["" : 17]>
         g (float[1, 4] x) => (float[1, 4] y) {

@@ -15,6 +15,7 @@ from ..config.overrides import raise_problems
 from ..config.quant_config import QuantConfig
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
+from ..ir.analyses import GRAPH, RANGES, WEIGHTS
 from ..ir.annotations import TensorQuant
 from ..ir.decisions import leave_float
 from ..ir.model import QModel
@@ -120,6 +121,7 @@ class ComputeQParams(Pass):
     requires: ClassVar[frozenset] = frozenset({"calibrated", "types-annotated"})
     establishes: ClassVar[frozenset] = frozenset({"qparams-computed"})
     preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated"})
+    unchanged: ClassVar[frozenset] = frozenset({GRAPH, WEIGHTS, RANGES})   # it changes the table only
     example: ClassVar[str] = CONV_RELU_EXAMPLE
     example_prelude: ClassVar[str] = "calibrate,annotate-types"
 

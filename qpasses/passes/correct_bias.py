@@ -17,6 +17,7 @@ from ..core.progress import progress
 from ..core.registry import register
 from ..errors import CalibrationDataError
 from ..evaluation.evaluate import max_nodes_option, max_weight_mb_option, rerun_skip_reason
+from ..ir.analyses import GRAPH, RANGES
 from ..ir.model import QModel
 from ..quant.conv_pads import auto_pad_of, conv_pads
 from ..quant.qdq import QParams, quantized_values
@@ -260,6 +261,7 @@ class CorrectBias(Pass):
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"qparams-computed"})
     preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated", "qparams-computed"})
+    unchanged: ClassVar[frozenset] = frozenset({GRAPH, RANGES})   # it changes bias values and the table
     example: ClassVar[str] = """
         <ir_version: 10, opset_import: ["" : 17]>
         g (float[1, 1, 4, 4] x) => (float[1, 2, 4, 4] y) <float[2, 1, 3, 3] w = {0.31, -0.52, 0.2, -0.45,

@@ -10,6 +10,7 @@ from ..analysis.bias_fixes import bias_fixes
 from ..analysis.derivations import rederive
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
+from ..ir.analyses import GRAPH, RANGES, WEIGHTS
 from ..ir.model import QModel
 
 NAME = "fix-bias-scales"
@@ -31,6 +32,7 @@ class FixBiasScales(Pass):
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"qparams-computed"})
     preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated", "qparams-computed"})
+    unchanged: ClassVar[frozenset] = frozenset({GRAPH, WEIGHTS, RANGES})   # it changes the table only
     example: ClassVar[str] = """
 g (float[1,2,4,4] x) => (float[1,2,4,4] y)
   <float[2,2,1,1] w = {1e-7, -1e-7, -1e-7, 1e-7}, float[2] b = {5.0, -4.5}>

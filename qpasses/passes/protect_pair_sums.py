@@ -9,6 +9,7 @@ from ..config.quant_config import PAIR_SATURATING_CPUS
 from ..config.targets import chosen, user_keys
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
+from ..ir.analyses import GRAPH, RANGES, WEIGHTS
 from ..ir.decisions import PAIR_SUMS
 from ..ir.model import QModel
 
@@ -46,6 +47,7 @@ class ProtectPairSums(Pass):
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"qparams-computed"})
     preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated", "qparams-computed"})
+    unchanged: ClassVar[frozenset] = frozenset({GRAPH, WEIGHTS, RANGES})   # it changes the table only
     example: ClassVar[str] = """
 g (float[1,4,4,4] x) => (float[1,2,4,4] y)
   <float[2,4,1,1] w = {1.0, 0.9, -0.2, 0.1, 0.5, -0.5, 0.25, 1.0}>

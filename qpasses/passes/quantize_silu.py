@@ -11,6 +11,7 @@ from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import Reference, max_nodes_option, max_weight_mb_option, rerun_skip_reason
 from ..evaluation.objective import Objective
 from ..executors.scoring import trial_score
+from ..ir.analyses import GRAPH, QUANT, RANGES, WEIGHTS
 from ..ir.decisions import FLOAT, PRECISION_SEARCH
 from ..ir.model import QModel
 
@@ -49,6 +50,7 @@ class QuantizeSilu(Pass):
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"calibrated", "types-annotated"})
     preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated"})
+    unchanged: ClassVar[frozenset] = frozenset({GRAPH, WEIGHTS, QUANT, RANGES})   # it changes its decision only
     example: ClassVar[str] = """
         <ir_version: 10, opset_import: ["" : 17]>
         g (float[1, 2, 4, 4] x) => (float[1, 2, 4, 4] y) <float[2, 2, 1, 1] w = {0.5, -0.25, 0.75, 0.5},

@@ -20,6 +20,7 @@ from ..core.progress import progress
 from ..core.registry import register
 from ..errors import CalibrationDataError, ModelError, first_line
 from ..evaluation.evaluate import max_nodes_option, max_weight_mb_option, rerun_skip_reason, session
+from ..ir.analyses import GRAPH, RANGES
 from ..ir.graphutil import proto_subgraphs, subgraphs
 from ..ir.model import QModel
 from ..quant.oprules import WEIGHTED_OPS
@@ -61,6 +62,7 @@ class ReconstructWeights(Pass):
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"qparams-computed"})
     preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated", "qparams-computed"})
+    unchanged: ClassVar[frozenset] = frozenset({GRAPH, RANGES})   # it changes weight and bias values and the table
     example: ClassVar[str] = """
         <ir_version: 10, opset_import: ["" : 17]>
         g (float[1, 3, 5, 5] x) => (float[1, 2, 5, 5] y) <float[2, 3, 1, 1] w = {0.31, -0.52, 0.2, -0.45,

@@ -12,6 +12,7 @@ from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import max_nodes_option, max_weight_mb_option, rerun_skip_reason
+from ..ir.analyses import GRAPH, RANGES
 from ..ir.decisions import PRECISION_SEARCH
 from ..ir.model import QModel
 from ..quant.qtypes import qtype
@@ -47,6 +48,7 @@ class RoundWeights(Pass):
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"qparams-computed"})
     preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated", "qparams-computed"})
+    unchanged: ClassVar[frozenset] = frozenset({GRAPH, RANGES})   # it changes weight and bias values and the table
     example: ClassVar[str] = """
         <ir_version: 10, opset_import: ["" : 17]>
         g (float[1, 3, 5, 5] x) => (float[1, 2, 5, 5] y) <float[2, 3, 1, 1] w = {0.31, -0.52, 0.2, -0.45,

@@ -22,6 +22,7 @@ from ..evaluation.objective import Objective
 from ..evaluation.scored_runs import ScoredRuns
 from ..executors import portable
 from ..executors.scoring import prescored
+from ..ir.analyses import GRAPH
 from ..ir.decisions import PRECISION_SEARCH
 from ..ir.model import QModel
 from ..quant.oprules import WEIGHTED_OPS
@@ -139,6 +140,7 @@ class SelectBySnr(Pass):
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"calibrated", "types-annotated"})
     preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated"})
+    unchanged: ClassVar[frozenset] = frozenset({GRAPH})   # it changes the table, ranges and bias values
     example: ClassVar[str] = """
         <ir_version: 10, opset_import: ["" : 17]>
         g (float[1, 8] x) => (float[1, 4] y) <float[8, 4] w = {0.9, 0.1, 0.2, 0.3, 0.1, 0.2, 0.3, 0.4,

@@ -19,7 +19,7 @@ import onnx_graphsurgeon as gs
 from ..analysis.dtypes import float_type_name
 from ..errors import ModelError
 from ..ir.graphutil import in_default_domain, unique_name
-from ..ir.model import QModel, body_graphs, from_proto, model_tensor_map
+from ..ir.model import QModel, from_proto, model_tensor_map
 from ..ir.opset_convert import convert
 from .oprules import DQ_OP, FLOAT_WEIGHT_OPS, Q_OP
 from .qparams import quantize
@@ -123,7 +123,7 @@ Namer = Callable[[str], str]
 def new_namer(model: QModel) -> Namer:
     """Unique names for new tensors and nodes: ``base``, else ``base_1``, ``base_2``, ...
     (graphutil.unique_name over the model's tensor and node names)."""
-    graphs = [model.graph, *model.cached("body_graphs", lambda m: body_graphs(m.graph))]
+    graphs = [model.graph, *model.bodies()]
     nodes = {n.name for g in graphs for n in g.nodes if n.name}
     return functools.partial(unique_name, taken=set(model.tensors()) | nodes)
 

@@ -1,9 +1,11 @@
 """The pass contract, checked for every registered pass on its own documented example:
 it rewrites the example, does nothing on a graph it has nothing to do with, a second run changes
-nothing, its output survives a save/load round trip unchanged with its facts holding, and passes
-onnx.checker."""
+nothing, its output survives a save/load round trip unchanged with its facts holding, passes
+onnx.checker, and leaves no cached analysis stale."""
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import textwrap
 
 import onnx
@@ -13,6 +15,7 @@ from qpasses.core.context import RunContext
 from qpasses.core.facts import check_facts
 from qpasses.core.pipeline import PassManager, make_pass
 from qpasses.core.registry import all_passes
+from qpasses.ir.analyses import ANALYSES, stale_analyses
 from qpasses.ir.model import from_proto
 from qpasses.testing import parse, random_feed
 
@@ -76,3 +79,21 @@ def _without_facts(model) -> bytes:
     del proto.metadata_props[:]
     proto.metadata_props.extend(kept)
     return proto.SerializeToString()
+
+
+@pytest.mark.parametrize("name", sorted(all_passes()))
+def test_keeps_only_the_analyses_that_still_hold(name):
+    """Every analysis is cached before the pass; after it, those the pass's ``unchanged`` kept are
+    what a fresh build gives."""
+    import qpasses.analysis
+    import qpasses.ir.dataflow  # noqa: F401  (declares an analysis)
+
+    for info in pkgutil.iter_modules(qpasses.analysis.__path__):
+        importlib.import_module(f"qpasses.analysis.{info.name}")
+    cls = all_passes()[name]
+    model, ctx = _prepared(cls, cls.example, getattr(cls, "example_config", None))
+    for key in ANALYSES:
+        key(model)
+    _run(name, model, ctx)
+    parts = sorted(getattr(x, "name", str(x)) for x in cls.unchanged)
+    assert not stale_analyses(model), f"{name} changed a part of the model it declares unchanged ({parts})"

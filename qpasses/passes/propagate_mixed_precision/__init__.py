@@ -8,6 +8,7 @@ from ...analysis.dtypes import float_tensors
 from ...config.targets import apply_target_rules
 from ...core.pipeline import Pass, PassResult
 from ...core.registry import register
+from ...ir.analyses import GRAPH, RANGES, WEIGHTS
 from ...ir.annotations import Convert, QuantTable
 from ...ir.dataflow import dataflow
 from ...ir.model import QModel
@@ -35,6 +36,7 @@ class PropagateMixedPrecision(Pass):
     name = "propagate-mixed-precision"
     requires = frozenset({"types-annotated"})
     preserves = frozenset({"types-annotated", "calibrated"})
+    unchanged = frozenset({GRAPH, WEIGHTS, RANGES})   # it changes the table only
     example: ClassVar[str] = """
     g (float[1,8] x) => (float[1,8] y) {
       [sig] a = Sigmoid (x)

@@ -14,6 +14,7 @@ from ...core.registry import register
 from ...errors import CalibrationDataError, first_line
 from ...evaluation.evaluate import Reference, max_nodes_option, max_weight_mb_option, rerun_skip_reason
 from ...evaluation.objective import Objective
+from ...ir.analyses import GRAPH, RANGES, WEIGHTS
 from ...ir.decisions import PRECISION_SEARCH
 from ...ir.model import QModel
 from .checks import NAME, ORDERS, Checks
@@ -78,6 +79,7 @@ class SearchPrecision(Pass):
     name: ClassVar[str] = NAME
     requires: ClassVar[frozenset] = frozenset({"calibrated", "types-annotated"})
     preserves: ClassVar[frozenset] = frozenset({"types-annotated", "calibrated"})
+    unchanged: ClassVar[frozenset] = frozenset({GRAPH, WEIGHTS, RANGES})   # it changes the table only
     example: ClassVar[str] = """
         <ir_version: 10, opset_import: ["" : 17]>
         g (float[1, 8] x, float[1, 8] m) => (float[1, 4] y) <float[8, 4] w = {0.9, 0.1, 0.2, 0.3, 0.1, 0.2,
