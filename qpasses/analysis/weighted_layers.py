@@ -117,7 +117,7 @@ def _in_order(graph: gs.Graph, bodies: bool):
         yield node
 
 
-def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then: str, samples: int,
+def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then, samples: int,
                    tolerance_db: float, after: int = 0) -> dict:
     """Whether the constants ``changed`` (name -> new values; ``model`` holds round-to-nearest's) are
     kept: the worst output component (search-precision's metric) of the QDQ model ``then`` makes of

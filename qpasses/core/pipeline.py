@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import time
 import typing
@@ -37,6 +38,11 @@ class Pass:
     preserves: ClassVar[frozenset] = frozenset()
     invalidates: ClassVar[frozenset] = frozenset()   # claims (facts.CLAIMS) its rewrite undoes
     unchanged: ClassVar[frozenset] = frozenset()     # ir.analyses.Part it never changes, or analyses
+
+    def __post_init__(self):
+        for f in self.options():   # a nested pipeline given as text (Python callers)
+            if isinstance(getattr(self, f.name), str) and _option_type(type(self), f) is Pipeline:
+                setattr(self, f.name, _parse_value(type(self), f, getattr(self, f.name)))
 
     def run(self, model: QModel, ctx: RunContext) -> PassResult:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -74,7 +80,8 @@ def option_default(f: dataclasses.Field):
 
 
 def format_value(value) -> str:
-    """An option value as pipeline text writes it (quoted when it holds , { } = or quotes)."""
+    """An option value as pipeline text writes it (quoted when it holds , { } = or quotes; a
+    nested Pipeline as its text)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
@@ -107,17 +114,16 @@ def _parse_value(cls, f: dataclasses.Field, text: str):
             value = int(text)
         elif kind is float:
             value = float(text)
+        elif kind is Pipeline:
+            value = Pipeline.parse(text)
         else:
             value = text
     except ValueError:
         raise PipelineError(f"{where}: '{text}' is not a valid {getattr(kind, '__name__', kind)}") from None
+    except PipelineError as exc:   # a nested pipeline's
+        raise PipelineError(f"{where}: {exc}") from None
     if choices and value not in choices:
         raise PipelineError(f"{where}: '{text}' is not one of {', '.join(map(str, choices))}")
-    if f.metadata.get("pipeline"):   # a nested pipeline: its passes and options must exist
-        try:
-            parse_pipeline(value)
-        except PipelineError as exc:
-            raise PipelineError(f"{where}: {exc}") from None
     return value
 
 
@@ -219,6 +225,55 @@ class _Reader:
 
 def print_pipeline(passes) -> str:
     return ",".join(p.text() for p in passes)
+
+
+class Pipeline:
+    """Passes in order: what a pass option holding a nested pipeline holds (select-by-snr's
+    ``then``). Parsed from pipeline text (``Pipeline.parse``), printed back as text (``str``): the
+    option's text in --passes, configs and passes.md is the pipeline text, quoted."""
+
+    def __init__(self, passes=()):
+        self.passes = tuple(passes)
+
+    @classmethod
+    def parse(cls, text: str) -> "Pipeline":
+        return cls(parse_pipeline(text))
+
+    def __str__(self) -> str:
+        return print_pipeline(self.passes)
+
+    def __repr__(self) -> str:
+        return f"Pipeline({str(self)!r})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Pipeline) and str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+    def __iter__(self):
+        return iter(self.passes)
+
+    def __len__(self) -> int:
+        return len(self.passes)
+
+    def __add__(self, other) -> "Pipeline":
+        return Pipeline((*self.passes, *other))
+
+    def split_after(self, name: str) -> tuple["Pipeline", "Pipeline"]:
+        """The passes up to the first pass ``name`` (included) and the rest; all of them in the
+        second part when ``name`` is absent. A pass can act between the two."""
+        cut = next((i + 1 for i, p in enumerate(self.passes) if p.name == name), 0)
+        return Pipeline(self.passes[:cut]), Pipeline(self.passes[cut:])
+
+    def run(self, model: QModel, ctx: RunContext) -> list[PassRecord]:
+        """Run nested in a pass (on a copy it made): with the run's instruments, ``ctx.nested()``."""
+        return PassManager(self.passes).run(model, ctx.nested()) if self.passes else []
+
+
+def pipeline_option(default: str, help: str):
+    """A pass option holding a nested ``Pipeline``, ``default`` its pipeline text."""
+    return field(default_factory=functools.partial(Pipeline.parse, default), metadata={"help": help})
 
 
 BASE_PIPELINE = "fold-constants,fold-batchnorm,cleanup"
@@ -339,19 +394,6 @@ def check_claims(model: QModel, records: list[PassRecord]) -> None:
         if fact in cls.establishes or (r.modified and fact in cls.preserves):
             raise PassFailure(f"pass '{r.name}' reported what the graph does not hold: {text}")
     raise ModelError(f"the model's saved decisions do not match its graph: {text}")
-
-
-def run_nested(passes, model: QModel, ctx: RunContext) -> list[PassRecord]:
-    """Run a pipeline (text or passes) a pass applies to a copy of the model, with the run's instruments."""
-    return PassManager(passes).run(model, ctx.nested()) if passes else []
-
-
-def split_after(passes: str, name: str) -> tuple[list[Pass], list[Pass]]:
-    """Pipeline text parsed and cut right after pass ``name`` (all of it in the second part when
-    ``name`` is absent): a pass that runs a nested pipeline can act between the two parts."""
-    parsed = parse_pipeline(passes)
-    cut = next((i + 1 for i, p in enumerate(parsed) if p.name == name), 0)
-    return parsed[:cut], parsed[cut:]
 
 
 def in_pipeline_order() -> list[type]:

@@ -74,22 +74,21 @@ def objective_score(reference: Reference, model, objective, reuse=None) -> dict:
         return {"score": float("-inf"), "standard_error": 0.0, "failed": first_line(exc)}
 
 
-def _trial(model, then: str, ctx, edit=None) -> bytes:
-    """A copy of ``model`` (``edit`` applied to it) made a QDQ model by the passes ``then``."""
-    from ..core.pipeline import run_nested
+def _trial(model, then, ctx, edit=None) -> bytes:
+    """A copy of ``model`` (``edit`` applied to it) made a QDQ model by the nested pipeline ``then``."""
     trial = model.copy(share_weights=True)
     if edit is not None:
         edit(trial)
-    run_nested(then, trial, ctx)
+    then.run(trial, ctx)
     return trial.to_proto(metadata=False).SerializeToString()
 
 
-def trial_score(model, then: str, ctx, reference: Reference, objective, edit=None) -> float:
+def trial_score(model, then, ctx, reference: Reference, objective, edit=None) -> float:
     """The objective's score of ``_trial``: a pass's check of one change against the model as it is."""
     return objective_score(reference, _trial(model, then, ctx, edit), objective)["score"]
 
 
-def trial_runs(model, then: str, ctx, reference: Reference, edit=None) -> list[list]:
+def trial_runs(model, then, ctx, reference: Reference, edit=None) -> list[list]:
     """``_trial``'s judged outputs on the reference's feeds."""
     return reference.runs_of(_trial(model, then, ctx, edit), judged=True)
 

@@ -5,7 +5,7 @@ from dataclasses import field
 from typing import ClassVar
 
 from ..analysis.silu import quantize_gates, quantize_products, silu_chains, silu_gates
-from ..core.pipeline import Pass, PassResult
+from ..core.pipeline import Pass, PassResult, Pipeline, pipeline_option
 from ..core.registry import register
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import Reference, max_nodes_option, max_weight_mb_option, rerun_skip_reason
@@ -71,8 +71,8 @@ class QuantizeSilu(Pass):
         "help": "fewer feeds (not under 8) once the outputs hold this many values (search-precision's)"})
     max_nodes: int = max_nodes_option(2000, "each score quantizes a copy")
     max_weight_mb: float = max_weight_mb_option(512.0)
-    then: str = field(default="compute-qparams,fix-bias-scales,insert-qdq,insert-converts", metadata={
-        "help": "the passes that turn a candidate into the QDQ model that is scored", "pipeline": True})
+    then: Pipeline = pipeline_option("compute-qparams,fix-bias-scales,insert-qdq,insert-converts",
+                                     "the passes that turn a candidate into the QDQ model that is scored")
 
     def run(self, model: QModel, ctx) -> PassResult:
         config = ctx.config

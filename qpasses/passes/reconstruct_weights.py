@@ -15,7 +15,7 @@ from ..analysis.weighted_layers import Target, checked_values, find_targets
 from ..calibration.data import model_inputs, open_data
 from ..calibration.segments import SegmentedModel
 from ..calibration.subgraphs import thread_out
-from ..core.pipeline import Pass, PassResult, run_nested
+from ..core.pipeline import Pass, PassResult, Pipeline, pipeline_option
 from ..core.progress import progress
 from ..core.registry import register
 from ..errors import CalibrationDataError, ModelError, first_line
@@ -103,8 +103,8 @@ class ReconstructWeights(Pass):
     check_samples: int = field(default=16, metadata={"help": "calibration feeds the check scores, after the ones used"})
     tolerance_db: float = field(default=0.0, metadata={
         "help": "dB of SNR the values may score below round-to-nearest and still be kept (other metrics: none)"})
-    then: str = field(default="fix-bias-scales,insert-qdq,insert-converts", metadata={
-        "help": "the passes that turn the model into the QDQ model whose inputs are read and scored", "pipeline": True})
+    then: Pipeline = pipeline_option("fix-bias-scales,insert-qdq,insert-converts",
+                                     "the passes that turn the model into the QDQ model whose inputs are read and scored")
     max_hessian_mb: float = field(default=512.0, metadata={
         "help": "moments of the layers of one stage (more: the stage is split); a layer whose own are "
                 "larger keeps round-to-nearest"})
@@ -178,7 +178,7 @@ class ReconstructWeights(Pass):
         to (raised once, not in every stage's trial), and the first stage's QDQ trial."""
         work = model.copy(share_weights=True)
         trial = work.copy(share_weights=True)
-        run_nested(self.then, trial, ctx)
+        self.then.run(trial, ctx)
         if trial.opset > work.opset:
             require_opset(work, trial.opset)
         return work, trial
@@ -337,7 +337,7 @@ class _Rerun:
     def measure(self, k: int, stage: list[Target]) -> int:
         if self.trial is None:
             self.trial = self.work.copy(share_weights=True)
-            run_nested(self.owner.then, self.trial, self.ctx)
+            self.owner.then.run(self.trial, self.ctx)
         pairs = _pairs(stage, self.trial, self.owner.samples, self.owner.flops, 2 * self.owner.min_rows)
         bodies, ranks = _layout(pairs)
         floats = _Session(self.reference, [f for _, f, _ in pairs], bodies, ranks, optimize=True)

@@ -8,7 +8,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..analysis.weighted_layers import Target, batches, checked_values, find_targets, measure, restore as _restore
-from ..core.pipeline import Pass, PassResult
+from ..core.pipeline import Pass, PassResult, Pipeline, pipeline_option
 from ..core.registry import register
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import max_nodes_option, max_weight_mb_option, rerun_skip_reason
@@ -85,8 +85,8 @@ class RoundWeights(Pass):
                 "-2.2 dB for codes that gained 0.4 on its eval set)"})
     tolerance_db: float = field(default=1.0, metadata={
         "help": "dB of SNR the codes may score below round-to-nearest and still be kept (other metrics: none)"})
-    then: str = field(default="fix-bias-scales,insert-qdq,insert-converts", metadata={
-        "help": "the passes that turn the model into the QDQ model the check scores", "pipeline": True})
+    then: Pipeline = pipeline_option("fix-bias-scales,insert-qdq,insert-converts",
+                                     "the passes that turn the model into the QDQ model the check scores")
     damping: float = field(default=0.01, metadata={"help": "added to diag(X^T X), times its mean"})
     max_hessian_mb: float = field(default=256.0, metadata={
         "help": "X^T X of the layers measured in one float run (more layers: more runs); a layer "

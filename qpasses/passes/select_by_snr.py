@@ -12,7 +12,7 @@ from ..analysis.requests import named_tensors
 from ..calibration.data import open_data
 from ..calibration.kept import KeptSamples
 from ..calibration.softmax import ROW_MAX_SUFFIX
-from ..core.pipeline import Pass, PassResult, make_pass, run_nested, split_after
+from ..core.pipeline import Pass, PassResult, Pipeline, make_pass, pipeline_option
 from ..core.progress import progress
 from ..core.registry import register
 from ..errors import CalibrationDataError, first_line
@@ -172,14 +172,14 @@ class SelectBySnr(Pass):
         "help": "also score the chosen variant with correct-bias and keep the corrected biases only "
                 "if they score higher (else correct-bias does nothing); off by default: on the "
                 "benchmark it cost time and chose worse than always correcting (tools/README.md)"})
-    then: str = field(default="compute-qparams,fix-bias-scales,insert-qdq,insert-converts", metadata={
-        "help": "the passes that turn a variant into the QDQ model that is scored", "pipeline": True})
+    then: Pipeline = pipeline_option("compute-qparams,fix-bias-scales,insert-qdq,insert-converts",
+                                     "the passes that turn a variant into the QDQ model that is scored")
 
     def run(self, model: QModel, ctx) -> PassResult:
         config = ctx.config
         axes = [a for a in (range_variants(model, config, self.fitted_penalty_db),
                             weight_variants(model, config, self.asymmetric_penalty_db)) if a]
-        bias = (self.bias_correction and bool(split_after(self.then, "compute-qparams")[0])
+        bias = (self.bias_correction and bool(self.then.split_after("compute-qparams")[0])
                 and BIAS_DECISION not in model.decisions and _has_biases(model))
         kept = ctx.cache.get(KeptSamples.CACHE_KEY)   # search-precision's reference too: it frees them
         if not axes and not bias:
@@ -296,15 +296,15 @@ class SelectBySnr(Pass):
         trial = fresh() if fresh is not None else model.copy(share_weights=True)
         for variant in combo:
             variant.apply(trial)
-        first, rest = split_after(self.then, "compute-qparams")
+        first, rest = self.then.split_after("compute-qparams")
         corrected = None
         if with_correct_bias:
             trial.decisions.pop(BIAS_DECISION, None)
-            run_nested(first + [make_pass(CORRECT_BIAS)], trial, ctx)
+            (first + [make_pass(CORRECT_BIAS)]).run(trial, ctx)
             corrected = _changed_biases(model, trial)
         else:
             rest = first + rest
-        run_nested(rest, trial, ctx)
+        rest.run(trial, ctx)
         return trial.to_proto(metadata=False), corrected
 
     def _reference(self, model: QModel, ctx, kept) -> Reference | None:

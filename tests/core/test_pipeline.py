@@ -5,6 +5,7 @@ import pytest
 
 from qpasses import Pass, PassManager, PassResult, parse_pipeline, print_pipeline, register
 from qpasses.core.instruments import DumpAfter, Reproducer, TimePasses, VerifyEach
+from qpasses.core.pipeline import Pipeline, make_pass
 from qpasses.core.registry import all_passes, unregister
 from qpasses.errors import PassFailure, PipelineError, PreconditionError
 from qpasses.ir.model import load
@@ -84,6 +85,36 @@ def test_option_values_are_typed(toy_passes):
 def test_bad_pipeline_text(toy_passes, text, message):
     with pytest.raises(PipelineError, match=message.replace("(", r"\(")):
         parse_pipeline(text)
+
+
+@pytest.mark.parametrize("text", [
+    'select-by-snr{then="compute-qparams,fix-bias-scales{enabled=false},insert-qdq"}',
+    'select-by-snr{then="round-weights{then=\\"fix-bias-scales,insert-qdq\\"},insert-qdq"}',
+    "select-by-snr{then=insert-qdq}",
+])
+def test_a_nested_pipeline_is_an_object_printed_as_its_text(text):
+    (p,) = parse_pipeline(text)
+    assert isinstance(p.then, Pipeline) and all(isinstance(q, Pass) for q in p.then)
+    assert print_pipeline([p]) == text
+    assert Pipeline.parse(str(p.then)) == p.then
+
+
+def test_a_nested_pipeline_splits_after_a_pass():
+    (p,) = parse_pipeline('select-by-snr{then="compute-qparams,fix-bias-scales{enabled=false},insert-qdq"}')
+    first, rest = p.then.split_after("fix-bias-scales")
+    assert (str(first), str(rest)) == ("compute-qparams,fix-bias-scales{enabled=false}", "insert-qdq")
+    assert rest.passes[0] is p.then.passes[2]
+    first, rest = p.then.split_after("calibrate")   # absent: everything runs after the cut
+    assert not first and rest == p.then
+    assert str(first + rest + [make_pass("cleanup")]) == str(p.then) + ",cleanup"
+
+
+def test_a_nested_pipeline_option_keeps_its_default_text_and_takes_text_from_python():
+    p = make_pass("select-by-snr")
+    assert p.text() == "select-by-snr"
+    assert str(p.then) == "compute-qparams,fix-bias-scales,insert-qdq,insert-converts"
+    assert type(p)(then="insert-qdq").then == Pipeline.parse("insert-qdq")
+    assert make_pass("select-by-snr", then="insert-qdq").text() == "select-by-snr{then=insert-qdq}"
 
 
 def test_requires_names_missing_fact_and_establisher(toy_passes):

@@ -9,7 +9,7 @@ from ...analysis.requests import pinned
 from ...analysis.sensitivity import promote, promotion_groups
 from ...calibration.kept import KeptSamples
 from ...config.quant_config import ACCURACY_FALLBACKS, ACCURACY_METRICS
-from ...core.pipeline import Pass, PassResult
+from ...core.pipeline import Pass, PassResult, Pipeline, pipeline_option
 from ...core.registry import register
 from ...errors import CalibrationDataError, first_line
 from ...evaluation.evaluate import Reference, max_nodes_option, max_weight_mb_option, rerun_skip_reason
@@ -125,8 +125,8 @@ class SearchPrecision(Pass):
     probe_samples: int = field(default=4, metadata={"help": "feeds the local errors are measured on"})
     max_nodes: int = max_nodes_option(2000, "each evaluation quantizes a copy")
     max_weight_mb: float = max_weight_mb_option(512.0)
-    then: str = field(default="compute-qparams,fix-bias-scales,insert-qdq,insert-converts", metadata={
-        "help": "the passes that turn a candidate into the QDQ model that is scored", "pipeline": True})
+    then: Pipeline = pipeline_option("compute-qparams,fix-bias-scales,insert-qdq,insert-converts",
+                                     "the passes that turn a candidate into the QDQ model that is scored")
 
     def settings(self, config) -> tuple[str, float, str, float, float, float]:
         """(metric, target, fallback, aim, keep_8bit, room): this pass's options, else config.accuracy,

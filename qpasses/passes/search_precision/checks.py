@@ -9,7 +9,6 @@ from functools import partial
 from ... import executors
 from ...analysis.sensitivity import eight_bit_share, graph_order, local_errors, promote
 from ...analysis.walks import Walk, aimed, fewest
-from ...core.pipeline import run_nested, split_after
 from ...core.progress import progress
 from ...errors import first_line
 from ...evaluation.evaluate import Reference
@@ -101,11 +100,11 @@ class Checks:
             self.copier = (base, base.copier())
         trial = self.copier[1]()
         promote(trial, [self.groups[n] for n in promoted], self.fallback, {})
-        first, rest = split_after(self.options.then, "compute-qparams")
-        run_nested(first, trial, self.ctx)
+        first, rest = self.options.then.split_after("compute-qparams")
+        first.run(trial, self.ctx)
         if not promoted:   # its qparams measure the local errors
             self.computed = {n: trial.quant.get(n) for n in self.groups}
-        run_nested(rest, trial, self.ctx)
+        rest.run(trial, self.ctx)
         if trial.opset > base.opset:
             # insert-qdq raised the opset (onnx.version_converter for some ops: 0.26 s a trial on
             # ppocr_v4_rec); later trials start from a copy raised once, as that does not change
