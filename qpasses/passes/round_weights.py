@@ -16,7 +16,7 @@ from ..ir.analyses import GRAPH, RANGES
 from ..ir.decisions import PRECISION_SEARCH
 from ..ir.model import QModel
 from ..quant.qtypes import qtype
-from ..quant.rounding import round_codes
+from ..quant.rounding import round_codes, serial_blas
 
 NAME = "round-weights"
 DECISION = "weight_rounding"
@@ -115,14 +115,15 @@ class RoundWeights(Pass):
         targets = [t for t in targets if t.geo.h_bytes <= budget]
         rounded, samples, few, originals, notes = 0, 0, 0, {}, []
         try:
-            for batch in batches(targets, budget):
-                samples = measure(model, ctx.calibration_data, batch, self.samples)
-                for t in batch:
-                    if t.hessian.rows < self.min_rows * t.geo.k:
-                        few += 1
-                        t.hessian = None
-                    else:
-                        rounded += self._round(model, t, samples, originals, notes)
+            with serial_blas():   # the Hessians' products and factorisations
+                for batch in batches(targets, budget):
+                    samples = measure(model, ctx.calibration_data, batch, self.samples)
+                    for t in batch:
+                        if t.hessian.rows < self.min_rows * t.geo.k:
+                            few += 1
+                            t.hessian = None
+                        else:
+                            rounded += self._round(model, t, samples, originals, notes)
             checked = None
             if self.check and rounded:   # scored from the float model the codes were chosen for
                 new = {name: c.values for name, (c, _) in originals.items()}
