@@ -283,3 +283,20 @@ def test_codes_that_score_lower_than_round_to_nearest_are_not_kept():
     np.testing.assert_array_equal(np.asarray(checked.tensors()["w"].values), original)
     assert not any("round-weights" in why for why in checked.quant["w"].why)
     assert any("round-weights" in why for why in loose.quant["w"].why)
+
+
+def test_serial_blas_runs_one_thread_and_chooses_the_same_codes():
+    from threadpoolctl import threadpool_info
+
+    from qpasses.quant.rounding import serial_blas
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 300, 2000))
+    h = x @ x.transpose(0, 2, 1) / 2000
+    w = rng.standard_normal((1, 16, 300))
+    scale, zero = np.full((1, 16), 0.02), np.zeros((1, 16))
+    free = round_codes(w, scale, zero, -128, 127, h, 0.01)
+    with serial_blas():
+        assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == {1}
+        serial = round_codes(w, scale, zero, -128, 127, h, 0.01)
+    np.testing.assert_array_equal(serial, free)
