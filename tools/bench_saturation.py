@@ -2,20 +2,25 @@
 
 onnxruntime's uint8 x int8 kernels on x86-64 CPUs without VNNI sum weight pairs in int16 and
 saturate (qpasses.analysis.saturation). qpasses' default (``cpu: x86-64``) stores the weights of
-the layers at risk as uint8 on the same grid (protect-pair-sums), run by onnxruntime's exact
-uint8 x uint8 kernels. Per model (issue 35's layer, then the bench models of bench_accuracy.py):
+the layers at risk whose pair sums on the calibration data come near the int16 bound as uint8 on
+the same grid (protect-pair-sums), run by onnxruntime's exact uint8 x uint8 kernels. Per model
+(issue 35's layer, then the bench models of bench_accuracy.py):
 
 * ``sim``: the task metric (or output SNR) in onnxruntime's QDQ simulation (no graph
-  optimizations: what a VNNI or ARM CPU computes) of qpasses protected (the default), unprotected
-  (``cpu: x86-64-vnni``), and onnxruntime's quantize_static (per-channel MinMax) with and without
-  ``reduce_range`` (7-bit weights: onnxruntime's advice for these CPUs);
+  optimizations: what a VNNI or ARM CPU computes) of qpasses protecting every layer at risk
+  (``qpasses_all``: ``protect-pair-sums{data=false}``), the default (``qpasses``: judged on the
+  calibration data), unprotected (``cpu: x86-64-vnni``), and onnxruntime's quantize_static
+  (per-channel MinMax; ``--variants`` adds ``ort_reduce_range``: 7-bit weights, onnxruntime's
+  advice for these CPUs);
 * ``haswell`` (``--qemu``): the same models in the int8 kernels under ``qemu-x86_64 -cpu Haswell``
   (AVX2, no VNNI; Debian package qemu-user; 5-20x slower);
-* the layers at risk (of the uint8 x int8 layers), and each model's latency on this CPU (ms, median
-  of ``--runs`` single-thread runs, interleaved).
+* the layers at risk (of the uint8 x int8 layers of the unprotected model) and those each qpasses
+  variant protects (stores as uint8), the default's emulation time (s), and each model's latency
+  on this CPU (ms, median of ``--runs`` single-thread runs, interleaved) and as a ratio to ort's.
 
     python tools/bench_saturation.py                                # all models, no qemu (~15 min)
     python tools/bench_saturation.py --qemu --models layer,ppocr_v2_cls --eval-samples 8
+    python tools/bench_saturation.py --qemu --eval-dir ~/.cache/qp-bench/eval128 --eval-samples 128
 """
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ import accuracy_models as acc  # noqa: E402
 from bench_accuracy import ALL_MODELS, DEFAULT_CORPUS, bench_model, output_snr  # noqa: E402
 from models import FeedReader  # noqa: E402
 
-VARIANTS = ("qpasses", "qpasses_unprotected", "ort", "ort_reduce_range")
+VARIANTS = ("qpasses_all", "qpasses", "qpasses_unprotected", "ort", "ort_reduce_range")
+DEFAULT_VARIANTS = "qpasses_all,qpasses,qpasses_unprotected,ort"
 RUN_OUTPUTS = r"""
 import sys, numpy as np, onnxruntime as ort
 opts = ort.SessionOptions()
@@ -68,18 +74,25 @@ class Layer:
         return "output SNR dB", output_snr(outs_f, outs_q)
 
 
-def quantize(variant: str, model_path, feeds: list[dict], out: Path) -> None:
+def quantize(variant: str, model_path, feeds: list[dict], out: Path) -> dict:
+    """Quantize ``model_path`` as ``variant`` into ``out``; qpasses' pair-sum decision (or {})."""
     if variant.startswith("ort"):
         from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
         quantize_static(str(model_path), str(out), FeedReader(feeds), quant_format=QuantFormat.QDQ, per_channel=True,
                         reduce_range=variant == "ort_reduce_range", activation_type=QuantType.QUInt8,
                         weight_type=QuantType.QInt8, calibrate_method=CalibrationMethod.MinMax)
-        return
+        return {}
     import qpasses
+    from qpasses.core.pipeline import default_pipeline
 
     config = {"cpu": "x86-64-vnni"} if variant == "qpasses_unprotected" else None
-    qpasses.save(qpasses.quantize(str(model_path), feeds, config=config), str(out))
+    passes = (default_pipeline(True).replace("protect-pair-sums", "protect-pair-sums{data=false}")
+              if variant == "qpasses_all" else None)
+    model, records = qpasses.run_pipeline(str(model_path), passes, config=config, calibration_data=feeds)
+    qpasses.save(model, str(out))
+    stats = next((r.stats for r in records if r.name == "protect-pair-sums"), {})
+    return {**model.decisions.get("pair_sums", {}), "emulation_s": stats.get("emulation_s")}
 
 
 def outputs(path: Path, feeds: list[dict], *, qemu: bool, tmp: Path) -> list[list]:
@@ -115,12 +128,16 @@ def bench(bm, args, tmp: Path) -> dict:
 
     calib, evals = bm.feeds("calib", args.calib_samples), bm.feeds("eval", args.eval_samples)
     float_outs = outputs(Path(bm.path), evals, qemu=False, tmp=tmp)
-    row = {"model": bm.name, "variants": {}}
-    for variant in VARIANTS:
+    row = {"model": bm.name, "eval_samples": len(evals), "variants": {}}
+    for variant in args.variants.split(","):
         path = tmp / f"{bm.name}.{variant}.onnx"
         cell = row["variants"][variant] = {}
         try:
-            quantize(variant, bm.path, calib, path)
+            record = quantize(variant, bm.path, calib, path)
+            if variant.startswith("qpasses"):
+                fixes = [r.get("fix") for r in record.get("layers", {}).values()]
+                cell["protected"] = fixes.count("uint8")
+                cell["emulation_s"] = record.get("emulation_s")
             cell["path"] = str(path)
             cell["metric"], cell["sim"] = bm.metric(float_outs, outputs(path, evals, qemu=False, tmp=tmp))
             if args.qemu:
@@ -139,22 +156,27 @@ def table(rows: list[dict], qemu: bool) -> str:
     def fmt(v):
         return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
-    head = ["model", "metric"] + [f"{v} {k}" for v in VARIANTS for k in (("sim", "haswell") if qemu else ("sim",))]
-    head += [f"{v} ms" for v in VARIANTS] + ["at risk (unprotected)", "protected / unprotected ms"]
+    variants = [v for v in VARIANTS if any(v in r["variants"] for r in rows)]
+    head = ["model", "metric"] + [f"{v} {k}" for v in variants for k in (("sim", "haswell") if qemu else ("sim",))]
+    head += ["at risk", "protected all / default", "emulation s"] + [f"{v} ms" for v in variants]
+    head += [f"{v} x ort" for v in variants if v != "ort"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        v = r["variants"]
+        v = {name: r["variants"].get(name, {}) for name in variants}
         metric = next((c.get("metric") for c in v.values() if c.get("metric")), "-")
         cells = [r["model"], metric]
-        for name in VARIANTS:
+        for name in variants:
             c = v[name]
             cells += [c.get("error", "failed")[:40] if "error" in c else fmt(c.get("sim"))]
             if qemu:
                 cells.append(fmt(c.get("haswell")))
-        cells += [fmt(v[name].get("latency_ms")) for name in VARIANTS]
-        cells.append(v["qpasses_unprotected"].get("at_risk", "-"))
-        a, b = v["qpasses"].get("latency_ms"), v["qpasses_unprotected"].get("latency_ms")
-        cells.append(f"{a / b:.2f}x" if a and b else "-")
+        cells.append(v.get("qpasses_unprotected", {}).get("at_risk", "-"))
+        cells.append(f"{fmt(v.get('qpasses_all', {}).get('protected'))} / {fmt(v.get('qpasses', {}).get('protected'))}")
+        cells.append(fmt(v.get("qpasses", {}).get("emulation_s")))
+        cells += [fmt(v[name].get("latency_ms")) for name in variants]
+        base = v.get("ort", {}).get("latency_ms")
+        cells += [f"{v[name]['latency_ms'] / base:.2f}" if base and v[name].get("latency_ms") else "-"
+                  for name in variants if name != "ort"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -166,6 +188,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calib-samples", type=int, default=16)
     ap.add_argument("--eval-samples", type=int, default=16)
     ap.add_argument("--runs", type=int, default=20, help="latency runs per model (0: none)")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--eval-dir", type=Path, metavar="DIR",
+                    help="eval sets DIR/<model>.npz instead of the models' own (tools/build_eval_sets.py)")
     ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -177,6 +202,8 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         for name in args.models.split(","):
             bm = Layer(tmp) if name == "layer" else bench_model(name, args.corpus, acc.DEFAULT_CACHE)
+            if args.eval_dir and (args.eval_dir / f"{name}.npz").is_file():
+                bm.eval = args.eval_dir / f"{name}.npz"
             rows.append(bench(bm, args, tmp))
             print(table(rows[-1:], args.qemu).splitlines()[-1], flush=True)
     print(table(rows, args.qemu))

@@ -25,6 +25,7 @@ same-sign weight codes saturates when 255 * |a + b| exceeds the int16 bound: |a 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +38,7 @@ from ..quant.qparams import compute_qparams
 from ..quant.qtypes import qtype
 from .derivations import qparams_options
 from .ranges import weight_range
-from .scopes import all_nodes
+from .scopes import all_nodes, scopes
 
 INT16_MIN, INT16_MAX = -32768, 32767
 TOP_CODE = 255                       # the largest activation code the kernel multiplies (int8: shifted)
@@ -260,14 +261,200 @@ def risks(layers: list[PairLayer]) -> list[Risk]:
     return out
 
 
+# -- the pair sums data reaches -----------------------------------------------------------------
+CHUNK = 1 << 22     # pair sums computed at once (int32)
+
+
+class PairSums:
+    """The int16 pair sums a layer's risky pairs reach in the U8S8 kernel on its input data, and what
+    saturating them costs: each value the kernel reads quantized with the layer's input qparams (int8
+    codes shifted by 128, a Conv's padding at the zero point), the products of each risky pair's two
+    codes summed exactly (int32, numpy integers: the same on every machine), for the pairs whose
+    inputs' largest codes on that input let them pass the cap. ``update`` takes the float input (a
+    calibration.runner collector). ``largest``: the largest |sum| as a share of the
+    int16 bound; ``noise``: the power of the error the kernel's outputs would carry if the sums
+    saturated at ``limit`` times the int16 bounds (each output's clipped parts summed, times its
+    channel's weight scale), relative to the power of the noise quantizing the input adds to them
+    (step^2 / 12 times the row's squared weights, per output; the input scale cancels)."""
+
+    min = max = 0.0   # collect_stats' test for body tensors that never ran
+
+    def __init__(self, layer: PairLayer, qp: QParams, weight_scale, weight_zero_point, limit: float = 1.0,
+                 top: int = TOP_CODE):
+        rows = layer.rows()
+        r, j = np.nonzero(risky_pairs(rows, top))
+        self.layer, self.qp, self.shift = layer, qp, 128 if qp.qtype.name == "int8" else 0
+        a, b = rows[r, 2 * j], rows[r, 2 * j + 1]   # a risky pair never holds an odd K's padding
+        self.a, self.b, self.sign = np.abs(a), np.abs(b), np.sign(a)   # both codes of a risky pair share a sign
+        self.rows, self.k = r, 2 * j
+        self.bound = np.where(a > 0, INT16_MAX, -INT16_MIN)            # the |sum| int16 holds, per pair
+        self.cap = (self.bound * limit).astype(np.int64)               # the |sum| taken to saturate
+        channels = row_channels(layer.codes.shape, layer.node.op, layer.transposed)
+        n = (int(channels.max()) + 1,)
+        self.scale = np.broadcast_to(np.asarray(weight_scale, np.float64), n)[channels]
+        zero = np.broadcast_to(np.asarray(weight_zero_point, np.int64), n)[channels]
+        squares = ((rows.astype(np.int64) - zero[:, None]) ** 2).sum(1)   # exact
+        self.row_power = math.fsum(squares * self.scale ** 2) / 12
+        self.extreme = np.zeros(r.size, np.int64)              # per pair, the largest |sum|
+        self.sums = self.saturated = self.samples = self.outputs = self._outputs = 0
+        self.errors: list[float] = []                          # per sample and row, its error power
+        self.unread = False
+        self.ceiling = 0.0                                     # the largest bound of the pairs not summed
+        self.last_error: dict[int, np.ndarray] = {}
+
+    @property
+    def noise(self) -> float:
+        """Saturation error power over input-quantization noise power (floats summed exactly: math.fsum)."""
+        return math.fsum(self.errors) / (self.row_power * self.outputs) if self.outputs and self.row_power else 0.0
+
+    @property
+    def noise_db(self) -> float | None:
+        """``noise`` in dB to 0.1 dB (None: nothing saturates), which the decision reads: a float input
+        differing in its last bits between CPUs' kernels moves a code now and then, not this."""
+        noise = self.noise
+        return round(10 * math.log10(noise), 1) if noise > 0 else None
+
+    @staticmethod
+    def emulated(layer: PairLayer) -> bool:
+        """Whether the input layout is known: a Conv, or a 2-D MatMul/Gemm weight."""
+        return layer.node.op == "Conv" or layer.codes.ndim == 2
+
+    def update(self, x, *_) -> None:
+        x = np.asarray(x)
+        if self.layer.node.op == "Conv" and x.ndim != self.layer.codes.ndim:
+            self.unread = True   # not the layout the layer reads: nothing measured
+            return
+        codes = np.asarray(quantized_values(x, self.qp), np.int16) + np.int16(self.shift)
+        self.last_error = {}   # row -> each output's clipped parts (int64) on this input
+        if self.layer.node.op == "Conv":
+            self._conv(codes)
+        else:
+            if self.layer.node.op == "Gemm" and self.layer.node.attrs.get("transA", 0):
+                codes = codes.T
+            worth = self._worth(codes.reshape(-1, codes.shape[-1]).max(0), self.k, self.k + 1)
+            self._reduce(np.flatnonzero(worth), lambda sel: codes[..., self.k[sel]], lambda sel: codes[..., self.k[sel] + 1], -1)
+        self.errors += [_square_sum(e) * self.scale[row] ** 2 for row, e in self.last_error.items()]
+        self.outputs += self._outputs
+        self.samples += 1
+
+    def _conv(self, codes: np.ndarray) -> None:
+        from ..quant.conv_pads import auto_pad_of, conv_pads
+
+        node, shape = self.layer.node, self.layer.codes.shape
+        kernel, per_group = shape[2:], shape[1]
+        rank = len(kernel)
+        strides = [int(s) for s in node.attrs.get("strides", [1] * rank)]
+        dilations = [int(d) for d in node.attrs.get("dilations", [1] * rank)]
+        begins, ends = conv_pads(auto_pad_of(node.attrs), node.attrs.get("pads", [0] * 2 * rank), codes.shape[2:],
+                                 kernel, strides, dilations)
+        pad = int(self.qp.zero_point[0]) + self.shift
+        padded = np.pad(codes, [(0, 0), (0, 0)] + list(zip(begins, ends)), constant_values=pad)
+        out = [(n - (k - 1) * d - 1) // s + 1 for n, k, s, d in zip(padded.shape[2:], kernel, strides, dilations)]
+
+        def view(position: int) -> np.ndarray:   # the input codes kernel position ``position`` multiplies
+            at = np.unravel_index(position, kernel)
+            return padded[(slice(None), slice(None)) + tuple(slice(p * d, p * d + s * (o - 1) + 1, s)
+                                                             for p, d, s, o in zip(at, dilations, strides, out))]
+
+        group = self.rows // (shape[0] // int(node.attrs.get("group", 1)))
+        first, second = self.k, self.k + 1
+        channel = lambda sel, k: group[sel] * per_group + k[sel] % per_group   # noqa: E731
+        every = slice(None)
+        worth = self._worth(padded.max(axis=(0, *range(2, padded.ndim))), channel(every, first), channel(every, second))
+        where = (first // per_group) * int(np.prod(kernel)) + second // per_group   # the pair's two kernel positions
+        for key in np.unique(where[worth]):
+            pairs = np.flatnonzero((where == key) & worth)
+            v1, v2 = view(first[pairs[0]] // per_group), view(second[pairs[0]] // per_group)
+            self._reduce(pairs, lambda sel: v1[:, channel(sel, first)], lambda sel: v2[:, channel(sel, second)], 1)
+
+    def _worth(self, maxima: np.ndarray, first: np.ndarray, second: np.ndarray) -> np.ndarray:
+        """bool per pair: its sums can pass its cap, given the largest code of each input (``maxima``)
+        and the inputs each pair's codes multiply; the others' bounds only raise ``ceiling``."""
+        maxima = maxima.astype(np.int64)
+        most = self.a * maxima[first] + self.b * maxima[second]
+        worth = most > self.cap
+        if not worth.all():
+            self.ceiling = max(self.ceiling, float((most[~worth] / self.bound[~worth]).max()))
+        return worth
+
+    def _reduce(self, pairs: np.ndarray, left, right, axis: int) -> None:
+        """Each pair's |sums| over the codes ``left(sel)`` and ``right(sel)`` read (pairs along ``axis``),
+        in chunks; the clipped parts only for the pairs whose sums pass their cap."""
+        if not pairs.size:
+            return
+        probe = left(pairs[:1])
+        axis %= probe.ndim
+        step = max(1, CHUNK // max(1, probe.size))
+        shape, others = [1] * probe.ndim, tuple(i for i in range(probe.ndim) if i != axis)
+        for start in range(0, pairs.size, step):
+            sel = pairs[start:start + step]
+            shape[axis] = sel.size
+            sums = self.a[sel].reshape(shape) * left(sel) + self.b[sel].reshape(shape) * right(sel)   # int32
+            top = sums.max(axis=others) if others else sums
+            self.extreme[sel] = np.maximum(self.extreme[sel], top)
+            self.sums += sums.size
+            self._outputs = sums.size // sel.size   # outputs of one row in this sample
+            for p in np.flatnonzero(top > self.cap[sel]):
+                pair = sel[p]
+                one = np.take(sums, p, axis=axis).ravel()
+                self.saturated += int((one > self.bound[pair]).sum())
+                row = int(self.rows[pair])
+                self.last_error[row] = self.last_error.get(row, 0) + self.sign[pair] * np.maximum(one - self.cap[pair], 0)
+
+    @property
+    def largest(self) -> float:
+        """The largest |pair sum| seen, as a share of the int16 bound it would cross; when ``exact`` is
+        False, a bound on it (pairs whose codes' maxima kept them below their cap were not summed)."""
+        seen = float((self.extreme / self.bound).max()) if self.extreme.size else 0.0
+        return max(seen, self.ceiling)
+
+    @property
+    def exact(self) -> bool:
+        return not self.extreme.size or float((self.extreme / self.bound).max()) >= self.ceiling
+
+
+def _square_sum(values: np.ndarray) -> float:
+    """The sum of the integers' squares, the same whatever the order numpy adds in: exact below 2^53,
+    else summed exactly and rounded once (math.fsum)."""
+    squares = values.astype(np.float64) ** 2
+    total = float(squares.sum())
+    return total if total < 2.0 ** 53 else math.fsum(squares[squares > 0])
+
+
+def reached(model: QModel, layers: list[PairLayer], data, samples: int, limit: float = 1.0) -> tuple[dict[str, PairSums], int]:
+    """node name -> PairSums of each main-graph layer (whose input layout is known) over ``samples`` feeds of
+    ``data`` (one float run reading only those layers' inputs, calibration.runner), saturating at
+    ``limit`` times the int16 bounds; and the feeds read."""
+    from ..calibration.runner import collect_stats
+    from .weighted_layers import Readers
+
+    by_input: dict[str, list[PairSums]] = {}
+    out, inner = {}, scopes(model)
+    for layer in layers:   # a body's values reach collect_stats threaded out, not in their layout
+        if PairSums.emulated(layer) and not inner.scope_of(layer.node):
+            data_in = layer.node.inputs[0].name
+            tq = model.quant[data_in]
+            qp = QParams.make(data_in, tq.qtype_read_by(layer.node.name),
+                              *((tq.convert.scale, tq.convert.zero_point) if tq.converted_for(layer.node.name)
+                                else (tq.scale, tq.zero_point)), tq.axis, len(layer.node.inputs[0].shape or ()) or None)
+            wq = model.quant[layer.weight]
+            out[layer.node.name] = PairSums(layer, qp, wq.scale, wq.zero_point, limit)
+            by_input.setdefault(data_in, []).append(out[layer.node.name])
+    if not by_input:
+        return out, 0
+    _, count = collect_stats(model, data, max_samples=samples, only=set(by_input),
+                             collector=lambda name: Readers(by_input.get(name, [])))
+    return {name: found for name, found in out.items() if found.samples and not found.unread}, count
+
+
 def verdict(found: list[Risk], cpu: str, checked: int) -> str:
     """One line: the layers whose pair sums can saturate on x86-64 without VNNI, and what ``cpu`` makes of them."""
     from ..config.quant_config import PAIR_SATURATING_CPUS
 
     if not found:
         return f"int16 pair sums: none of {checked} uint8 x int8 layers can saturate on any CPU"
-    action = ("protect-pair-sums protects them" if cpu in PAIR_SATURATING_CPUS
-              else f"left as they are for cpu {cpu} (cpu: x86-64 protects every x86-64 CPU)")
+    action = ("protect-pair-sums protects those that saturate measurably on the calibration data (data=false: all)"
+              if cpu in PAIR_SATURATING_CPUS else f"left as they are for cpu {cpu} (cpu: x86-64 protects every x86-64 CPU)")
     names = "; ".join(r.line() for r in found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
     return (f"int16 pair sums: {len(found)} of {checked} uint8 x int8 layers can saturate on x86-64 without "
             f"VNNI, {action}: {names}")
@@ -281,8 +468,11 @@ def decision_line(model: QModel) -> str | None:
     layers = record.get("layers", {})
     if record.get("protected"):
         fixes = [row.get("fix") for row in layers.values()]
-        done = ", ".join(f"{fixes.count(f)} {'with weights stored as uint8' if f == 'uint8' else f'left ({f})'}"
-                         for f in dict.fromkeys(fixes))
+        words = {"uint8": "with weights stored as uint8", "int8": "left int8 (no measurable saturation)"}
+        done = ", ".join(f"{fixes.count(f)} {words.get(f, f'left ({f})')}" for f in dict.fromkeys(fixes))
+        data = record.get("data") or {}
+        done += (f", judged on {data['samples']} calibration samples" if data.get("samples")
+                 else f" ({data['skipped']})" if data.get("skipped") else "")
     else:
         done = "left as they are, but would saturate on x86-64 without VNNI"
     names = "; ".join(f"{row['op']} '{row['node']}' ({len(row['channels'])} of {row['of']} output channels)"

@@ -158,17 +158,18 @@ def restore(values: dict) -> None:
         constant.values = array
 
 
-class _Feed:
-    """The Hessians of every target reading one tensor (collect_stats feeds it whole arrays)."""
+class Readers:
+    """The collectors (Hessians, analysis.saturation.PairSums) of every layer reading one tensor:
+    collect_stats feeds it whole arrays."""
 
     min = max = 0.0   # collect_stats' test for body tensors that never ran
 
-    def __init__(self, hessians: list[Hessian]):
-        self.hessians = hessians
+    def __init__(self, readers: list):
+        self.readers = readers
 
     def update(self, x, *_) -> None:
-        for h in self.hessians:
-            h.update(x)
+        for r in self.readers:
+            r.update(x)
 
 
 def batches(targets: list[Target], budget: float):
@@ -194,5 +195,5 @@ def measure(model: QModel, data, batch: list[Target], samples: int) -> int:
         t.hessian = Hessian(t.geo, seed=k)
         by_input.setdefault(t.node.inputs[0].name, []).append(t.hessian)
     _, count = collect_stats(model, data, max_samples=samples, only=set(by_input),
-                             collector=lambda name: _Feed(by_input.get(name, [])))
+                             collector=lambda name: Readers(by_input.get(name, [])))
     return count

@@ -1,14 +1,17 @@
-"""protect-pair-sums: no int16 pair sum of onnxruntime's x86-64 uint8 x int8 kernels can saturate."""
+"""protect-pair-sums: the layers whose int16 pair sums in onnxruntime's x86-64 uint8 x int8 kernels would
+saturate on the calibration data are run by its uint8 x uint8 kernels instead."""
 from __future__ import annotations
 
-from dataclasses import replace
+import time
+from dataclasses import field, replace
 from typing import ClassVar
 
-from ..analysis.saturation import risks, table_layers
+from ..analysis.saturation import reached, risks, table_layers
 from ..config.quant_config import PAIR_SATURATING_CPUS
 from ..config.targets import chosen, user_keys
 from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
+from ..errors import CalibrationDataError, first_line
 from ..ir.analyses import GRAPH, RANGES, WEIGHTS
 from ..ir.decisions import PAIR_SUMS
 from ..ir.model import QModel
@@ -19,29 +22,48 @@ SHIFT = 128   # int8 code + 128 = uint8 code, on the same grid
 
 @register
 class ProtectPairSums(Pass):
-    """Keep onnxruntime's uint8 x int8 kernels exact on every x86-64 CPU.
+    """Keep onnxruntime's uint8 x int8 kernels from saturating on x86-64 CPUs without VNNI.
 
     Without VNNI (AVX2, AVX-512 without VNNI) those kernels sum the products of adjacent weight
     codes in int16 (qpasses.analysis.saturation): a same-sign pair with |a + b| > 128 saturates
     when both activations are near 255. Issue 35's 3x3 Conv over 64 channels: 33.2 dB in
     onnxruntime's QDQ simulation, 27.1 dB in its kernels under ``qemu-x86_64 -cpu Haswell``.
-    The weights of the layers with such a pair are stored as uint8 on the same grid (codes + 128,
-    zero point + 128): onnxruntime runs those layers in its uint8 x uint8 kernels, which widen to
-    int16 before multiplying and cannot saturate. The model computes exactly what it computed
-    before (same simulation, same accuracy: 33.2 dB in the kernels under qemu too); the cost is
-    speed on CPUs with VNNI, where uint8 x uint8 has no one-instruction dot product (issue 35's
-    Conv: 58 us int8, 138 us uint8, 267 us float; tools/bench_saturation.py). Moving the risky
-    pairs onto the int16 bound instead keeps int8 speed but cost that Conv 8.3 dB, more than
-    saturating does. Hence ``cpu`` (config): x86-64-vnni or arm when the model runs only there.
+    The weights of such a layer are stored as uint8 on the same grid (codes + 128, zero point +
+    128): onnxruntime runs it in its uint8 x uint8 kernels, which widen to int16 before multiplying
+    and cannot saturate. The model computes exactly what it computed before; the cost is speed on
+    CPUs with VNNI, where uint8 x uint8 has no one-instruction dot product (issue 35's Conv: 58 us
+    int8, 138 us uint8; ddddocr_det, every layer at risk protected: 2.2x onnxruntime's latency,
+    1.1x unprotected; tools/RESULTS.md). Moving the risky pairs onto the int16 bound instead keeps
+    int8 speed but cost that Conv 8.3 dB, more than saturating does.
+    Real data rarely drives both codes of a risky pair to the top at once, so (``data``) each layer
+    at risk is emulated on ``samples`` calibration feeds first (analysis.saturation.PairSums: the
+    layer's float input from one run of the model, quantized with its input's qparams, each risky
+    pair's sums in numpy integers: the same decision on every machine). A layer is protected when,
+    with the sums saturating at ``bound`` times the int16 bound (headroom for unseen data), the
+    error power its outputs would carry reaches ``noise_db`` against the power of the noise quantizing
+    its input adds to them (each output's clipped parts times its weight scale, against step^2 / 12
+    times its weights' squares); the others stay int8. On 32 held-out samples of crnn_lstm,
+    yolo_detector, ddddocr_det and ppocr_v4_det, the layers so left int8 saturated at most -12 dB
+    against that noise (tools/RESULTS.md has the task metrics). Cost: one float run over
+    ``samples`` feeds fetching only those layers' inputs, then per feed the sums of the risky pairs
+    whose inputs' largest codes could pass the cap (ddddocr_det: 7 million per feed, a fifth of its
+    risky pairs' products). The risk left: data unlike the calibration set may saturate a layer left int8; ``data=false`` protects every layer at risk, and so does a run
+    without calibration data. Hence also ``cpu`` (config): x86-64-vnni or arm when the model runs
+    only there.
     A layer reading int8 activations, or whose weight has unequal zero points, stays as it is
     (onnxruntime has no such uint8 kernel), as does a weight whose type the config or a preset names
     (``weight_type``, a tensor override's ``quant_type``: a back end may need int8): the decision
     names them, as ``check`` and ``explain`` do.
     Reads: the config's ``cpu`` (x86-64, the default, protects every x86-64 CPU; x86-64-vnni and
-    arm change nothing), the table's int8 weights of Conv/Gemm/MatMul reading 8-bit activations.
-    Writes: those weights' entries (uint8), why-lines, ``model.decisions["pair_sums"]``.
+    arm change nothing), the table's int8 weights of Conv/Gemm/MatMul reading 8-bit activations and
+    their inputs' qparams, the calibration data.
+    Writes: the protected weights' entries (uint8), why-lines (for the layers left int8 too, with
+    what the data showed), ``model.decisions["pair_sums"]`` (per layer: ``fix``, ``largest``,
+    ``noise_db``, ``why``; ``data``: samples, bound, noise_db); the emulation's time and sums in
+    the pass stats.
     Invariants: the values every layer computes are unchanged; no layer reading uint8
-    activations keeps an int8 pair that can leave int16.
+    activations keeps an int8 pair that can leave int16 unless its calibration data says the
+    saturation stays below ``noise_db``.
     """
 
     name: ClassVar[str] = NAME
@@ -57,6 +79,17 @@ g (float[1,4,4,4] x) => (float[1,2,4,4] y)
 """
     example_prelude: ClassVar[str] = "annotate-types,calibrate,compute-qparams"
 
+    data: bool = field(default=True, metadata={
+        "help": "protect only the layers whose pair sums on the calibration data would cost them measurable "
+                "error (false: every layer at risk, whatever the data)"})
+    samples: int = field(default=16, metadata={"help": "calibration feeds the pair sums are emulated on"})
+    bound: float = field(default=0.9, metadata={
+        "help": "the sums are taken to saturate at this share of the int16 bound: headroom for data the "
+                "calibration set does not hold"})
+    noise_db: float = field(default=-10.0, metadata={
+        "help": "protect a layer whose saturation error power on the calibration data reaches this many dB against "
+                "the noise power quantizing its input adds to its outputs"})
+
     def run(self, model: QModel, ctx) -> PassResult:
         cpu = ctx.config.cpu
         layers = table_layers(model)
@@ -67,25 +100,69 @@ g (float[1,4,4,4] x) => (float[1,2,4,4] y)
                 for r in risks(layers)}
         protect = cpu in PAIR_SATURATING_CPUS
         asked = "weight_type" in chosen(ctx.config)
-        widened = 0
+        candidates = []
         for weight, row in rows.items() if protect else ():
             tq = model.quant[weight]
             if asked or "quant_type" in user_keys(ctx.config, weight):
                 row["fix"] = f"none: {tq.qtype} weights were asked for"
-                continue
-            if not all(model.quant[r.node.inputs[0].name].qtype_read_by(r.node.name) == "uint8" for r in readers[weight]):
+            elif not all(model.quant[r.node.inputs[0].name].qtype_read_by(r.node.name) == "uint8" for r in readers[weight]):
                 row["fix"] = "none: int8 activations (onnxruntime fuses no int8 x uint8 layer)"
-                continue
-            if len(set(tq.zero_point)) > 1:
+            elif len(set(tq.zero_point)) > 1:
                 row["fix"] = "none: unequal zero points per channel (onnxruntime's uint8 kernels take one)"
+            else:
+                candidates.append(weight)
+        measured, how = self._measure(model, ctx, [r for w in candidates for r in readers[w]])
+        widened = kept = 0
+        for weight in candidates:
+            row, found = rows[weight], [measured.get(r.node.name) for r in readers[weight]]
+            if all(found):
+                row["largest"] = round(max(f.largest for f in found), 2)
+                levels = [f.noise_db for f in found if f.noise_db is not None]
+                row["noise_db"] = max(levels) if levels else None
+                seen = self._seen(how["samples"], row["largest"], all(f.exact for f in found), row["noise_db"])
+            else:
+                seen = how.get("skipped") or "its input layout is not emulated"
+            tq = model.quant[weight]
+            if all(found) and (row["noise_db"] is None or row["noise_db"] < self.noise_db):
+                row["fix"], row["why"] = "int8", seen
+                tq.because(f"{NAME}: {seen}: left int8")
+                kept += 1
                 continue
+            row["fix"], row["why"] = "uint8", seen
             model.quant[weight] = replace(tq, qtype="uint8", zero_point=[z + SHIFT for z in tq.zero_point],
                                           why=list(tq.why)).because(
-                f"{NAME}: stored as uint8 on the same grid (zero point +{SHIFT}): its int8 pair sums could "
-                f"saturate int16 on x86-64 without VNNI; onnxruntime's uint8 x uint8 kernels cannot")
-            row["fix"] = "uint8"
+                f"{NAME}: stored as uint8 on the same grid (zero point +{SHIFT}), as its int8 pair sums could "
+                f"saturate int16 on x86-64 without VNNI and onnxruntime's uint8 x uint8 kernels cannot ({seen})")
             widened += 1
         if rows:
-            model.decisions[PAIR_SUMS] = {"cpu": cpu, "protected": protect, "layers": rows}
-        stats = {"layers_checked": len(layers), "layers_at_risk": len(rows), "weights_widened": widened}
+            model.decisions[PAIR_SUMS] = {"cpu": cpu, "protected": protect, "data": how, "layers": rows}
+        stats = {"layers_checked": len(layers), "layers_at_risk": len(rows), "weights_widened": widened,
+                 "left_int8": kept, **({"samples": how["samples"], **self.cost} if how.get("samples") else {})}
         return PassResult(model, widened > 0, stats)
+
+    def _seen(self, samples: int, largest: float, exact: bool, noise_db: float | None) -> str:
+        """What the calibration data showed, in words."""
+        text = (f"largest pair sum on {samples} calibration samples {'' if exact else 'at most '}{largest:.0%} "
+                f"of the int16 bound")
+        if noise_db is None:
+            return text
+        return (text + f"; saturating at {self.bound:.0%} of it, the error power would be {noise_db:+.1f} dB against "
+                f"the noise quantizing the input adds (protected from {self.noise_db:+.1f} dB)")
+
+    def _measure(self, model: QModel, ctx, layers: list) -> tuple[dict, dict]:
+        """The pair sums each layer reaches on the calibration data, and how they were measured
+        (what they cost: ``self.cost``)."""
+        if not layers:
+            return {}, {}
+        if not self.data:
+            return {}, {"skipped": "data=false: every layer at risk is protected"}
+        if ctx.calibration_data is None:
+            return {}, {"skipped": "no calibration data in this run"}
+        started = time.perf_counter()
+        try:
+            found, samples = reached(model, layers, ctx.calibration_data, self.samples, self.bound)
+        except CalibrationDataError as exc:
+            return {}, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"}
+        self.cost = {"emulated_sums": sum(f.sums for f in found.values()),
+                     "emulation_s": round(time.perf_counter() - started, 3)}   # pass stats: not in the model's bytes
+        return found, {"samples": samples, "bound": self.bound, "noise_db": self.noise_db}

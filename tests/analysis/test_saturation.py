@@ -12,8 +12,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qpasses.analysis.saturation import (clip_pairs, from_k_rows, k_rows, pair_limits, qdq_layers, risks,
-                                         risky_pairs, row_channels, table_layers)
+from qpasses.analysis.saturation import (PairLayer, PairSums, clip_pairs, from_k_rows, k_rows, pair_limits, qdq_layers,
+                                         risks, risky_pairs, row_channels, table_layers)
 from qpasses.evaluation.evaluate import session
 from qpasses.ir.model import from_proto
 from qpasses.testing import run_passes
@@ -78,6 +78,80 @@ def test_clip_pairs_moves_only_risky_pairs_to_the_nearest_safe_codes():
     assert not risky_pairs(out).any()
     # the nearest pair on a + b = 128 to (100.2, 60.4) moves both by 16.3: 84, 44
     assert abs((out[0, 0] - exact[0, 0]) - (out[0, 1] - exact[0, 1])) <= 1
+
+
+def _conv_layer(codes, **attrs):
+    import onnx_graphsurgeon as gs
+
+    node = gs.Node("Conv", "conv", attrs=attrs, inputs=[gs.Variable("x"), gs.Constant("w", codes.astype(np.float32))],
+                   outputs=[gs.Variable("y")])
+    return PairLayer(node, "w", codes.astype(np.int32))
+
+
+def _im2col_pair_sums(codes, x, zero_point, group, strides, dilations, pads):
+    """[N, C_out, K/2 (padded), H_out, W_out]: every pair sum of a 2-D Conv, from an explicit NHWC im2col."""
+    c_out, per_group, kh, kw = codes.shape
+    xp = np.pad(x.astype(np.int64), [(0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])], constant_values=zero_point)
+    ho = (xp.shape[2] - (kh - 1) * dilations[0] - 1) // strides[0] + 1
+    wo = (xp.shape[3] - (kw - 1) * dilations[1] - 1) // strides[1] + 1
+    out = []
+    for o in range(c_out):
+        g = o // (c_out // group)
+        cols = np.stack([xp[:, g * per_group + c, i * dilations[0]::strides[0], j * dilations[1]::strides[1]][:, :ho, :wo]
+                         for i in range(kh) for j in range(kw) for c in range(per_group)], 1)
+        products = k_rows(codes, "Conv")[o][None, :, None, None] * cols
+        if products.shape[1] % 2:
+            products = np.pad(products, [(0, 0), (0, 1), (0, 0), (0, 0)])
+        out.append(products[:, 0::2] + products[:, 1::2])
+    return np.stack(out, 1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pair_sums_on_data_are_those_of_an_nhwc_im2col(seed):
+    """PairSums against an explicit im2col: each risky pair's largest |sum|, and each output's clipped
+    parts with the sums saturating at 80 % of int16 (groups, strides, dilations, pads, odd C_in/group)."""
+    from qpasses.quant.qdq import QParams, quantized_values
+
+    rng = np.random.default_rng(seed)
+    group, per_group = [(1, 3), (2, 2), (1, 5), (2, 1), (1, 4), (3, 3)][seed]
+    codes = rng.integers(-127, 128, (2 * group, per_group, 3, 3))
+    attrs = {"group": group, "strides": [1 + seed % 2, 1], "dilations": [1, 1 + seed % 3 // 2], "pads": [1, 0, 2, 1]}
+    qp = QParams.make("x", "uint8", [0.01], [int(rng.integers(0, 256))])
+    x = rng.normal(0.5, 1.5, (2, group * per_group, 7, 8)).astype(np.float32)
+    found = PairSums(_conv_layer(codes, **attrs), qp, rng.uniform(0.5, 2, 2 * group), [0], limit=0.8)
+    found.update(x)
+    sums = _im2col_pair_sums(codes, quantized_values(x, qp), qp.zero_point[0], group, attrs["strides"],
+                             attrs["dilations"], attrs["pads"])
+    risky = risky_pairs(k_rows(codes, "Conv"))
+    rows, pairs = np.nonzero(risky)
+    want = [sums[:, r, j].max() if k_rows(codes, "Conv")[r, 2 * j] > 0 else sums[:, r, j].min() for r, j in zip(rows, pairs)]
+    cap = (np.where(k_rows(codes, "Conv")[rows, 2 * pairs] > 0, 32767, 32768) * 0.8).astype(int)
+    summed = found.extreme > 0   # the others' codes cannot reach their cap on this input: not summed
+    assert rows.size and summed.any() and found.extreme[summed].tolist() == [abs(int(v)) for v in np.array(want)[summed]]
+    assert (np.abs(want)[~summed] <= cap[~summed]).all()
+    clipped = (sums - np.clip(sums, -int(32768 * 0.8), int(32767 * 0.8))) * risky[None, :, :, None, None]
+    for row in range(codes.shape[0]):
+        np.testing.assert_array_equal(found.last_error.get(row, 0) + np.zeros(clipped[:, row, 0].size, np.int64),
+                                      clipped[:, row].sum(1).ravel())
+
+
+def test_pair_sums_do_not_depend_on_how_the_work_is_cut(monkeypatch):
+    """The same numbers, bit for bit, whatever the chunk size (integer sums, exactly summed powers)."""
+    from qpasses.analysis import saturation
+    from qpasses.quant.qdq import QParams
+
+    rng = np.random.default_rng(7)
+    codes = rng.integers(-127, 128, (8, 6, 3, 3))
+    x = rng.normal(0.5, 1.5, (3, 6, 9, 9)).astype(np.float32)
+    qp = QParams.make("x", "uint8", [0.01], [40])
+    results = []
+    for chunk in (1 << 22, 97):
+        monkeypatch.setattr(saturation, "CHUNK", chunk)
+        found = PairSums(_conv_layer(codes, pads=[1, 1, 1, 1]), qp, [0.3], [0], limit=0.9)
+        for sample in x:
+            found.update(sample[None])
+        results.append((found.extreme.tolist(), found.saturated, found.noise, found.noise_db, found.largest, found.exact))
+    assert results[0] == results[1] and results[0][1] > 0
 
 
 OUT_SCALE = 0.05   # wide enough for the exact sums: a saturated one lands ~36 steps lower
@@ -176,6 +250,44 @@ def test_onnxruntime_on_avx2_pairs_exactly_what_the_analysis_says(tmp_path):
     emulated = _haswell(feeds)
     saturated = {p: bool(np.abs(emulated[p][0] - simulated[p]).max() > 2 * OUT_SCALE) for p in feeds}
     assert saturated == expected and any(expected.values()) and not all(expected.values())
+
+
+@pytest.mark.slow
+def test_emulated_pair_sums_are_what_the_avx2_kernel_computes(tmp_path):
+    """A QDQ MatMul (onnxruntime fuses it into MatMulIntegerToFloat: float output, nothing
+    requantized) with crafted risky pairs, on random uint8 codes under qemu Haswell: the kernel's
+    error against the exact product is, per output, minus what PairSums says saturating clips."""
+    import onnx_graphsurgeon as gs
+
+    from qpasses.quant.qdq import QParams
+
+    rng = np.random.default_rng(11)
+    k, n, sx, sw = 9, 5, 0.01, 0.02
+    w = rng.integers(-40, 41, (k, n))
+    w[0:2, 0], w[2:4, 1], w[4:6, 2], w[6:8, 3] = 100, -120, (127, 60), (-90, -70)   # risky pairs along K
+    x = (rng.integers(0, 256, (64, k)) * sx).astype(np.float32)
+    x[:8] = 2.55   # every code at 255
+    inits = [numpy_helper.from_array(np.array(sx, np.float32), "s"), numpy_helper.from_array(np.array(0, np.uint8), "z"),
+             numpy_helper.from_array(w.astype(np.int8), "wq"), numpy_helper.from_array(np.array(sw, np.float32), "ws"),
+             numpy_helper.from_array(np.array(0, np.int8), "wz")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["wd"]),
+             helper.make_node("MatMul", ["xd", "wd"], ["y"], name="mm")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    path = str(tmp_path / "mm.onnx")
+    onnx.save(model, path)
+    kernel = _haswell({path: x[None]})[path][0].astype(np.float64)
+    exact = (np.rint(x / sx).astype(np.int64) @ w) * sx * sw
+    node = gs.Node("MatMul", "mm", inputs=[gs.Variable("x"), gs.Constant("w", w.astype(np.float32))], outputs=[gs.Variable("y")])
+    found = PairSums(PairLayer(node, "w", w.astype(np.int32)), QParams.make("x", "uint8", [sx], [0]), [sw], [0])
+    found.update(x)
+    clipped = np.stack([found.last_error.get(c, np.zeros(64, np.int64)) for c in range(n)], 1)
+    assert found.saturated > 8 and set(found.last_error) == {0, 1, 2, 3}
+    np.testing.assert_array_equal(np.rint((exact - kernel) / (sx * sw)).astype(np.int64), clipped)
 
 
 def _issue_35_layer_both_ways(folder, probe: str = PROBE):

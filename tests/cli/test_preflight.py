@@ -43,7 +43,8 @@ def test_the_example_can_be_quantized(example, capsys):
     # the residual Add stays float by default, with annotate-types' reason
     assert "Add x1: Add stays float by default" in out
     assert ("int16 pair sums: 3 of 3 uint8 x int8 layers can saturate on x86-64 without VNNI, "
-            "protect-pair-sums protects them: Conv 'conv1'") in out
+            "protect-pair-sums protects those that saturate measurably on the calibration data (data=false: all): "
+            "Conv 'conv1'") in out
     assert out.rstrip().endswith("verdict: can be quantized")
 
 

@@ -67,9 +67,9 @@ def example_feeds():
 
 CASES = {"example": (example_model, example_feeds), "mask": (mask_model, mask_feeds), "silu": (silu_model, silu_feeds)}
 GOLDEN = {
-    "example": "b6b077dca01a29e28be31b57bb1c56352497887152f1cd124d44cbd7e0896156",
-    "mask": "2af274c1ba7dc084b7c5c3ac3c85100f51d42cfcb03afac21e982b4192c0a0e8",
-    "silu": "7c4ad22fcc838d94d2d7c73366803ae727ee3989326f38cd2bbfd72ccdf90e3c",
+    "example": "aab84d5ec2bf3c1df8d15924bc8b2741bb7e8aade05acaca7ed682e45ed9f394",
+    "mask": "678251a8038a19c0a27e0e0b28d7034b9de7cf2040d8f0d41ebbf30fdf04514e",
+    "silu": "e8314d3b070a53a410e15fc4881d5a697c2f8cd11c5255480750aa8ed2662ad7",
 }
 
 

@@ -52,7 +52,9 @@ def test_the_layer_of_issue_35_computes_the_same_with_uint8_weights():
     record = protected.decisions["pair_sums"]
     assert record["protected"] and record["layers"]["w"]["fix"] == "uint8" and 10 < len(record["layers"]["w"]["channels"]) < 64
     line = explain_lines(protected)[0]
-    assert line.startswith("int16 pair sums (cpu x86-64): 1 layer at risk, 1 with weights stored as uint8: Conv 'conv'")
+    assert line.startswith("int16 pair sums (cpu x86-64): 1 layer at risk, 1 with weights stored as uint8, judged on 8 "
+                           "calibration samples: Conv 'conv'")
+    assert record["layers"]["w"]["largest"] > 1 and record["layers"]["w"]["noise_db"] > 0   # its data does saturate
     assert "left as they are" in explain_lines(plain)[0]
     assert any("protect-pair-sums: stored as uint8" in why for why in protected.quant["w"].why)
 
@@ -99,3 +101,77 @@ def test_a_weight_type_asked_for_is_kept_and_named(config):
     model = quantize(from_proto(bn_conv_layer()), [{"x": x} for x in bn_conv_data(4, 1)], config=config)
     assert _weight_types(model) == {"w": "int8"}
     assert model.decisions["pair_sums"]["layers"]["w"]["fix"] == "none: int8 weights were asked for"
+
+
+PAIR = """
+g (float[1, 2, 4, 4] x) => (float[1, 1, 4, 4] y) <float[1, 2, 1, 1] w = {0.5, 0.25}>
+{ y = Conv(x, w) }"""   # int8 codes 127 and 64: one pair, 127 + 64 > 128, at risk
+
+
+def _pair_feeds(together: bool, n=8):
+    """Non-negative inputs (zero point 0): the two channels rise together (the pair sums reach
+    255 * 191, 149 % of int16), or channel 0 spans half the range and falls as channel 1 rises
+    (about 127 * 127 + 64 * 0 at most: half of int16)."""
+    rng = np.random.default_rng(3)
+    feeds = []
+    for _ in range(n):
+        t = rng.random((1, 1, 4, 4)).astype(np.float32)
+        t[0, 0, 0, 0] = 1.0
+        feeds.append({"x": np.concatenate([t, t] if together else [0.5 * t, 1 - t], 1)})
+    return feeds
+
+
+def _protect(feeds, option=""):
+    from qpasses.testing import run_passes
+
+    model = from_proto(parse(PAIR))
+    run_passes("annotate-types,calibrate,compute-qparams,protect-pair-sums" + option, model, data=feeds)
+    return model
+
+
+def test_a_layer_whose_data_stays_clear_of_int16_keeps_int8_and_says_why():
+    model = _protect(_pair_feeds(together=False))
+    row = model.decisions["pair_sums"]["layers"]["w"]
+    assert _weight_types(model) == {"w": "int8"} and row["fix"] == "int8" and row["noise_db"] is None
+    assert 0.4 < row["largest"] < 0.6
+    assert row["why"] == f"largest pair sum on 8 calibration samples {row['largest']:.0%} of the int16 bound"
+    assert model.quant["w"].why[-1] == f"protect-pair-sums: {row['why']}: left int8"
+    assert "1 layer at risk, 1 left int8 (no measurable saturation), judged on 8 calibration samples: Conv" \
+        in explain_lines(model)[0]
+
+
+def test_a_layer_whose_data_saturates_is_protected_and_says_by_how_much():
+    model = _protect(_pair_feeds(together=True))
+    row = model.decisions["pair_sums"]["layers"]["w"]
+    assert _weight_types(model) == {"w": "uint8"} and row["fix"] == "uint8"
+    assert row["largest"] == 1.49 and row["noise_db"] > 10
+    assert row["why"].startswith("largest pair sum on 8 calibration samples 149% of the int16 bound; saturating at 90% "
+                                 "of it, the error power would be +")
+    assert row["why"] in model.quant["w"].why[-1]
+
+
+@pytest.mark.parametrize("option,why", [("{data=false}", "data=false: every layer at risk is protected"),
+                                        ("{noise_db=100}", None)])
+def test_data_false_protects_every_layer_at_risk_and_a_higher_bar_fewer(option, why):
+    model = _protect(_pair_feeds(together=True), option)
+    row = model.decisions["pair_sums"]["layers"]["w"]
+    assert (_weight_types(model), row["fix"]) == (({"w": "uint8"}, "uint8") if why else ({"w": "int8"}, "int8"))
+    assert why is None or (row["why"] == why and "largest" not in row)
+
+
+def test_without_calibration_data_every_layer_at_risk_is_protected():
+    from qpasses.testing import run_passes
+
+    model = from_proto(parse(PAIR))
+    run_passes("annotate-types,calibrate,compute-qparams", model, data=_pair_feeds(together=False))
+    run_passes("protect-pair-sums", model)
+    assert _weight_types(model) == {"w": "uint8"}
+    assert model.decisions["pair_sums"]["layers"]["w"]["why"] == "no calibration data in this run"
+
+
+def test_the_decision_is_the_same_bytes_run_after_run():
+    feeds = _pair_feeds(together=False)
+    first, second = (quantize(from_proto(two_convs()), _feeds()).to_proto().SerializeToString() for _ in range(2))
+    assert first == second
+    a, b = (_protect(feeds).decisions["pair_sums"] for _ in range(2))
+    assert a == b

@@ -66,7 +66,10 @@ def test_report_command_writes_one_self_contained_page(example, tmp_path, capsys
     assert table.count("<tr>") - 1 == len(layers(load(model), load(q), [])) >= 5
     assert "8-bit: 100 % of weighted ops" in text and "Time per pass: not recorded" in text
     pairs = text.split("<h2>int16 pair sums by CPU</h2>")[1].split("<h2>")[0]
-    assert "saturates:" not in pairs and "weights stored as uint8" in pairs and "cpu <code>x86-64</code>" in pairs
+    assert "weights stored as uint8" in pairs and "cpu <code>x86-64</code>" in pairs
+    # a layer that can saturate is protected, or left int8 with what its calibration data showed
+    rows = [row for row in pairs.split("<tr>") if "saturates:" in row]
+    assert rows and all("weights stored as uint8" in row or "left int8: largest pair sum on" in row for row in rows)
 
 
 def test_run_html_has_the_passes_and_the_output_snr(example, tmp_path, capsys):
