@@ -130,16 +130,11 @@ def run_example(cls) -> list[str]:
     intro = f"After the prelude `{prelude}`:" if prelude else "Before:"
     lines = ["### Example", "", intro, "", "```", before, "```", "",
              f"After `{cls.name}` (modified: {str(record.modified).lower()}, "
-             f"stats: `{json.dumps(untimed(record.stats), sort_keys=True, default=str)}`):",
+             f"stats: `{json.dumps(record.stats, sort_keys=True, default=str)}`):",
              "", "```", after if after != before else "(graph unchanged)", "```"]
     for title, text in changed.items():
         lines += ["", f"{title} after `{cls.name}`:", "", "```json", text, "```"]
     return lines
-
-
-def untimed(stats: dict) -> dict:
-    """Pass stats without the times (keys ending in ``_s``): they differ run to run."""
-    return {k: v for k, v in stats.items() if not k.endswith("_s")}
 
 
 def side_tables(model) -> dict[str, str]:

@@ -2,7 +2,6 @@
 saturate on the calibration data are run by its uint8 x uint8 kernels instead."""
 from __future__ import annotations
 
-import time
 from dataclasses import field, replace
 from typing import ClassVar
 
@@ -59,8 +58,8 @@ class ProtectPairSums(Pass):
     their inputs' qparams, the calibration data.
     Writes: the protected weights' entries (uint8), why-lines (for the layers left int8 too, with
     what the data showed), ``model.decisions["pair_sums"]`` (per layer: ``fix``, ``largest``,
-    ``noise_db``, ``why``; ``data``: samples, bound, noise_db); the emulation's time and sums in
-    the pass stats.
+    ``noise_db``, ``why``; ``data``: samples, bound, noise_db); the number of pair sums emulated in
+    the pass stats (its time is the pass's: ``--time-passes``).
     Invariants: the values every layer computes are unchanged; no layer reading uint8
     activations keeps an int8 pair that can leave int16 unless its calibration data says the
     saturation stays below ``noise_db``.
@@ -158,11 +157,9 @@ g (float[1,4,4,4] x) => (float[1,2,4,4] y)
             return {}, {"skipped": "data=false: every layer at risk is protected"}
         if ctx.calibration_data is None:
             return {}, {"skipped": "no calibration data in this run"}
-        started = time.perf_counter()
         try:
             found, samples = reached(model, layers, ctx.calibration_data, self.samples, self.bound)
         except CalibrationDataError as exc:
             return {}, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"}
-        self.cost = {"emulated_sums": sum(f.sums for f in found.values()),
-                     "emulation_s": round(time.perf_counter() - started, 3)}   # pass stats: not in the model's bytes
+        self.cost = {"emulated_sums": sum(f.sums for f in found.values())}   # its time is the pass's (--time-passes)
         return found, {"samples": samples, "bound": self.bound, "noise_db": self.noise_db}
