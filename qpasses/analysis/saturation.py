@@ -421,17 +421,23 @@ def _square_sum(values: np.ndarray) -> float:
     return total if total < 2.0 ** 53 else math.fsum(squares[squares > 0])
 
 
-def reached(model: QModel, layers: list[PairLayer], data, samples: int, limit: float = 1.0) -> tuple[dict[str, PairSums], int]:
-    """node name -> PairSums of each main-graph layer (whose input layout is known) over ``samples`` feeds of
-    ``data`` (one float run reading only those layers' inputs, calibration.runner), saturating at
-    ``limit`` times the int16 bounds; and the feeds read."""
+def reached(model: QModel, layers: list[PairLayer], data, samples: int, limit: float = 1.0,
+            budget: float = math.inf) -> tuple[dict[str, PairSums], int]:
+    """node name -> PairSums of each main-graph layer (whose input layout is known) over ``samples``
+    feeds of ``data`` (one float run reading only those layers' inputs, calibration.runner), saturating at ``limit`` times the int16 bounds; and the feeds read. Layers
+    are taken in order while their risky pairs times output positions times ``samples`` stay within
+    ``budget`` sums (the rest are not measured: their caller protects them; a layer of unknown
+    output shape counts 0)."""
     from ..calibration.runner import collect_stats
     from .weighted_layers import Readers
 
     by_input: dict[str, list[PairSums]] = {}
     out, inner = {}, scopes(model)
+    spent = 0.0
     for layer in layers:   # a body's values reach collect_stats threaded out, not in their layout
-        if PairSums.emulated(layer) and not inner.scope_of(layer.node):
+        cost = _positions(layer) * int(risky_pairs(layer.rows()).sum()) * samples
+        if PairSums.emulated(layer) and not inner.scope_of(layer.node) and spent + cost <= budget:
+            spent += cost
             data_in = layer.node.inputs[0].name
             tq = model.quant[data_in]
             qp = QParams.make(data_in, tq.qtype_read_by(layer.node.name),
@@ -445,6 +451,15 @@ def reached(model: QModel, layers: list[PairLayer], data, samples: int, limit: f
     _, count = collect_stats(model, data, max_samples=samples, only=set(by_input),
                              collector=lambda name: Readers(by_input.get(name, [])))
     return {name: found for name, found in out.items() if found.samples and not found.unread}, count
+
+
+def _positions(layer: PairLayer) -> float:
+    """Where a layer's pairs are summed per feed: its output positions (0 when its shape is unknown:
+    such a layer is measured whatever the budget)."""
+    shape = layer.node.outputs[0].shape
+    if not shape or not all(isinstance(d, int) and d > 0 for d in shape):
+        return 0.0
+    return float(np.prod(shape)) / max(1, shape[1] if layer.node.op == "Conv" else shape[-1])
 
 
 def verdict(found: list[Risk], cpu: str, checked: int) -> str:

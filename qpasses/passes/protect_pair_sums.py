@@ -82,6 +82,9 @@ g (float[1,4,4,4] x) => (float[1,2,4,4] y)
         "help": "protect only the layers whose pair sums on the calibration data would cost them measurable "
                 "error (false: every layer at risk, whatever the data)"})
     samples: int = field(default=16, metadata={"help": "calibration feeds the pair sums are emulated on"})
+    max_sums: float = field(default=1.5e8, metadata={
+        "help": "most pair sums emulated (risky pairs x output positions x samples), layers in graph order; "
+                "the layers past it are protected unmeasured (ddddocr_det needs 1.1e8: 10-20 s)"})
     bound: float = field(default=0.9, metadata={
         "help": "the sums are taken to saturate at this share of the int16 bound: headroom for data the "
                 "calibration set does not hold"})
@@ -120,7 +123,8 @@ g (float[1,4,4,4] x) => (float[1,2,4,4] y)
                 row["noise_db"] = max(levels) if levels else None
                 seen = self._seen(how["samples"], row["largest"], all(f.exact for f in found), row["noise_db"])
             else:
-                seen = how.get("skipped") or "its input layout is not emulated"
+                seen = how.get("skipped") or ("not measured: its input layout is not emulated, or the "
+                                              f"emulation reached max_sums ({self.max_sums:g})")
             tq = model.quant[weight]
             if all(found) and (row["noise_db"] is None or row["noise_db"] < self.noise_db):
                 row["fix"], row["why"] = "int8", seen
@@ -158,7 +162,7 @@ g (float[1,4,4,4] x) => (float[1,2,4,4] y)
         if ctx.calibration_data is None:
             return {}, {"skipped": "no calibration data in this run"}
         try:
-            found, samples = reached(model, layers, ctx.calibration_data, self.samples, self.bound)
+            found, samples = reached(model, layers, ctx.calibration_data, self.samples, self.bound, self.max_sums)
         except CalibrationDataError as exc:
             return {}, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"}
         self.cost = {"emulated_sums": sum(f.sums for f in found.values())}   # its time is the pass's (--time-passes)
