@@ -32,6 +32,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..ir.decisions import PAIR_SUMS
+from ..ir.graphutil import weight_positions
 from ..ir.model import QModel
 from ..quant.qdq import QParams, quantized_values
 from ..quant.qparams import compute_qparams
@@ -427,7 +428,7 @@ def reached(model: QModel, layers: list[PairLayer], data, samples: int, limit: f
     feeds of ``data`` (one float run reading only those layers' inputs, calibration.runner), saturating at ``limit`` times the int16 bounds; and the feeds read. Layers
     are taken in order while their risky pairs times output positions times ``samples`` stay within
     ``budget`` sums (the rest are not measured: their caller protects them; a layer of unknown
-    output shape counts 0)."""
+    output shape counts 0: it is measured whatever the budget)."""
     from ..calibration.runner import collect_stats
     from .weighted_layers import Readers
 
@@ -435,7 +436,7 @@ def reached(model: QModel, layers: list[PairLayer], data, samples: int, limit: f
     out, inner = {}, scopes(model)
     spent = 0.0
     for layer in layers:   # a body's values reach collect_stats threaded out, not in their layout
-        cost = _positions(layer) * int(risky_pairs(layer.rows()).sum()) * samples
+        cost = (weight_positions(layer.node) or 0.0) * int(risky_pairs(layer.rows()).sum()) * samples
         if PairSums.emulated(layer) and not inner.scope_of(layer.node) and spent + cost <= budget:
             spent += cost
             data_in = layer.node.inputs[0].name
@@ -451,15 +452,6 @@ def reached(model: QModel, layers: list[PairLayer], data, samples: int, limit: f
     _, count = collect_stats(model, data, max_samples=samples, only=set(by_input),
                              collector=lambda name: Readers(by_input.get(name, [])))
     return {name: found for name, found in out.items() if found.samples and not found.unread}, count
-
-
-def _positions(layer: PairLayer) -> float:
-    """Where a layer's pairs are summed per feed: its output positions (0 when its shape is unknown:
-    such a layer is measured whatever the budget)."""
-    shape = layer.node.outputs[0].shape
-    if not shape or not all(isinstance(d, int) and d > 0 for d in shape):
-        return 0.0
-    return float(np.prod(shape)) / max(1, shape[1] if layer.node.op == "Conv" else shape[-1])
 
 
 def verdict(found: list[Risk], cpu: str, checked: int) -> str:

@@ -16,7 +16,7 @@ import onnx_graphsurgeon as gs
 from ..calibration.subgraphs import thread_out
 from ..evaluation.evaluate import session
 from ..ir.decisions import leave_float
-from ..ir.graphutil import subgraphs
+from ..ir.graphutil import subgraphs, weight_positions
 from ..ir.model import QModel
 from ..quant.oprules import OUTPUT_QUANTIZED_OPS, WEIGHTED_OPS
 from ..quant.qparams import dequantize, quantize
@@ -152,16 +152,7 @@ def macs(nodes: list[gs.Node]) -> dict[int, float]:
     is applied at (a Conv's output positions, a ConvTranspose's input positions, a MatMul's or Gemm's
     output rows) where that shape is known; where it is not, the median positions of the ops whose
     shape is (1 if none is), so that unknown shapes neither vanish nor dominate."""
-    positions: dict[int, float | None] = {}
-    for node in nodes:
-        tensor = node.inputs[0] if node.op == "ConvTranspose" else node.outputs[0]
-        dims = list(tensor.shape) if tensor.shape is not None else []
-        if not dims or not all(isinstance(d, int) and d > 0 for d in dims):
-            positions[id(node)] = None
-        elif node.op in ("Conv", "ConvTranspose"):
-            positions[id(node)] = float(dims[0] * np.prod(dims[2:]))
-        else:
-            positions[id(node)] = float(np.prod(dims[:-1]))
+    positions = {id(node): weight_positions(node) for node in nodes}
     known = [p for p in positions.values() if p is not None]
     typical = float(np.median(known)) if known else 1.0
     return {id(node): float(node.inputs[1].values.size) * (positions[id(node)] or typical) for node in nodes}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import heapq
 from typing import Iterable, Iterator
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
@@ -230,3 +231,15 @@ def remove_nodes(graph: gs.Graph, nodes: Iterable[gs.Node]) -> int:
     before = len(graph.nodes)
     graph.nodes = [n for n in graph.nodes if id(n) not in dead]
     return before - len(graph.nodes)
+
+
+def weight_positions(node: gs.Node) -> float | None:
+    """How many times a weighted op applies its weight per run: a Conv's output positions, a
+    ConvTranspose's input positions, a MatMul's or Gemm's output rows; None when that shape is unknown."""
+    tensor = node.inputs[0] if node.op == "ConvTranspose" else node.outputs[0]
+    dims = list(tensor.shape) if tensor.shape is not None else []
+    if not dims or not all(isinstance(d, int) and d > 0 for d in dims):
+        return None
+    if node.op in ("Conv", "ConvTranspose"):
+        return float(dims[0] * np.prod(dims[2:]))
+    return float(np.prod(dims[:-1]))
