@@ -46,6 +46,7 @@ TOP_CODE = 255                       # the largest activation code the kernel mu
 PAIRED_OPS = ("Conv", "Gemm", "MatMul")
 ACTIVATION_TYPES = ("uint8", "int8")
 WEIGHT_TYPE = "int8"
+GRID = "grid"    # protect-pair-sums' fix keeping int8 weights (pair_safe_scale)
 
 
 # -- the kernel's view of one weight ---------------------------------------------------------
@@ -130,6 +131,45 @@ def clip_pairs(rows: np.ndarray, exact: np.ndarray, qmin: int, qmax: int, top: i
     a = np.where(errs[0] <= errs[1], cands[0], cands[1]).astype(np.int32)
     out[r, 2 * j], out[r, 2 * j + 1] = a, target - a
     return out
+
+
+def pair_safe_scale(values: np.ndarray, node: gs.Node, scale, top: int = TOP_CODE) -> np.ndarray:
+    """Per output channel (``scale``'s shape: one value or one per channel), the smallest scale, at
+    least ``scale``, on which no same-sign pair of the symmetric weight ``values``' round-to-nearest
+    codes sums past the int16 bound: |a + b| / scale <= limit - 1/2 keeps the rounded sum within it."""
+    values = np.asarray(values, np.float64)
+    transposed = trans_b(node)
+    p = np.asarray(k_rows(values, node.op, transposed))
+    if p.shape[1] % 2:
+        p = np.pad(p, ((0, 0), (0, 1)))
+    p = p.reshape(p.shape[0], -1, 2)
+    largest = np.maximum(np.maximum(p, 0).sum(-1).max(1), -np.minimum(p, 0).sum(-1).min(1))   # per row
+    channels = row_channels(values.shape, node.op, transposed)
+    per_channel = np.zeros(int(channels.max()) + 1)
+    np.maximum.at(per_channel, channels, largest)
+    high, low = pair_limits(top)
+    limit = min(high, -low) - 0.5
+    scale = np.asarray(scale, np.float64)
+    need = per_channel / limit if scale.size > 1 else np.array([per_channel.max() / limit])
+    return np.maximum(scale, need)
+
+
+def within_pairs(target, codes: np.ndarray, exact: np.ndarray, qt) -> np.ndarray:
+    """Codes [groups, rows, inputs] a rounding pass chose for ``target`` (analysis.weighted_layers),
+    a weight on a pair-safe grid (zero point 0), with each pair that could leave int16 moved onto
+    the bound (``clip_pairs``; ``exact``: the unrounded codes)."""
+    node, shape = target.node, np.shape(target.weight.values)
+    transposed = trans_b(node)
+    rows = clip_pairs(k_rows(target.from_rows(np.rint(codes), shape), node.op, transposed),
+                      k_rows(target.from_rows(exact, shape), node.op, transposed), qt.qmin, qt.qmax)
+    return target.to_rows(from_k_rows(rows, shape, node.op, transposed)).astype(np.asarray(codes).dtype)
+
+
+def pair_grids(model: QModel) -> set[str]:
+    """The weights protect-pair-sums put on a pair-safe grid (``pair_safe_scale``): passes choosing
+    their codes later keep them ``within_pairs``."""
+    layers = (model.decisions.get(PAIR_SUMS) or {}).get("layers", {})
+    return {weight for weight, row in layers.items() if row.get("fix") == GRID}
 
 
 # -- the layers onnxruntime runs with pair sums ----------------------------------------------
@@ -475,7 +515,8 @@ def decision_line(model: QModel) -> str | None:
     layers = record.get("layers", {})
     if record.get("protected"):
         fixes = [row.get("fix") for row in layers.values()]
-        words = {"uint8": "with weights stored as uint8", "int8": "left int8 (no measurable saturation)"}
+        words = {GRID: "on int8 grids no pair can saturate", "uint8": "with weights stored as uint8",
+                 "int8": "left int8 (no measurable saturation)"}
         done = ", ".join(f"{fixes.count(f)} {words.get(f, f'left ({f})')}" for f in dict.fromkeys(fixes))
         data = record.get("data") or {}
         done += (f", judged on {data['samples']} calibration samples" if data.get("samples")

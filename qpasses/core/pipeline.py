@@ -278,7 +278,7 @@ def pipeline_option(default: str, help: str):
 
 BASE_PIPELINE = "fold-constants,fold-batchnorm,cleanup"
 QUANTIZE_PIPELINE = (BASE_PIPELINE + ",smooth-quant,annotate-types,propagate-mixed-precision,calibrate,"
-                     "select-by-snr,search-precision,quantize-silu,compute-qparams,round-weights,correct-bias,fix-bias-scales,protect-pair-sums,insert-qdq,insert-converts,quantize-gathers,cleanup")
+                     "select-by-snr,search-precision,quantize-silu,compute-qparams,protect-pair-sums,round-weights,correct-bias,fix-bias-scales,insert-qdq,insert-converts,quantize-gathers,cleanup")
 
 
 WEIGHT_ONLY_PIPELINE = BASE_PIPELINE + ",quantize-weights,quantize-gathers,cleanup"

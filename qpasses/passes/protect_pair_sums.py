@@ -1,11 +1,14 @@
 """protect-pair-sums: the layers whose int16 pair sums in onnxruntime's x86-64 uint8 x int8 kernels would
-saturate on the calibration data are run by its uint8 x uint8 kernels instead."""
+saturate on the calibration data get int8 grids on which no pair of codes can (or uint8 weights)."""
 from __future__ import annotations
 
 from dataclasses import field, replace
 from typing import ClassVar
 
-from ..analysis.saturation import reached, risks, table_layers
+import numpy as np
+
+from ..analysis.derivations import rederive
+from ..analysis.saturation import GRID, pair_safe_scale, reached, risks, table_layers
 from ..config.quant_config import PAIR_SATURATING_CPUS
 from ..config.targets import chosen, user_keys
 from ..core.pipeline import Pass, PassResult
@@ -17,6 +20,7 @@ from ..ir.model import QModel
 
 NAME = "protect-pair-sums"
 SHIFT = 128   # int8 code + 128 = uint8 code, on the same grid
+UINT8 = "uint8"
 
 
 @register
@@ -26,43 +30,48 @@ class ProtectPairSums(Pass):
     Without VNNI (AVX2, AVX-512 without VNNI) those kernels sum the products of adjacent weight
     codes in int16 (qpasses.analysis.saturation): a same-sign pair with |a + b| > 128 saturates
     when both activations are near 255. Issue 35's 3x3 Conv over 64 channels: 33.2 dB in
-    onnxruntime's QDQ simulation, 27.1 dB in its kernels under ``qemu-x86_64 -cpu Haswell``.
-    The weights of such a layer are stored as uint8 on the same grid (codes + 128, zero point +
-    128): onnxruntime runs it in its uint8 x uint8 kernels, which widen to int16 before multiplying
-    and cannot saturate. The model computes exactly what it computed before; the cost is speed on
-    CPUs with VNNI, where uint8 x uint8 has no one-instruction dot product (issue 35's Conv: 58 us
-    int8, 138 us uint8; ddddocr_det, every layer at risk protected: 2.2x onnxruntime's latency,
-    1.1x unprotected; tools/RESULTS.md). Moving the risky pairs onto the int16 bound instead keeps
-    int8 speed but cost that Conv 8.3 dB, more than saturating does.
+    onnxruntime's QDQ simulation, 27.2 dB in its kernels under ``qemu-x86_64 -cpu Haswell``.
+    A protected layer (``fix``):
+    - ``grid`` (default): each output channel at risk gets the smallest scale on which no pair of
+      its codes can leave int16 (analysis.saturation.pair_safe_scale: at most 2x, 1.3x typically);
+      the weights stay int8 and run in the int8 kernels on every CPU. round-weights then chooses
+      those layers' codes (GPTQ, whatever their input's bits) and keeps every pair within the bound.
+      Issue 35's Conv: 32.8 dB, the same in the AVX2 kernels; crnn_lstm (128 held-out samples): text
+      0.992 at onnxruntime's latency (uint8: 0.984 at 1.3x; unprotected 0.578 on AVX2);
+    - ``uint8``: the codes stored as uint8 on the same grid (codes + 128, zero point + 128), run
+      by onnxruntime's uint8 x uint8 kernels, which widen to int16 before multiplying: the model
+      computes exactly what it did, but those kernels are slower on CPUs with VNNI (issue 35's Conv:
+      58 us int8, 138 us uint8; ddddocr_det, every layer at risk: 2.2x onnxruntime's latency).
+    A layer that cannot take one takes the other: the grid needs zero points 0 and a scale no one
+    gave; uint8 needs uint8 activations (onnxruntime has no int8 x uint8 layer), one zero point, and
+    a weight whose type neither the config (``weight_type``) nor an override (``quant_type``) names.
+    A layer that can take neither stays as it is, and the decision says why.
     Real data rarely drives both codes of a risky pair to the top at once, so (``data``) each layer
     at risk is emulated on ``samples`` calibration feeds first (analysis.saturation.PairSums: the
     layer's float input from one run of the model, quantized with its input's qparams, each risky
-    pair's sums in numpy integers: the same decision on every machine). A layer is protected when,
-    with the sums saturating at ``bound`` times the int16 bound (headroom for unseen data), the
-    error power its outputs would carry reaches ``noise_db`` against the power of the noise quantizing
-    its input adds to them (each output's clipped parts times its weight scale, against step^2 / 12
-    times its weights' squares); the others stay int8. On 32 held-out samples of crnn_lstm,
-    yolo_detector, ddddocr_det and ppocr_v4_det, the layers so left int8 saturated at most -12 dB
-    against that noise (tools/RESULTS.md has the task metrics). Cost: one float run over
-    ``samples`` feeds fetching only those layers' inputs, then per feed the sums of the risky pairs
-    whose inputs' largest codes could pass the cap (ddddocr_det: 7 million per feed, a fifth of its
-    risky pairs' products). The risk left: data unlike the calibration set may saturate a layer left int8; ``data=false`` protects every layer at risk, and so does a run
-    without calibration data. Hence also ``cpu`` (config): x86-64-vnni or arm when the model runs
-    only there.
-    A layer reading int8 activations, or whose weight has unequal zero points, stays as it is
-    (onnxruntime has no such uint8 kernel), as does a weight whose type the config or a preset names
-    (``weight_type``, a tensor override's ``quant_type``: a back end may need int8): the decision
-    names them, as ``check`` and ``explain`` do.
+    pair's sums of its round-to-nearest codes in numpy integers: the same decision on every
+    machine). A layer is protected when, with the sums saturating at ``bound`` times the int16 bound
+    (headroom for unseen data), the error power its outputs would carry reaches ``noise_db`` against
+    the power of the noise quantizing its input adds to them (each output's clipped parts times its
+    weight scale, against step^2 / 12 times its weights' squares); the others stay int8. On 32
+    held-out samples of crnn_lstm, yolo_detector, ddddocr_det and ppocr_v4_det, the layers so left
+    int8 saturated at most -12 dB against that noise (tools/RESULTS.md has the task metrics). Cost:
+    one float run over ``samples`` feeds fetching only those layers' inputs, then per feed the sums
+    of the risky pairs whose inputs' largest codes could pass the cap (ddddocr_det: 7 million per
+    feed). The risk left: data unlike the calibration set may saturate a layer left int8;
+    ``data=false`` protects every layer at risk, and so does a run without calibration data. Hence
+    also ``cpu`` (config): x86-64-vnni or arm when the model runs only there.
     Reads: the config's ``cpu`` (x86-64, the default, protects every x86-64 CPU; x86-64-vnni and
     arm change nothing), the table's int8 weights of Conv/Gemm/MatMul reading 8-bit activations and
-    their inputs' qparams, the calibration data.
-    Writes: the protected weights' entries (uint8), why-lines (for the layers left int8 too, with
-    what the data showed), ``model.decisions["pair_sums"]`` (per layer: ``fix``, ``largest``,
-    ``noise_db``, ``why``; ``data``: samples, bound, noise_db); the number of pair sums emulated in
-    the pass stats (its time is the pass's: ``--time-passes``).
-    Invariants: the values every layer computes are unchanged; no layer reading uint8
-    activations keeps an int8 pair that can leave int16 unless its calibration data says the
-    saturation stays below ``noise_db``.
+    their inputs' qparams, the weights' values, the calibration data.
+    Writes: the protected weights' entries (wider scales, with the biases derived from them; or
+    uint8), why-lines (for the layers left int8 too, with what the data showed),
+    ``model.decisions["pair_sums"]`` (per layer: ``fix``, ``widened``, ``largest``, ``noise_db``,
+    ``why``; ``data``: samples, bound, noise_db); the number of pair sums emulated in the pass stats
+    (its time is the pass's: ``--time-passes``).
+    Invariants: no layer reading 8-bit activations keeps a pair of round-to-nearest codes that can
+    leave int16 unless its calibration data says the saturation stays below ``noise_db``, or the
+    decision says why it could not be protected; ``uint8`` changes no value any layer computes.
     """
 
     name: ClassVar[str] = NAME
@@ -85,6 +94,11 @@ g (float[1,4,4,4] x) => (float[1,2,4,4] y)
     max_sums: float = field(default=1.5e8, metadata={
         "help": "most pair sums emulated (risky pairs x output positions x samples), layers in graph order; "
                 "the layers past it are protected unmeasured (ddddocr_det needs 1.1e8: 10-20 s)"})
+    fix: str = field(default=GRID, metadata={
+        "choices": (GRID, UINT8),
+        "help": "how a layer is protected: 'grid' widens the scale of its channels at risk so no pair of codes "
+                "can saturate (int8 kernels on every CPU), 'uint8' stores the same codes as uint8 (exact; onnxruntime's "
+                "slower uint8 x uint8 kernels); a layer that cannot take one takes the other"})
     bound: float = field(default=0.9, metadata={
         "help": "the sums are taken to saturate at this share of the int16 bound: headroom for data the "
                 "calibration set does not hold"})
@@ -101,20 +115,15 @@ g (float[1,4,4,4] x) => (float[1,2,4,4] y)
         rows = {r.weight: {"node": r.node, "op": r.op, "channels": list(r.channels), "of": r.of, "pairs": r.pairs}
                 for r in risks(layers)}
         protect = cpu in PAIR_SATURATING_CPUS
-        asked = "weight_type" in chosen(ctx.config)
-        candidates = []
+        fixes = {}
         for weight, row in rows.items() if protect else ():
-            tq = model.quant[weight]
-            if asked or "quant_type" in user_keys(ctx.config, weight):
-                row["fix"] = f"none: {tq.qtype} weights were asked for"
-            elif not all(model.quant[r.node.inputs[0].name].qtype_read_by(r.node.name) == "uint8" for r in readers[weight]):
-                row["fix"] = "none: int8 activations (onnxruntime fuses no int8 x uint8 layer)"
-            elif len(set(tq.zero_point)) > 1:
-                row["fix"] = "none: unequal zero points per channel (onnxruntime's uint8 kernels take one)"
-            else:
-                candidates.append(weight)
+            fixes[weight], reason = self._fix(model, ctx.config, weight, readers[weight])
+            if fixes[weight] is None:
+                row["fix"] = f"none: {reason}"
+        candidates = [w for w, fix in fixes.items() if fix is not None]
         measured, how = self._measure(model, ctx, [r for w in candidates for r in readers[w]])
         widened = kept = 0
+        raised = set()
         for weight in candidates:
             row, found = rows[weight], [measured.get(r.node.name) for r in readers[weight]]
             if all(found):
@@ -131,17 +140,45 @@ g (float[1,4,4,4] x) => (float[1,2,4,4] y)
                 tq.because(f"{NAME}: {seen}: left int8")
                 kept += 1
                 continue
-            row["fix"], row["why"] = "uint8", seen
+            row["fix"], row["why"] = fixes[weight], seen
+            widened += 1
+            if fixes[weight] == GRID:
+                node = readers[weight][0].node
+                scale = pair_safe_scale(node.inputs[1].values, node, tq.scale)
+                row["widened"] = round(float((scale / np.asarray(tq.scale)).max()), 3)
+                model.quant[weight] = tq.with_qparams(scale, tq.zero_point, (
+                    f"{NAME}: scale x{row['widened']:.3g} at most, on the channels whose int8 pair sums could saturate "
+                    f"int16 on x86-64 without VNNI, so no pair of codes can ({seen})"))
+                raised.add(weight)
+                continue
             model.quant[weight] = replace(tq, qtype="uint8", zero_point=[z + SHIFT for z in tq.zero_point],
                                           why=list(tq.why)).because(
                 f"{NAME}: stored as uint8 on the same grid (zero point +{SHIFT}), as its int8 pair sums could "
                 f"saturate int16 on x86-64 without VNNI and onnxruntime's uint8 x uint8 kernels cannot ({seen})")
-            widened += 1
+        for name, new in rederive(model, ctx.config, raised, NAME).items():   # the biases read the new scales
+            model.quant[name] = new
         if rows:
             model.decisions[PAIR_SUMS] = {"cpu": cpu, "protected": protect, "data": how, "layers": rows}
         stats = {"layers_checked": len(layers), "layers_at_risk": len(rows), "weights_widened": widened,
                  "left_int8": kept, **({"samples": how["samples"], **self.cost} if how.get("samples") else {})}
         return PassResult(model, widened > 0, stats)
+
+    def _fix(self, model: QModel, config, weight: str, readers: list) -> tuple[str | None, str]:
+        """How a layer at risk is protected: ``fix`` if it can be, else the other way; or None and why not."""
+        tq = model.quant[weight]
+        blocked = {
+            GRID: ("its scale was given" if tq.fixed or "scale" in user_keys(config, weight)
+                   else "asymmetric int8 codes" if any(tq.zero_point) else None),
+            UINT8: (f"{tq.qtype} weights were asked for" if "weight_type" in chosen(config)
+                    or "quant_type" in user_keys(config, weight)
+                    else "int8 activations (onnxruntime fuses no int8 x uint8 layer)"
+                    if not all(model.quant[r.node.inputs[0].name].qtype_read_by(r.node.name) == "uint8" for r in readers)
+                    else "unequal zero points per channel (onnxruntime's uint8 kernels take one)"
+                    if len(set(tq.zero_point)) > 1 else None)}
+        for fix in sorted(blocked, key=lambda f: f != self.fix):
+            if blocked[fix] is None:
+                return fix, ""
+        return None, "; ".join(blocked.values())
 
     def _seen(self, samples: int, largest: float, exact: bool, noise_db: float | None) -> str:
         """What the calibration data showed, in words."""

@@ -11,6 +11,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..analysis.scopes import all_nodes
+from ..analysis.saturation import pair_grids, within_pairs
 from ..analysis.weighted_layers import Target, checked_values, find_targets
 from ..calibration.data import model_inputs, open_data
 from ..calibration.segments import SegmentedModel
@@ -204,6 +205,8 @@ class ReconstructWeights(Pass):
             lo, hi = qt.qmin, qt.qmax
         codes = round_codes(goal, scale, zero, lo, hi, h, self.damping, dead_to_zero=False)
         codes, _ = refine_codes(codes, goal / s + z, lo, hi, damped(h, self.damping), self.sweeps)
+        if t.weight.name in pair_grids(model):   # protect-pair-sums' grid: zero point 0
+            codes = within_pairs(t, codes, goal / s, qt)
         rounded = (codes - z) * s
         nearest = (np.clip(np.rint(rows / s) + z, qt.qmin, qt.qmax) - z) * s
         new = t.from_rows(rounded, values.shape).astype(values.dtype)

@@ -177,8 +177,8 @@ class OpenVino:
         if floats:
             self.notes.append(
                 f"{len(floats)} layers with uint8 weights run in float ({', '.join(floats[:5])}): "
-                "protect-pair-sums (cpu x86-64) stores them so for CPUs without VNNI, and OpenVINO runs "
-                "int8 weights only; config cpu x86-64-vnni keeps them int8 if only VNNI CPUs run the model")
+                "protect-pair-sums{fix=uint8} (cpu x86-64) stores them so for CPUs without VNNI, and OpenVINO "
+                "runs int8 weights only; its default, fix=grid, keeps them int8 on every CPU")
 
     def run(self, feed) -> dict[str, np.ndarray]:
         result = self._exposed.create_infer_request().infer(feed)

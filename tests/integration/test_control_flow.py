@@ -330,8 +330,8 @@ def test_vad_model_all_weighted_ops_8_bit_lstm_float():
     assert weighted_ops(proto) == (6, 6)   # 2 x (STFT Conv, encoder Conv, decoder MatMul)
     assert summary_line(proto, float_reasons(q)).startswith("8-bit: 100 % of weighted ops (6 of 6)")
     for p in ("k16_", "k8_"):   # no rule for LSTM: it reads and writes float, with the reason
-        # the STFT weight: 8-bit, stored as uint8 because its int8 pair sums could saturate (protect-pair-sums)
-        assert q.quant[p + "spec"].qtype == "uint8" and q.quant[p + "stft"].qtype == "uint8"
+        # the STFT weight: 8-bit, on a grid its int8 pair sums cannot saturate on (protect-pair-sums)
+        assert q.quant[p + "stft"].qtype == "int8" and q.decisions["pair_sums"]["layers"][p + "stft"]["fix"] == "grid"
         assert "no quantization rule for LSTM" in float_reasons(q)[p + "hn"]["reason"]
     lines = "\n".join(explain_lines(q, "k8_spec"))
     assert "inside the else_branch of If 'sr_branch'" in lines and "output of Conv 'k8_stft_conv'" in lines

@@ -67,9 +67,9 @@ def example_feeds():
 
 CASES = {"example": (example_model, example_feeds), "mask": (mask_model, mask_feeds), "silu": (silu_model, silu_feeds)}
 GOLDEN = {
-    "example": "aab84d5ec2bf3c1df8d15924bc8b2741bb7e8aade05acaca7ed682e45ed9f394",
-    "mask": "678251a8038a19c0a27e0e0b28d7034b9de7cf2040d8f0d41ebbf30fdf04514e",
-    "silu": "e8314d3b070a53a410e15fc4881d5a697c2f8cd11c5255480750aa8ed2662ad7",
+    "example": "18c73a054bc9eee00cae7e46ce071f2d895c3ce6a7886178707f13b9c4a43c33",
+    "mask": "73a337981da344f74992b0a4bd909fbc3cda742382c19cfbecc62f80b4091d2a",
+    "silu": "847c03099726d74bfb173568f3fcae1ff765fe17373e7dcb3630e77da5512b76",
 }
 
 

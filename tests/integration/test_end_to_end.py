@@ -51,11 +51,14 @@ def _ort_snr(float_model, tmp_path, per_channel=False):
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_at_least_as_accurate_as_onnxruntime(float_model, tmp_path, per_channel):
     # quantize_static quantizes every op it has a rule for (the Add too): so does this run
-    q, proto = _quantize(float_model, {"per_channel": per_channel, "calibration": {"method": "minmax"},
-                                       "op_types_to_quantize": "all"})
+    # on CPUs with VNNI (onnxruntime's model computes there what it simulates); the default (cpu x86-64)
+    # trades up to 1 dB of it for pair sums that cannot saturate on CPUs without VNNI (protect-pair-sums)
+    config = {"per_channel": per_channel, "calibration": {"method": "minmax"}, "op_types_to_quantize": "all"}
+    _, proto = _quantize(float_model, config | {"cpu": "x86-64-vnni"})
+    _, default = _quantize(float_model, config)
     ours, theirs = _snr(float_model, proto), _ort_snr(float_model, tmp_path, per_channel)
-    assert ours >= theirs - 0.1, (ours, theirs)
-    ops = [n.op_type for n in proto.graph.node]
+    assert ours >= theirs - 0.1 and _snr(float_model, default) >= theirs - 1.0, (ours, theirs)
+    ops = [n.op_type for n in default.graph.node]
     assert "BatchNormalization" not in ops and ops.count("QuantizeLinear") > 0
 
 

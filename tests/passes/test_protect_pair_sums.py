@@ -1,10 +1,12 @@
-"""protect-pair-sums: the weights of layers whose int8 pair sums could saturate int16 (x86-64 without
-VNNI) are stored as uint8 on the same grid; nothing else changes, and the model computes the same."""
+"""protect-pair-sums: the layers whose int8 pair sums could saturate int16 (x86-64 without VNNI) get
+int8 grids on which no pair of codes can (default), or their codes stored as uint8 on the same grid
+(``fix=uint8``: the model computes the same); nothing else changes."""
 import numpy as np
 import pytest
 
 from qpasses.analysis.saturation import qdq_layers, risks
 from qpasses.api import quantize
+from qpasses.core.pipeline import QUANTIZE_PIPELINE
 from qpasses.cli.explain import explain_lines
 from qpasses.evaluation.evaluate import session
 from qpasses.ir.model import from_proto
@@ -40,9 +42,35 @@ def _weight_types(model) -> dict[str, str]:
     return {name: tq.qtype for name, tq in model.quant.items() if tq.role == "weight"}
 
 
-def test_the_layer_of_issue_35_computes_the_same_with_uint8_weights():
+UINT8 = QUANTIZE_PIPELINE.replace("protect-pair-sums", "protect-pair-sums{fix=uint8}")
+
+
+def _snr(model, reference, feeds) -> float:
+    want = np.concatenate([run(reference, f)[0].ravel() for f in feeds]).astype(np.float64)
+    got = np.concatenate([run(model, f, judged=True)[0].ravel() for f in feeds])
+    return 10 * np.log10((want ** 2).sum() / ((got - want) ** 2).sum())
+
+
+def test_the_layer_of_issue_35_gets_a_grid_no_pair_can_saturate_on():
     feeds = [{"x": x} for x in bn_conv_data(8, 1)]
     protected = quantize(from_proto(bn_conv_layer()), feeds)
+    plain = quantize(from_proto(bn_conv_layer()), feeds, config={"cpu": "x86-64-vnni"})
+    assert _weight_types(protected) == _weight_types(plain) == {"w": "int8"}
+    assert risks(qdq_layers(plain)) and not risks(qdq_layers(protected))
+    row = protected.decisions["pair_sums"]["layers"]["w"]
+    wider = np.asarray(protected.quant["w"].scale) / np.asarray(plain.quant["w"].scale)
+    assert row["fix"] == "grid" and (wider >= 1).all() and 1 < wider.max() == pytest.approx(row["widened"], abs=1e-3)
+    assert (wider[[c for c in range(64) if c not in row["channels"]]] == 1).all()   # only the channels at risk
+    assert protected.quant["w"].zero_point == plain.quant["w"].zero_point == [0] * 64
+    assert "1 on int8 grids no pair can saturate, judged on 8 calibration samples" in explain_lines(protected)[0]
+    evals = [{"x": x} for x in bn_conv_data(8, 7)]   # 33.2 dB unprotected (27.2 in AVX2 kernels); the grid 32.8
+    reference = from_proto(bn_conv_layer())
+    assert _snr(plain, reference, evals) - 1 < _snr(protected, reference, evals) < _snr(plain, reference, evals)
+
+
+def test_the_layer_of_issue_35_computes_the_same_with_uint8_weights():
+    feeds = [{"x": x} for x in bn_conv_data(8, 1)]
+    protected = quantize(from_proto(bn_conv_layer()), feeds, passes=UINT8)
     plain = quantize(from_proto(bn_conv_layer()), feeds, config={"cpu": "x86-64-vnni"})
     assert _weight_types(protected) == {"w": "uint8"} and _weight_types(plain) == {"w": "int8"}
     assert protected.quant["w"].zero_point == [128] * 64 and protected.quant["w"].scale == plain.quant["w"].scale
@@ -61,18 +89,33 @@ def test_the_layer_of_issue_35_computes_the_same_with_uint8_weights():
 
 def test_only_the_layers_at_risk_change():
     model = quantize(from_proto(two_convs()), _feeds())
-    assert _weight_types(model) == {"w": "uint8", "v": "int8"}
+    plain = quantize(from_proto(two_convs()), _feeds(), config={"cpu": "arm"})
+    assert _weight_types(model) == {"w": "int8", "v": "int8"}
+    assert model.quant["v"].scale == plain.quant["v"].scale and model.quant["w"].scale != plain.quant["w"].scale
     assert list(model.decisions["pair_sums"]["layers"]) == ["w"]
+    assert _weight_types(quantize(from_proto(two_convs()), _feeds(), passes=UINT8)) == {"w": "uint8", "v": "int8"}
     optimized = session(model.to_proto()).get_providers()   # loads at the default optimization level
     assert optimized == ["CPUExecutionProvider"]
 
 
-def test_int8_activations_are_named_not_changed():
-    """onnxruntime fuses no int8 x uint8 layer: those stay int8 and the decision says why."""
+@pytest.mark.parametrize("passes", [None, UINT8])
+def test_int8_activations_take_the_grid(passes):
+    """onnxruntime fuses no int8 x uint8 layer: int8 activations take the pair-safe grid, even when
+    uint8 is asked (it cannot be had)."""
     model = quantize(from_proto(bn_conv_layer()), [{"x": x} for x in bn_conv_data(4, 1)],
-                     config={"activation_type": "int8"})
-    assert _weight_types(model) == {"w": "int8"}
-    assert model.decisions["pair_sums"]["layers"]["w"]["fix"].startswith("none: int8 activations")
+                     config={"activation_type": "int8"}, passes=passes)
+    assert _weight_types(model) == {"w": "int8"} and not risks(qdq_layers(model))
+    assert model.decisions["pair_sums"]["layers"]["w"]["fix"] == "grid"
+
+
+def test_a_layer_neither_fix_can_take_is_named():
+    from qpasses.testing import run_passes
+
+    model = from_proto(parse(PAIR))
+    config = {"activation_type": "int8", "tensor_overrides": {"w": [{"scale": 0.004, "zero_point": 0}]}}
+    run_passes("annotate-types,calibrate,compute-qparams,protect-pair-sums", model, config, _pair_feeds(together=True))
+    assert model.decisions["pair_sums"]["layers"]["w"]["fix"] == (
+        "none: its scale was given; int8 activations (onnxruntime fuses no int8 x uint8 layer)")
 
 
 @pytest.mark.parametrize("op", ["MatMul", "Gemm"])
@@ -85,22 +128,27 @@ def test_matmul_and_gemm_weights_at_risk_are_widened(op):
 g (float[2, 16] x) => (float[2, 8] y) <float[%d, %d] w = {%s}>
 { %s }""" % (*shape, _values(w if op == "MatMul" else w.T), body))
     feeds = [{"x": rng.normal(0, 1, (2, 16)).astype(np.float32)} for _ in range(8)]
-    protected = quantize(from_proto(model_proto), feeds)
+    protected = quantize(from_proto(model_proto), feeds, passes=UINT8)
     plain = quantize(from_proto(model_proto), feeds, config={"cpu": "arm"})
     assert _weight_types(protected) == {"w": "uint8"} and _weight_types(plain) == {"w": "int8"}
     for a, b in zip(_outputs(protected, feeds), _outputs(plain, feeds)):
         np.testing.assert_array_equal(a, b)
+    grid = quantize(from_proto(model_proto), feeds)
+    assert _weight_types(grid) == {"w": "int8"} and risks(qdq_layers(plain)) and not risks(qdq_layers(grid))
     kernels = session(protected.to_proto())   # onnxruntime's integer kernels on this CPU
     for f, want in zip(feeds, _outputs(protected, feeds)):
         np.testing.assert_allclose(kernels.run(None, f)[0], want, atol=1e-3 * np.abs(want).max() + 1e-6)
 
 
-@pytest.mark.parametrize("config", [{"weight_type": "int8"}, {"tensor_overrides": {"w": [{"quant_type": "int8"}]}}])
-def test_a_weight_type_asked_for_is_kept_and_named(config):
-    """A back end may need int8 weights: a type the config names is what the graph holds."""
-    model = quantize(from_proto(bn_conv_layer()), [{"x": x} for x in bn_conv_data(4, 1)], config=config)
-    assert _weight_types(model) == {"w": "int8"}
-    assert model.decisions["pair_sums"]["layers"]["w"]["fix"] == "none: int8 weights were asked for"
+@pytest.mark.parametrize("config,fix", [({"weight_type": "int8"}, "grid"),
+                                        ({"tensor_overrides": {"w": [{"quant_type": "int8"}]}},
+                                         "none: asymmetric int8 codes; int8 weights were asked for")])
+def test_a_weight_type_asked_for_is_kept_and_named(config, fix):
+    """A back end may need int8 weights: a type the config names is what the graph holds (uint8
+    asked for cannot be had: the grid is taken, when its codes are symmetric)."""
+    model = quantize(from_proto(bn_conv_layer()), [{"x": x} for x in bn_conv_data(4, 1)], config=config, passes=UINT8)
+    assert _weight_types(model) == {"w": "int8"} and bool(risks(qdq_layers(model))) == (fix != "grid")
+    assert model.decisions["pair_sums"]["layers"]["w"]["fix"] == fix
 
 
 PAIR = """
@@ -143,7 +191,7 @@ def test_a_layer_whose_data_stays_clear_of_int16_keeps_int8_and_says_why():
 def test_a_layer_whose_data_saturates_is_protected_and_says_by_how_much():
     model = _protect(_pair_feeds(together=True))
     row = model.decisions["pair_sums"]["layers"]["w"]
-    assert _weight_types(model) == {"w": "uint8"} and row["fix"] == "uint8"
+    assert _weight_types(model) == {"w": "int8"} and row["fix"] == "grid"
     assert row["largest"] == 1.49 and row["noise_db"] > 10
     assert row["why"].startswith("largest pair sum on 8 calibration samples 149% of the int16 bound; saturating at 90% "
                                  "of it, the error power would be +")
@@ -155,7 +203,7 @@ def test_a_layer_whose_data_saturates_is_protected_and_says_by_how_much():
 def test_data_false_protects_every_layer_at_risk_and_a_higher_bar_fewer(option, why):
     model = _protect(_pair_feeds(together=True), option)
     row = model.decisions["pair_sums"]["layers"]["w"]
-    assert (_weight_types(model), row["fix"]) == (({"w": "uint8"}, "uint8") if why else ({"w": "int8"}, "int8"))
+    assert row["fix"] == ("grid" if why else "int8")
     assert why is None or (row["why"] == why and "largest" not in row)
 
 
@@ -164,7 +212,7 @@ def test_without_calibration_data_every_layer_at_risk_is_protected():
 
     model = from_proto(parse(PAIR))
     run_passes("annotate-types,calibrate,compute-qparams", model, data=_pair_feeds(together=False))
-    run_passes("protect-pair-sums", model)
+    run_passes("protect-pair-sums{fix=uint8}", model)
     assert _weight_types(model) == {"w": "uint8"}
     assert model.decisions["pair_sums"]["layers"]["w"]["why"] == "no calibration data in this run"
 

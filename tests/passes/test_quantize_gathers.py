@@ -80,10 +80,12 @@ def test_default_pipeline_shrinks_the_table_and_keeps_the_output():
     weighted = qpasses.quantize(m, feeds, config={"op_types_to_quantize": ["MatMul"]})   # Gather not selected
     assert "table" in {t.name for t in weighted.to_proto().graph.initializer}
     assert len(proto.SerializeToString()) < 0.4 * len(weighted.to_proto().SerializeToString())
-    for feed in feeds[:3]:
+    errors = []   # over the feeds: one feed's largest error moves with where its rows fall on the grids
+    for feed in feeds[:4]:
         ref, got, old = run(m, feed)[0], run(proto, feed)[0], run(weighted.to_proto(), feed)[0]
-        err, err_old = np.abs(got - ref).max(), np.abs(old - ref).max()
-        assert err <= 1.5 * err_old + 1e-3   # the int8 rows add little to the 8-bit MatMul's own error
+        errors.append((np.abs(got - ref).max(), np.abs(old - ref).max()))
+    err, err_old = np.max(errors, axis=0)
+    assert err <= 1.5 * err_old + 1e-3   # the int8 rows add little to the 8-bit MatMul's own error
 
 
 def test_tables_that_stay_float_say_why():

@@ -45,8 +45,8 @@ def test_the_first_tensor_accumulates_only_its_own_error(convs):
 def test_the_precision_map_reads_the_qdq_graph(convs):
     _, qdq, _ = convs
     cells = precision_cells(qdq.to_proto(metadata=False))
-    # 8-bit weights; uint8 because their int8 pair sums could saturate without VNNI (protect-pair-sums)
-    assert [p for label, p in cells if label.startswith("Conv")] == ["uint8", "uint8"]
+    # 8-bit weights; int8 on grids no pair sum can saturate on without VNNI (protect-pair-sums)
+    assert [p for label, p in cells if label.startswith("Conv")] == ["int8", "int8"]
 
 
 def _self_contained(text: str) -> None:
@@ -66,10 +66,11 @@ def test_report_command_writes_one_self_contained_page(example, tmp_path, capsys
     assert table.count("<tr>") - 1 == len(layers(load(model), load(q), [])) >= 5
     assert "8-bit: 100 % of weighted ops" in text and "Time per pass: not recorded" in text
     pairs = text.split("<h2>int16 pair sums by CPU</h2>")[1].split("<h2>")[0]
-    assert "weights stored as uint8" in pairs and "cpu <code>x86-64</code>" in pairs
-    # a layer that can saturate is protected, or left int8 with what its calibration data showed
-    rows = [row for row in pairs.split("<tr>") if "saturates:" in row]
-    assert rows and all("weights stored as uint8" in row or "left int8: largest pair sum on" in row for row in rows)
+    assert "int8 grid no pair can saturate on (scale x" in pairs and "cpu <code>x86-64</code>" in pairs
+    # a layer at risk is protected (then safe on every CPU), or left int8 with what its calibration data showed
+    rows = pairs.split("<tr>")[2:]
+    assert rows and all(("int8 grid" in row and "saturates:" not in row) or "left int8: largest pair sum on" in row
+                        for row in rows)
 
 
 def test_run_html_has_the_passes_and_the_output_snr(example, tmp_path, capsys):

@@ -165,17 +165,26 @@ def test_openvino_runs_the_qdq_model_in_u8(vnni_example):
     assert any("inference precision" in n for n in result["notes"])
 
 
-def test_openvino_names_the_layers_protect_pair_sums_left_in_float(example):
-    """The default (cpu x86-64) stores the weights of layers that could saturate without VNNI as
+@pytest.fixture(scope="module")
+def uint8_example(tmp_path_factory):
+    """The example with protect-pair-sums{fix=uint8}: the weights of the layers at risk stored as uint8."""
+    from qpasses.core.pipeline import QUANTIZE_PIPELINE
+
+    passes = QUANTIZE_PIPELINE.replace("protect-pair-sums", "protect-pair-sums{fix=uint8}")
+    return report_kit.quantized_example(tmp_path_factory.mktemp("uint8"), "--passes", passes)
+
+
+def test_openvino_names_the_layers_protect_pair_sums_left_in_float(uint8_example):
+    """protect-pair-sums{fix=uint8} stores the weights of layers that could saturate without VNNI as
     uint8; OpenVINO runs uint8 weights in float (f32 or bf16), and a note says so and what to change."""
     pytest.importorskip("openvino")
-    model, q, evals = example
+    model, q, evals = uint8_example
     proto = onnx.load(q)
     protected = {n.name for n in proto.graph.node if n.op_type == "Conv"} & \
         backends.uint8_weight_readers(proto)
     assert protected, "the example has no layer protect-pair-sums changes: pick another model"
     result = provider.compare_per_layer(model, q, evals, provider="openvino", samples=2)
     note = next(n for n in result["notes"] if "protect-pair-sums" in n)
-    assert all(name in note for name in protected) and "x86-64-vnni" in note
+    assert all(name in note for name in protected) and "fix=grid" in note
     out = result["outputs"]["logits"]
     assert abs(out["provider_snr_db"] - out["sim_snr_db"]) < 1.0
