@@ -1,21 +1,22 @@
 """int16 pair-sum saturation (issue 35): what protecting every x86-64 CPU costs, and what it saves.
 
 onnxruntime's uint8 x int8 kernels on x86-64 CPUs without VNNI sum weight pairs in int16 and
-saturate (qpasses.analysis.saturation). qpasses' default (``cpu: x86-64``) stores the weights of
-the layers at risk whose pair sums on the calibration data come near the int16 bound as uint8 on
-the same grid (protect-pair-sums), run by onnxruntime's exact uint8 x uint8 kernels. Per model
-(issue 35's layer, then the bench models of bench_accuracy.py):
+saturate (qpasses.analysis.saturation). qpasses' default (``cpu: x86-64``) gives the layers at
+risk whose pair sums on the calibration data come near the int16 bound int8 grids on which no pair
+of codes can saturate (protect-pair-sums), run by the int8 kernels on every CPU. Per model (issue
+35's layer, then the bench models of bench_accuracy.py):
 
 * ``sim``: the task metric (or output SNR) in onnxruntime's QDQ simulation (no graph
   optimizations: what a VNNI or ARM CPU computes) of qpasses protecting every layer at risk
   (``qpasses_all``: ``protect-pair-sums{data=false}``), the default (``qpasses``: judged on the
-  calibration data), unprotected (``cpu: x86-64-vnni``), and onnxruntime's quantize_static
+  calibration data), the same layers with uint8 weights (``qpasses_uint8``, with ``--variants``:
+  ``protect-pair-sums{fix=uint8}``: exact, uint8 x uint8 kernels), unprotected (``cpu: x86-64-vnni``), and onnxruntime's quantize_static
   (per-channel MinMax; ``--variants`` adds ``ort_reduce_range``: 7-bit weights, onnxruntime's
   advice for these CPUs);
 * ``haswell`` (``--qemu``): the same models in the int8 kernels under ``qemu-x86_64 -cpu Haswell``
   (AVX2, no VNNI; Debian package qemu-user; 5-20x slower), onnxruntime's with ``--qemu-ort``;
 * the layers at risk (of the uint8 x int8 layers of the unprotected model) and those each qpasses
-  variant protects (stores as uint8), the default's emulation time (s), and each model's latency
+  variant protects, the default's emulation time (s), and each model's latency
   on this CPU (ms, median of ``--runs`` single-thread runs, interleaved) and as a ratio to ort's.
 
     python tools/bench_saturation.py                                # all models, no qemu (~15 min)
@@ -40,7 +41,7 @@ import accuracy_models as acc  # noqa: E402
 from bench_accuracy import ALL_MODELS, DEFAULT_CORPUS, bench_model, output_snr  # noqa: E402
 from models import FeedReader  # noqa: E402
 
-VARIANTS = ("qpasses_all", "qpasses", "qpasses_unprotected", "ort", "ort_reduce_range")
+VARIANTS = ("qpasses_all", "qpasses", "qpasses_uint8", "qpasses_unprotected", "ort", "ort_reduce_range")
 DEFAULT_VARIANTS = "qpasses_all,qpasses,qpasses_unprotected,ort"
 RUN_OUTPUTS = r"""
 import sys, numpy as np, onnxruntime as ort
@@ -87,8 +88,8 @@ def quantize(variant: str, model_path, feeds: list[dict], out: Path) -> dict:
     from qpasses.core.pipeline import default_pipeline
 
     config = {"cpu": "x86-64-vnni"} if variant == "qpasses_unprotected" else None
-    passes = (default_pipeline(True).replace("protect-pair-sums", "protect-pair-sums{data=false}")
-              if variant == "qpasses_all" else None)
+    option = {"qpasses_all": "{data=false}", "qpasses_uint8": "{fix=uint8}"}.get(variant)
+    passes = default_pipeline(True).replace("protect-pair-sums", "protect-pair-sums" + option) if option else None
     model, records = qpasses.run_pipeline(str(model_path), passes, config=config, calibration_data=feeds)
     qpasses.save(model, str(out))
     seconds = next((r.seconds for r in records if r.name == "protect-pair-sums"), None)
@@ -145,7 +146,7 @@ def bench(bm, args, tmp: Path) -> dict:
             record = quantize(variant, bm.path, calib, path)
             if variant.startswith("qpasses"):
                 fixes = [r.get("fix") for r in record.get("layers", {}).values()]
-                cell["protected"] = fixes.count("uint8")
+                cell["protected"] = fixes.count("uint8") + fixes.count("grid")
                 cell["emulation_s"] = record.get("emulation_s")
             cell["path"] = str(path)
             cell["metric"], cell["sim"] = bm.metric(float_outs, outputs(path, evals, qemu=False, tmp=tmp))

@@ -67,6 +67,8 @@ class RoundWeights(Pass):
         "help": "round only layers whose input is float or quantized to at least this many bits (8: all; "
                 "with 8-bit inputs the activation grids set the error: no gain measured on ppocr_v4_rec, "
                 "bert_encoder, ppocr_v2_cls, crnn_lstm, for a float run)"})
+    grids: bool = field(default=True, metadata={
+        "help": "round the layers protect-pair-sums put on a pair-safe grid whatever their input's bits"})
     below_aim: bool = field(default=False, metadata={
         "help": "round the layers with 8-bit inputs too when search-precision ended below its aim; off by default: "
                 "over 8 ppocr_v4_rec draws it gave +0.4 dB mean but text 0.859 against 0.883, one draw 3 dB lower "
@@ -101,7 +103,7 @@ class RoundWeights(Pass):
         if DECISION in model.decisions:
             return PassResult(model, False, {"rounded": 0})
         short = self.below_aim and model.decisions.get(PRECISION_SEARCH, {}).get("aim_met") is False
-        grids = pair_grids(model)   # coarser than round-to-nearest's: rounded whatever their input
+        grids = pair_grids(model) if self.grids else set()   # coarser steps: rounded whatever their input
         wanted = {t.weight.name for t in find_targets(model, 8 if short else self.activation_bits)} | grids
         targets = [t for t in find_targets(model, 8) if t.weight.name in wanted]
         if not targets:
