@@ -107,16 +107,17 @@ def test_8_bit_inputs_are_left_alone_by_default():
     assert not any("round-weights" in why for why in q.quant["w"].why)
 
 
-def test_8_bit_inputs_on_a_pair_safe_grid_are_rounded_and_keep_their_pairs_within_int16():
+@pytest.mark.parametrize("chooser", ["round-weights", "reconstruct-weights"])
+def test_8_bit_inputs_on_a_pair_safe_grid_are_rounded_and_keep_their_pairs_within_int16(chooser):
     from qpasses.analysis.saturation import qdq_layers, risks
     from qpasses.ir.model import from_proto
 
     feeds = _feeds((1, 8, 12, 12), 8)
-    passes = "annotate-types,calibrate,compute-qparams,protect-pair-sums{data=false},round-weights,insert-qdq"
+    passes = f"annotate-types,calibrate,compute-qparams,protect-pair-sums{{data=false}},{chooser},insert-qdq"
     q, proto, findings = _quantize(CONV, {}, passes, feeds)
-    assert q.decisions["pair_sums"]["layers"]["w"]["fix"] == "grid" and findings["round-weights"]["rounded"] == 1
+    assert q.decisions["pair_sums"]["layers"]["w"]["fix"] == "grid" and findings[chooser]
     assert not risks(qdq_layers(from_proto(proto)))
-    nearest, _, _ = _quantize(CONV, {}, passes.replace("round-weights,", ""), feeds)
+    nearest, _, _ = _quantize(CONV, {}, passes.replace(chooser + ",", ""), feeds)
     evals = _feeds((1, 8, 12, 12), 8, seed=9)
     assert _snr(CONV, proto, evals) > _snr(CONV, nearest.to_proto(), evals)
 
