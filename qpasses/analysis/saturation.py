@@ -108,8 +108,9 @@ def pair_limits(top: int = TOP_CODE) -> tuple[int, int]:
 def risky_pairs(rows: np.ndarray, top: int = TOP_CODE) -> np.ndarray:
     """[rows, pairs] bool: the pair's products with activation codes in [0, top] can leave int16."""
     p = _pairs(rows)
-    high = top * np.maximum(p, 0).sum(-1)     # both activations at ``top`` where the weight is positive
-    low = top * np.minimum(p, 0).sum(-1)
+    plus, minus = np.maximum(p, 0), np.minimum(p, 0)
+    high = top * (plus[..., 0] + plus[..., 1])    # both activations at ``top`` where the weight is positive
+    low = top * (minus[..., 0] + minus[..., 1])
     return (high > INT16_MAX) | (low < INT16_MIN)
 
 
@@ -426,21 +427,33 @@ class PairSums:
         probe = left(pairs[:1])
         axis %= probe.ndim
         step = max(1, CHUNK // max(1, probe.size))
-        shape, others = [1] * probe.ndim, tuple(i for i in range(probe.ndim) if i != axis)
+        shape = [1] * probe.ndim
         for start in range(0, pairs.size, step):
             sel = pairs[start:start + step]
             shape[axis] = sel.size
-            sums = self.a[sel].reshape(shape) * left(sel) + self.b[sel].reshape(shape) * right(sel)   # int32
-            top = sums.max(axis=others) if others else sums
+            sums = np.multiply(self.a[sel].reshape(shape), left(sel), dtype=np.int32)
+            sums += np.multiply(self.b[sel].reshape(shape), right(sel), dtype=np.int32)
+            sums = np.moveaxis(sums, axis, 0).reshape(sel.size, -1)   # [pairs, outputs]: a view when the axes before are 1
+            top = sums.max(1)
             self.extreme[sel] = np.maximum(self.extreme[sel], top)
             self.sums += sums.size
-            self._outputs = sums.size // sel.size   # outputs of one row in this sample
-            for p in np.flatnonzero(top > self.cap[sel]):
-                pair = sel[p]
-                one = np.take(sums, p, axis=axis).ravel()
-                self.saturated += int((one > self.bound[pair]).sum())
-                row = int(self.rows[pair])
-                self.last_error[row] = self.last_error.get(row, 0) + self.sign[pair] * np.maximum(one - self.cap[pair], 0)
+            self._outputs = sums.shape[1]   # outputs of one row in this sample
+            hot = np.flatnonzero(top > self.cap[sel])
+            if hot.size:
+                self._clip(sel[hot], sums if hot.size == sel.size else sums[hot])
+
+    def _clip(self, pairs: np.ndarray, sums: np.ndarray) -> None:
+        """Count the ``sums`` ([pairs, outputs], int32, overwritten) past their pair's bound, and add the
+        parts past its cap to their row's outputs' (integer sums: exact in any order)."""
+        self.saturated += int(np.count_nonzero(sums > self.bound[pairs, None].astype(np.int32)))
+        sums -= self.cap[pairs, None].astype(np.int32)
+        np.maximum(sums, 0, out=sums)
+        sums *= self.sign[pairs, None]
+        rows = self.rows[pairs]   # ascending: pairs are taken in row order
+        cuts = np.flatnonzero(rows[1:] != rows[:-1]) + 1
+        for row, start, end in zip(rows[np.r_[0, cuts]].tolist(), np.r_[0, cuts], np.r_[cuts, rows.size]):
+            part = sums[start:end].sum(0, dtype=np.int64)
+            self.last_error[row] = self.last_error[row] + part if row in self.last_error else part
 
     @property
     def largest(self) -> float:
