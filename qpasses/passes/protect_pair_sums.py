@@ -92,8 +92,9 @@ g (float[1,4,4,4] x) => (float[1,2,4,4] y)
                 "error (false: every layer at risk, whatever the data)"})
     samples: int = field(default=16, metadata={"help": "calibration feeds the pair sums are emulated on"})
     max_sums: float = field(default=1.5e8, metadata={
-        "help": "most pair sums emulated (risky pairs x output positions x samples), layers in graph order; "
-                "the layers past it are protected unmeasured (ddddocr_det needs 1.1e8: 10-20 s)"})
+        "help": "most pair sums emulated (risky pairs x output positions x samples: a bound on those summed, "
+                "about 1 s per 1e8), layers in graph order; the layers past it are protected unmeasured "
+                "(ddddocr_det needs 4.8e8, of which it sums 4.7e7)"})
     fix: str = field(default=GRID, metadata={
         "choices": (GRID, UINT8),
         "help": "how a layer is protected: 'grid' widens the scale of its channels at risk so no pair of codes "
