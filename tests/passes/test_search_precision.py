@@ -433,3 +433,20 @@ def test_a_confirmation_that_cannot_run_is_said_not_raised(monkeypatch):
     decision = model.decisions["precision_search"]
     assert decision["confirmed"] == {"feeds": 56, "added": 0, "skipped": "onnxruntime refused feed 40", "met": None}
     assert decision["met"] and decision["promoted"] == []
+
+
+def test_the_aim_is_not_chased_when_the_confirmation_reads_it_met():
+    """The chain reads 26.7 dB counted on 8 check feeds, 27.6 on all 40 the confirmation scores:
+    aiming at 27, the check feeds alone would promote (ddddocr_det: a float first Conv for noise at
+    10 % latency); with the confirmation's wider reading nothing is promoted, and the aim is met."""
+    decisions = {}
+    for confirm in (0, 32):
+        model = from_proto(_chain())
+        ctx = RunContext({}, _spiky_feeds(40))
+        PassManager("annotate-types,calibrate").run(model, ctx)
+        PassManager([SearchPrecision(samples=8, aim=27, confirm_samples=confirm)]).run(model, ctx)
+        decisions[confirm] = model.decisions["precision_search"]
+    alone, wider = decisions[0], decisions[32]
+    assert alone["quantized_counted"] < 27 and alone["promoted"]
+    assert wider["quantized_counted"] < 27 <= wider["confirmed"]["counted"]
+    assert wider["promoted"] == [] and wider["aim_met"] and wider["aimed"].startswith("nothing: the confirmation")

@@ -30,6 +30,7 @@ DEFAULT_TARGET_DB = 12.0
 # the work it does (counting ops instead, ppocr_v4_rec read 0.891 on 128 samples, 0.938 by
 # multiply-accumulates, both under onnxruntime's latency; tools/RESULTS.md).
 DEFAULT_AIM_DB = 25.0
+CONFIRMED_AIM = "nothing: the confirmation read the aim met"
 
 
 @register
@@ -71,8 +72,10 @@ class SearchPrecision(Pass):
     and ``requested`` those the config named (never promoted).
     Invariants: the graph is not changed; what the config names (tensor_overrides, mixed_precision,
     nodes_to_quantize: qpasses.analysis.requests.pinned) is never promoted; nothing is promoted when the quantized model already meets the
-    aim (the target when there is no aim); the aim never takes the 8-bit share of the weighted ops' multiply-accumulates
-    below ``keep_8bit`` (the target may); nothing is done (and it says why) without calibration data or above
+    aim (the target when there is no aim) on the check feeds or on the confirmation's wider reading
+    (ddddocr_det: 24.4 dB counted on 8 check feeds, 25.6 on all 32; the float first Conv the aim took
+    then bought 0.3 dB on 128 held-out samples, within their standard error, for 10 % latency); the
+    aim never takes the 8-bit share of the weighted ops' multiply-accumulates below ``keep_8bit`` (the target may); nothing is done (and it says why) without calibration data or above
     ``max_nodes`` / ``max_weight_mb``.
     """
 
@@ -174,13 +177,17 @@ class SearchPrecision(Pass):
         rest = self._rest(model, ctx, kept, check, held_out)   # a Reference, or why there is none
         confirming = isinstance(rest, Reference)
         chosen, reached = search.search(reserve + confirming) if first < needed else ([], first)
+        widest = None   # the confirmation's reading of ``chosen``: on the check feeds and the rest together
         if reached >= needed and confirming:
             chosen, confirmed = search.confirmed(chosen, rest, reserve)
             reached = search.scores[frozenset(chosen)]
+            widest = float(confirmed["counted"]) if "counted" in confirmed else None
             decision |= {"confirmed": confirmed, "feeds": len(search.check_ref.feeds)}
         elif reached >= needed and rest:
             decision |= {"confirmed": rest}
-        if aim > needed and reached < aim:
+        if aim > needed and reached < aim and widest is not None and widest >= aim:
+            decision |= {"aimed": CONFIRMED_AIM}
+        elif aim > needed and reached < aim:
             chosen, reached = search.aim(chosen, aim, keep)
             decision |= {"aim": aim, "keep_8bit": keep, "aimed": search.aimed}
         search.bar.close()
@@ -202,7 +209,7 @@ class SearchPrecision(Pass):
         met = reached >= target and decision.get("confirmed", {}).get("met") is not False
         decision |= {"promoted": chosen, "evaluations": search.evaluations, "met": met}
         decision |= {} if met else {"blocking": search.blocking(chosen)} | ({"requested": sorted(pins)} if pins else {})
-        decision |= {"aim_met": reached >= aim} if "aim" in decision else {}
+        decision |= {"aim_met": reached >= aim or decision.get("aimed") == CONFIRMED_AIM} if "aim" in decision else {}
         model.decisions[DECISION] = decision
         ctx.findings.set(NAME, decision)
         return PassResult(model, True, {"promoted": len(chosen), "evaluations": search.evaluations})
