@@ -320,20 +320,23 @@ class Reference:
 
     def runs_of(self, test_model, *, judged: bool = False, reuse: ScoredRuns | None = None) -> list[list]:
         """``test_model``'s outputs ``names`` on every kept feed: in ``judging_session`` when
-        ``judged`` (taken from ``reuse`` when it holds this very model's judged outputs on these
-        feeds), else as this CPU runs it (in ``test_model`` itself when it is an onnxruntime session)."""
+        ``judged`` (taken from ``reuse`` on the first feeds when it holds this very model's judged
+        outputs on them), else as this CPU runs it (in ``test_model`` itself when it is an onnxruntime
+        session)."""
+        runs = []
         if reuse is not None and judged:
             data = test_model if isinstance(test_model, bytes) else None
-            runs = reuse.runs_for(data, self) if data is not None else None
-            if runs is not None:   # the checks below, on what the session it ran in said
+            runs = (reuse.runs_for(data, self) if data is not None else None) or []
+            if runs:   # the checks below, on what the session it ran in said
                 _check_signature(self.inputs, self.names, *reuse.io)
                 _check_finite(self)
+            if len(runs) == len(self.feeds):
                 return runs
         test_sess = (test_model if is_session(test_model) else
                      judging_session(test_model) if judged else session(test_model))
         check_same_signature(self.inputs, self.names, test_sess)
         _check_comparable(self, test_sess)   # inputs it takes, finite reference outputs
-        return [test_sess.run(self.names, feed) for feed in self.feeds]
+        return runs + [test_sess.run(self.names, feed) for feed in self.feeds[len(runs):]]
 
     def runs(self, *, native: bool = False) -> list[list[np.ndarray]]:
         """The reference outputs per feed, in the order of ``names``, shaped as the model returned

@@ -37,11 +37,10 @@ class ScoredRuns:
         self.outputs.append(dict(zip(reference.names, values)))
 
     def runs_for(self, data: bytes, reference) -> list | None:
-        """The outputs ``reference.names`` on ``reference.feeds`` if this is the same model (bytes)
-        and feeds (values, types and shapes), else None."""
-        feeds = reference.feeds
-        if (len(feeds) > len(self.feeds) or len(data) != self.size
-                or _digest(data) != self.digest):
+        """The outputs ``reference.names`` on the first of ``reference.feeds`` (as many as it holds) if
+        this is the same model (bytes) and those are its feeds (values, types and shapes), else None."""
+        feeds = reference.feeds[:len(self.feeds)]
+        if not feeds or len(data) != self.size or _digest(data) != self.digest:
             return None
         for mine, theirs in zip(self.feeds, feeds):
             if mine.keys() != theirs.keys() or not all(_same_array(mine[k], theirs[k]) for k in mine):

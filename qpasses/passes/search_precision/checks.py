@@ -40,7 +40,8 @@ class Checks:
         self.computed: dict = {}   # root -> its entry in the fully quantized trial (its qparams)
         self.raised: QModel | None = None   # the model at the highest opset a trial needed (see _quantized)
         self.copier = None   # (the model trials copy, its QModel.copier)
-        # the outputs select-by-snr's chosen variant gave, if any: the first check may be that model
+        # the outputs select-by-snr's chosen variant gave, if any: the first check and the confirmation
+        # (on more feeds) may be that model
         self.reuse = ctx.cache.pop(ScoredRuns.CACHE_KEY, None)
         self.executor, self.shared = executors.from_config(ctx.config), None
         self.seconds = {"build": 0.0, "built": 0, "tasks": 0.0, "scored": 0}   # quantizing here, scoring in tasks
@@ -84,7 +85,6 @@ class Checks:
 
         if not self.executor.parallel:
             results = [objective_score(self.check_ref, m, self.objective, self.reuse) for m in built()]
-            self.reuse = None
         else:
             if self.shared is None:   # the reference goes to the object store once
                 self.shared = self.executor.put((self.check_ref, self.objective))
@@ -149,7 +149,8 @@ class Checks:
 
     def confirmed(self, chosen: list[str], rest: Reference, reserve: int = 0) -> tuple[list[str], dict]:
         """``chosen`` (meeting the target on the check feeds) scored on those and ``rest`` together:
-        the calibration feeds after them, which the checks did not cover. While it misses the target
+        the calibration feeds after them, which the checks did not cover (judged as every check is, in
+        evaluate.judging_session; select-by-snr's runs taken when ``chosen`` is its model). While it misses the target
         there and evaluations are left, the worst of ``rest`` (half as many as there are check feeds)
         join the check feeds and the search goes on from ``chosen`` down the ranking (``fewest``,
         leaving ``reserve`` evaluations and one to confirm again). Returns the promotions and what
@@ -158,7 +159,8 @@ class Checks:
         while rest.feeds and self.evaluations < self.budget:
             both = self.check_ref.plus(rest)
             try:
-                runs = both.runs_of(self._quantized(chosen).to_proto(metadata=False).SerializeToString())
+                runs = both.runs_of(self._quantized(chosen).to_proto(metadata=False).SerializeToString(),
+                                    judged=True, reuse=self.reuse)
             except Exception as exc:   # a model that ran on the check feeds and not on these: said, not raised
                 record["skipped"] = first_line(exc)
                 break
