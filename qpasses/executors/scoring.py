@@ -83,9 +83,10 @@ def _trial(model, then, ctx, edit=None) -> bytes:
     return trial.to_proto(metadata=False).SerializeToString()
 
 
-def trial_score(model, then, ctx, reference: Reference, objective, edit=None) -> float:
-    """The objective's score of ``_trial``: a pass's check of one change against the model as it is."""
-    return objective_score(reference, _trial(model, then, ctx, edit), objective)["score"]
+def trial_score(model, then, ctx, reference: Reference, objective, edit=None, reuse=None) -> float:
+    """The objective's score of ``_trial``: a pass's check of one change against the model as it is
+    (``reuse``: objective_score's)."""
+    return objective_score(reference, _trial(model, then, ctx, edit), objective, reuse)["score"]
 
 
 def trial_runs(model, then, ctx, reference: Reference, edit=None) -> list[list]:

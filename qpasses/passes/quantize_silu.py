@@ -5,11 +5,13 @@ from dataclasses import field
 from typing import ClassVar
 
 from ..analysis.silu import quantize_gates, quantize_products, silu_chains, silu_gates
+from ..calibration.kept import KeptSamples
 from ..core.pipeline import Pass, PassResult, Pipeline, pipeline_option
 from ..core.registry import register
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import Reference, max_nodes_option, max_weight_mb_option, rerun_skip_reason
 from ..evaluation.objective import Objective
+from ..evaluation.scored_runs import ScoredRuns
 from ..executors.scoring import trial_score
 from ..ir.analyses import GRAPH, QUANT, RANGES, WEIGHTS
 from ..ir.decisions import FLOAT, PRECISION_SEARCH
@@ -90,11 +92,12 @@ class QuantizeSilu(Pass):
         target = search.get("checked_at", search.get("target"))   # with the search's in-sample allowance
         objective = Objective(metric, model=model.to_proto(metadata=False))
         try:
-            reference, _ = Reference.for_check(model, ctx.calibration_data, None, self.samples, self.output_values)
+            reference, _ = Reference.for_check(model, ctx.calibration_data, ctx.cache.get(KeptSamples.CACHE_KEY),
+                                               self.samples, self.output_values)
         except CalibrationDataError as exc:
             ctx.findings.set(NAME, {"skipped": f"the calibration data cannot be read again ({first_line(exc)})"})
             return PassResult(model, False, {"gates": 0})
-        before = trial_score(model, self.then, ctx, reference, objective)
+        before = trial_score(model, self.then, ctx, reference, objective, reuse=ctx.cache.pop(ScoredRuns.CACHE_KEY, None))
         allowed = self.margin_db if metric == "snr" else 0.0
 
         def acceptable(after: float) -> bool:

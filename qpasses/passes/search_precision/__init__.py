@@ -14,6 +14,7 @@ from ...core.registry import register
 from ...errors import CalibrationDataError, first_line
 from ...evaluation.evaluate import Reference, max_nodes_option, max_weight_mb_option, rerun_skip_reason
 from ...evaluation.objective import Objective
+from ...evaluation.scored_runs import ScoredRuns
 from ...ir.analyses import GRAPH, RANGES, WEIGHTS
 from ...ir.decisions import PRECISION_SEARCH
 from ...ir.model import QModel
@@ -212,6 +213,8 @@ class SearchPrecision(Pass):
         decision |= {"aim_met": reached >= aim or decision.get("aimed") == CONFIRMED_AIM} if "aim" in decision else {}
         model.decisions[DECISION] = decision
         ctx.findings.set(NAME, decision)
+        if not chosen and search.reuse is not None:   # quantize-silu's first score is select-by-snr's model too
+            ctx.cache[ScoredRuns.CACHE_KEY] = search.reuse
         return PassResult(model, True, {"promoted": len(chosen), "evaluations": search.evaluations})
 
     def _rest(self, model: QModel, ctx, kept, check: Reference, held_out: bool):
