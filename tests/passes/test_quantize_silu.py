@@ -81,6 +81,18 @@ def test_a_target_holds_with_the_searchs_in_sample_allowance():
         assert model.decisions["silu_gates"]["quantized"] is quantized
 
 
+def test_the_aim_is_read_at_the_level_the_searchs_confirmation_read():
+    """The gates' cost is read on the check feeds (with and without them); the level it is taken
+    from is the search's confirmation on more feeds when there is one."""
+    model, _, _ = _run(search={"metric": "snr", "target": 0.0})
+    before, after = (model.decisions["silu_gates"][k] for k in ("before", "after"))
+    cost = before - after
+    for wide, quantized in ((None, False), (after + cost, False), (after + cost + 1.0, True)):
+        search = {"metric": "snr", "target": 0.0, "aim": after + 0.5} | ({"confirmed": {"score": wide}} if wide else {})
+        model, _, _ = _run(search=search, margin_db=-100.0)
+        assert model.decisions["silu_gates"]["quantized"] is quantized, wide
+
+
 def test_an_explicit_op_selection_is_left_alone():
     model, _, record = _run({"op_types_to_quantize": ["Conv"]})
     assert not record.modified and "silu_gates" not in model.decisions and "g" not in model.quant
