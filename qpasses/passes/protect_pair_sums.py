@@ -57,8 +57,8 @@ class ProtectPairSums(Pass):
     held-out samples of crnn_lstm, yolo_detector, ddddocr_det and ppocr_v4_det, the layers so left
     int8 saturated at most -12 dB against that noise (tools/RESULTS.md has the task metrics). Cost:
     one float run over ``samples`` feeds fetching only those layers' inputs, then per feed the sums
-    of the risky pairs whose inputs' largest codes could pass the cap (ddddocr_det: 7 million per
-    feed). The risk left: data unlike the calibration set may saturate a layer left int8;
+    of the risky pairs whose inputs' largest codes could pass the cap (ddddocr_det: 3 million per
+    feed, about a second in all). The risk left: data unlike the calibration set may saturate a layer left int8;
     ``data=false`` protects every layer at risk, and so does a run without calibration data. Hence
     also ``cpu`` (config): x86-64-vnni or arm when the model runs only there.
     Reads: the config's ``cpu`` (x86-64, the default, protects every x86-64 CPU; x86-64-vnni and
@@ -91,7 +91,7 @@ g (float[1,4,4,4] x) => (float[1,2,4,4] y)
         "help": "protect only the layers whose pair sums on the calibration data would cost them measurable "
                 "error (false: every layer at risk, whatever the data)"})
     samples: int = field(default=16, metadata={"help": "calibration feeds the pair sums are emulated on"})
-    max_sums: float = field(default=1.5e8, metadata={
+    max_sums: float = field(default=1e9, metadata={
         "help": "most pair sums emulated (risky pairs x output positions x samples: a bound on those summed, "
                 "about 1 s per 1e8), layers in graph order; the layers past it are protected unmeasured "
                 "(ddddocr_det needs 4.8e8, of which it sums 4.7e7)"})
