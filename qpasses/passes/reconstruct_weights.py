@@ -28,7 +28,7 @@ from ..quant.oprules import WEIGHTED_OPS
 from ..quant.qdq import QParams, quantized_values, require_opset
 from ..quant.qparams import dequantize
 from ..quant.qtypes import qtype
-from ..quant.rounding import Hessian, damped, refine_codes, round_codes, target
+from ..quant.rounding import Hessian, damped, refine_codes, round_codes, serial_blas, target
 
 NAME = "reconstruct-weights"
 DECISION = "weight_reconstruction"
@@ -133,20 +133,21 @@ class ReconstructWeights(Pass):
         bar = progress(ctx, NAME, len(targets))
         try:
             runner = _Stashed.made(self, ctx, model, trial, stages) or _Rerun(self, ctx, reference, work, trial)
-            for k, stage in enumerate(stages):
-                try:
-                    samples = runner.measure(k, stage)
-                except _StashFull:   # from here on, every stage runs the models again from the feeds
-                    runner = _Rerun(self, ctx, reference, work, None)
-                    samples = runner.measure(k, stage)
-                for t in stage:
-                    if t.hessian.rows < self.min_rows * t.geo.k:
-                        few += 1
-                    else:
-                        done += self._solve(work, t, samples, changed, notes, gains)
-                    t.hessian = None
-                runner.advance(k, stage, changed)
-                bar.update(done + few)
+            with serial_blas():   # the moments' products and the solves (round-weights' reason)
+                for k, stage in enumerate(stages):
+                    try:
+                        samples = runner.measure(k, stage)
+                    except _StashFull:   # from here on, every stage runs the models again from the feeds
+                        runner = _Rerun(self, ctx, reference, work, None)
+                        samples = runner.measure(k, stage)
+                    for t in stage:
+                        if t.hessian.rows < self.min_rows * t.geo.k:
+                            few += 1
+                        else:
+                            done += self._solve(work, t, samples, changed, notes, gains)
+                        t.hessian = None
+                    runner.advance(k, stage, changed)
+                    bar.update(done + few)
             runner = None
         except CalibrationDataError as exc:
             bar.close()
