@@ -104,8 +104,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--dump-after", metavar="DIR", help="save the model after every pass as DIR/NNN_<pass>.onnx")
     run.add_argument("--reproducer", metavar="DIR", help="on failure, save the failing pass's input and the rest of the pipeline")
     run.add_argument("--effort", choices=("default", "high"),
-                     help="high: reconstruct the weights against the quantized model's inputs (AdaRound; "
-                          "config effort; 3-5x the default's time)")
+                     help="high: reconstruct the weights against the quantized model's inputs (AdaRound) on "
+                          "every model, not only on those with at most 1 MB of weights (config effort; ddddocr_det: "
+                          "2.9x the default's time)")
     run.add_argument("--target", metavar="METRIC=VALUE",
                      help="accuracy target for search-precision: snr=25 (dB), cosine=0.995, top1=0.99 "
                           "(the worst output component, less one standard error, must reach it on calibration feeds)")

@@ -70,7 +70,7 @@ def rerun_skip_reason(model: QModel, data, max_nodes: int, max_weight_mb: float)
         return f"{len(model.graph.nodes)} nodes is over max_nodes={max_nodes}"
     weight_mb = constant_bytes(model.graph) / 2**20
     if weight_mb > max_weight_mb:
-        return f"{weight_mb:.0f} MB of weights is over max_weight_mb={max_weight_mb:g}"
+        return f"{weight_mb:.3g} MB of weights is over max_weight_mb={max_weight_mb:g}"
     if data is None:
         return "no calibration data in this run"
     return None

@@ -4,14 +4,13 @@ from typing import ClassVar
 
 from qpasses import Pass, PassResult, register
 from qpasses.cli import main
-from qpasses.core.pipeline import default_pipeline
-from qpasses.core.pipeline import in_pipeline_order
+from qpasses.core.pipeline import default_pipeline, in_pipeline_order, parse_pipeline
 from qpasses.core.registry import all_passes, unregister
 from tests.kits import ROOT
 
 
 def _default_names() -> list[str]:
-    return list(dict.fromkeys(default_pipeline(True).split(",")))
+    return list(dict.fromkeys(p.name for p in parse_pipeline(default_pipeline(True))))
 
 
 def test_default_pipeline_first_then_the_rest_by_name():

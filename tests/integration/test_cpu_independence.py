@@ -67,9 +67,9 @@ def example_feeds():
 
 CASES = {"example": (example_model, example_feeds), "mask": (mask_model, mask_feeds), "silu": (silu_model, silu_feeds)}
 GOLDEN = {
-    "example": "18c73a054bc9eee00cae7e46ce071f2d895c3ce6a7886178707f13b9c4a43c33",
-    "mask": "73a337981da344f74992b0a4bd909fbc3cda742382c19cfbecc62f80b4091d2a",
-    "silu": "847c03099726d74bfb173568f3fcae1ff765fe17373e7dcb3630e77da5512b76",
+    "example": "2c5953e337c01372ae61d821d01355fee0a6db803e079c2b81615b5741131437",
+    "mask": "9645909784d9b8c322b959ba0f67f0fa325c2650b125d0b4fa9680a3d2e6243a",
+    "silu": "79bfae790f8a870187335322666a482fb3fa8068ffaa927555800c642c245c58",
 }
 
 

@@ -7,7 +7,7 @@ import pytest
 from qpasses.analysis.weighted_layers import find_targets
 from qpasses.api import run_pipeline
 from qpasses.core.context import RunContext
-from qpasses.core.pipeline import parse_pipeline
+from qpasses.core.pipeline import BOUNDED_RECONSTRUCTION, QUANTIZE_PIPELINE, parse_pipeline
 from qpasses.core.verify import check_onnx
 from qpasses.errors import PipelineError
 from qpasses.evaluation.evaluate import session, snr_db
@@ -353,7 +353,8 @@ def test_refine_codes_never_raises_the_loss_and_keeps_bounds(seed):
 
 
 def test_effort_high_reconstructs_in_the_default_pipeline(tmp_path):
-    """config effort: high (or --effort high) puts reconstruct-weights where round-weights is."""
+    """config effort: high (or --effort high) puts unbounded reconstruct-weights where the default
+    has its bounded one and round-weights."""
     from qpasses.cli import main
     from qpasses.cli.examples import write_example
     from qpasses.core.pipeline import default_pipeline
@@ -361,7 +362,7 @@ def test_effort_high_reconstructs_in_the_default_pipeline(tmp_path):
 
     high = default_pipeline(True, effort="high").split(",")
     assert "reconstruct-weights" in high and "round-weights" not in high
-    assert high == default_pipeline(True).replace("round-weights", "reconstruct-weights").split(",")
+    assert high == default_pipeline(True).replace(BOUNDED_RECONSTRUCTION + ",round-weights", "reconstruct-weights").split(",")
     model, calib, _ = write_example(tmp_path)
     out = tmp_path / "q.onnx"
     assert main(["run", str(model), "-o", str(out), "--calib", str(calib), "--effort", "high", "--quiet"]) == 0
@@ -370,3 +371,28 @@ def test_effort_high_reconstructs_in_the_default_pipeline(tmp_path):
     assert main(["run", str(model), "-o", str(tmp_path / "b.onnx"), "--calib", str(calib),
                  "--config", str(tmp_path / "bad.json"), "--quiet"]) == 2
     assert not (tmp_path / "b.onnx").exists()
+
+
+def _dense(k: int, rows: int) -> onnx.ModelProto:
+    """x [1, rows, k] @ w [k, k]: k * k * 4 bytes of weights."""
+    w = np.random.default_rng(7).standard_normal((k, k)).astype(np.float32) * 0.1
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, rows, k])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, rows, k])],
+        [onnx.numpy_helper.from_array(w, "w")])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("k, reconstructed", [(256, True), (576, False)])   # 0.25 MB, 1.27 MB of weights
+def test_the_default_reconstructs_only_models_within_its_weight_bound(k, reconstructed):
+    """The default pipeline's reconstruction stands aside above 1 MB of weights; round-weights then
+    chooses the codes, as before (16-bit activations here, so that it has layers to round)."""
+    feeds = _feeds((1, 320, k), 48)
+    model = load(_dense(k, 320))
+    ctx = RunContext({"activation_type": "uint16"}, feeds)
+    run_passes(f"{PRELUDE},{BOUNDED_RECONSTRUCTION},round-weights", model, ctx=ctx)
+    findings = ctx.findings.as_dict()
+    assert findings["reconstruct-weights"].get("reconstructed", 0) == int(reconstructed)
+    assert findings["round-weights"].get("rounded", 0) == int(not reconstructed)
+    assert BOUNDED_RECONSTRUCTION + ",round-weights" in QUANTIZE_PIPELINE
