@@ -173,8 +173,10 @@ class Hessian:
         """Add the pending paired rows to the moments."""
         if not self._pending:
             return
-        cols = np.concatenate([c for c, _ in self._pending], axis=2)
-        ref = np.concatenate([r for _, r in self._pending], axis=2)
+        # in float64: the last digits of float32 products differ between CPUs' BLAS kernels, and the
+        # codes chosen from them did (the example model's conv2 under qemu Haswell)
+        cols = np.concatenate([c for c, _ in self._pending], axis=2).astype(np.float64)
+        ref = np.concatenate([r for _, r in self._pending], axis=2).astype(np.float64)
         self._pending = []
         if self.cross is None:
             self.cross, self.ref_xtx, self.ref_sum = np.zeros_like(self.xtx), np.zeros_like(self.xtx), np.zeros_like(self.sum)

@@ -67,7 +67,7 @@ def example_feeds():
 
 CASES = {"example": (example_model, example_feeds), "mask": (mask_model, mask_feeds), "silu": (silu_model, silu_feeds)}
 GOLDEN = {
-    "example": "2c5953e337c01372ae61d821d01355fee0a6db803e079c2b81615b5741131437",
+    "example": "3c04522b23d2113efdaeee6e8aad74d3e1f96de655d33e3f9461ac3fe9c1f6cd",
     "mask": "9645909784d9b8c322b959ba0f67f0fa325c2650b125d0b4fa9680a3d2e6243a",
     "silu": "79bfae790f8a870187335322666a482fb3fa8068ffaa927555800c642c245c58",
 }
