@@ -164,8 +164,8 @@ class Hessian:
             if sum(c.size for c, _ in self._pending) >= ROW_ELEMENTS:
                 self._flush()
             return
-        cols = input_rows(x, self.geo, self.rng)
-        self.xtx += cols @ cols.transpose(0, 2, 1)   # float32 products of one sample, summed in float64
+        cols = input_rows(x, self.geo, self.rng).astype(np.float64)   # float32 products' last digits: CPU's BLAS
+        self.xtx += cols @ cols.transpose(0, 2, 1)
         self.sum += cols.sum(axis=2, dtype=np.float64)
         self.rows += cols.shape[2]
 
