@@ -566,7 +566,8 @@ def _copy(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _prune(graph: onnx.GraphProto, names: list[str]) -> None:
-    """Keep only the nodes and initializers the tensors ``names`` need, and them as the outputs."""
+    """Keep only the nodes and initializers (and inputs backed by them) the tensors ``names`` need, and
+    them as the outputs."""
     needed, keep = set(names), []
     for node in reversed(graph.node):
         if any(o in needed for o in node.output):
@@ -575,10 +576,13 @@ def _prune(graph: onnx.GraphProto, names: list[str]) -> None:
     known = {vi.name: vi for vi in list(graph.value_info) + list(graph.output)}
     outputs = [known.get(n) or onnx.helper.make_empty_tensor_value_info(n) for n in names]
     inits = [t for t in graph.initializer if t.name in needed]
-    del graph.node[:], graph.output[:], graph.initializer[:]
+    dropped = {t.name for t in graph.initializer} - needed   # an input backed by one would become required
+    inputs = [i for i in graph.input if i.name not in dropped]
+    del graph.node[:], graph.output[:], graph.initializer[:], graph.input[:]
     graph.node.extend(reversed(keep))
     graph.output.extend(outputs)
     graph.initializer.extend(inits)
+    graph.input.extend(inputs)
 
 
 def _reads(node: onnx.NodeProto) -> list[str]:
