@@ -135,24 +135,23 @@ def clip_pairs(rows: np.ndarray, exact: np.ndarray, qmin: int, qmax: int, top: i
 
 
 def pair_safe_scale(values: np.ndarray, node: gs.Node, scale, top: int = TOP_CODE) -> np.ndarray:
-    """Per output channel (``scale``'s shape: one value or one per channel), the smallest scale, at
-    least ``scale``, on which no same-sign pair of the symmetric weight ``values``' round-to-nearest
-    codes sums past the int16 bound: |a + b| / scale <= limit - 1/2 keeps the rounded sum within it."""
-    values = np.asarray(values, np.float64)
+    """Per output channel (``scale``'s shape: one value or one per channel), the scale of the
+    symmetric weight ``values``: ``scale`` where no same-sign pair of its round-to-nearest codes
+    sums past the int16 bound, else the smallest on which none can: |a + b| / scale <= limit - 1/2
+    keeps the rounded sum within it."""
+    values, scale = np.asarray(values, np.float64), np.asarray(scale, np.float64)
     transposed = trans_b(node)
-    p = np.asarray(k_rows(values, node.op, transposed))
-    if p.shape[1] % 2:
-        p = np.pad(p, ((0, 0), (0, 1)))
-    p = p.reshape(p.shape[0], -1, 2)
-    largest = np.maximum(np.maximum(p, 0).sum(-1).max(1), -np.minimum(p, 0).sum(-1).min(1))   # per row
+    rows = np.asarray(k_rows(values, node.op, transposed))
     channels = row_channels(values.shape, node.op, transposed)
+    per_row = scale[channels] if scale.size > 1 else np.full(len(channels), scale.item())
+    risky = risky_pairs(np.rint(rows / per_row[:, None]), top).any(1)
+    p = np.pad(rows, ((0, 0), (0, rows.shape[1] % 2))).reshape(rows.shape[0], -1, 2)
+    largest = np.maximum(np.maximum(p, 0).sum(-1).max(1), -np.minimum(p, 0).sum(-1).min(1))   # per row
     per_channel = np.zeros(int(channels.max()) + 1)
-    np.maximum.at(per_channel, channels, largest)
+    np.maximum.at(per_channel, channels, np.where(risky, largest, 0.0))
     high, low = pair_limits(top)
-    limit = min(high, -low) - 0.5
-    scale = np.asarray(scale, np.float64)
-    need = per_channel / limit if scale.size > 1 else np.array([per_channel.max() / limit])
-    return np.maximum(scale, need)
+    need = per_channel / (min(high, -low) - 0.5)
+    return np.maximum(scale, need if scale.size > 1 else need.max(keepdims=True))
 
 
 def within_pairs(target, codes: np.ndarray, exact: np.ndarray, qt) -> np.ndarray:

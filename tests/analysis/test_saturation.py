@@ -12,8 +12,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from qpasses.analysis.saturation import (PairLayer, PairSums, clip_pairs, from_k_rows, k_rows, pair_limits, qdq_layers,
-                                         risks, risky_pairs, row_channels, table_layers)
+from qpasses.analysis.saturation import (PairLayer, PairSums, clip_pairs, from_k_rows, k_rows, pair_limits, pair_safe_scale,
+                                         qdq_layers, risks, risky_pairs, row_channels, table_layers)
 from qpasses.evaluation.evaluate import session
 from qpasses.ir.model import from_proto
 from qpasses.testing import run_passes
@@ -68,6 +68,28 @@ def test_bounds_of_same_sign_pairs():
     rows = np.array([[64, 64, 65, 64, -64, -64, -65, -64, 127, -128, -128, 0]])
     assert risky_pairs(rows)[0].tolist() == [False, True, False, True, False, False]
     assert not risky_pairs(rows, top=254).any()   # 254 * 129 = 32766
+
+
+@pytest.mark.parametrize("op,shape,attrs", [("Conv", (8, 6, 3, 3), {}), ("MatMul", (12, 8), {}),
+                                            ("Gemm", (8, 12), {"transB": 1})])
+def test_pair_safe_scale_widens_only_the_channels_at_risk_just_enough(op, shape, attrs):
+    import onnx_graphsurgeon as gs
+
+    rng = np.random.default_rng(5)
+    w = rng.laplace(0, 0.2, shape)
+    node = gs.Node(op, attrs=attrs)
+    axis = 0 if op == "Conv" or attrs else 1
+    scale = np.abs(np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)).max(1) / 127
+    codes = lambda s: np.rint(w / np.expand_dims(s, tuple(i for i in range(w.ndim) if i != axis)))  # noqa: E731
+    rows = lambda c: k_rows(c.astype(np.int32), op, bool(attrs))                                    # noqa: E731
+    at_risk = np.zeros(scale.size, bool)
+    np.logical_or.at(at_risk, row_channels(shape, op, bool(attrs)), risky_pairs(rows(codes(scale))).any(1))
+    safe = pair_safe_scale(w, node, scale)
+    assert at_risk.any() and not risky_pairs(rows(codes(safe))).any()
+    assert (safe[~at_risk] == scale[~at_risk]).all() and (safe[at_risk] > scale[at_risk]).all()
+    assert (safe <= 2 * scale).all()
+    tighter = np.where(at_risk, safe * 0.97, safe)   # a little less and some pair saturates again
+    assert risky_pairs(rows(codes(tighter))).any()
 
 
 def test_clip_pairs_moves_only_risky_pairs_to_the_nearest_safe_codes():
