@@ -91,12 +91,19 @@ def row_channels(shape: tuple, op: str, transposed: bool = False) -> np.ndarray:
     return np.arange(int(np.prod(shape[:-2], dtype=np.int64)) * shape[-1]) % shape[-1]
 
 
-def _pairs(rows: np.ndarray) -> np.ndarray:
-    """[rows, K] -> [rows, ceil(K/2), 2] (odd K: the last paired with 0), as int32."""
-    rows = np.asarray(rows, np.int32)
+def _pairs(rows: np.ndarray, dtype=np.int32) -> np.ndarray:
+    """[rows, K] -> [rows, ceil(K/2), 2] (odd K: the last paired with 0), as ``dtype``."""
+    rows = np.asarray(rows, dtype)
     if rows.shape[1] % 2:
         rows = np.pad(rows, ((0, 0), (0, 1)))
     return rows.reshape(rows.shape[0], -1, 2)
+
+
+def _same_sign_sums(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per pair of ``_pairs``: the sum of its positive members and of its negative ones (what the
+    pair adds with every activation at the top where its weights are positive, or negative)."""
+    plus, minus = np.maximum(p, 0), np.minimum(p, 0)
+    return plus[..., 0] + plus[..., 1], minus[..., 0] + minus[..., 1]
 
 
 def pair_limits(top: int = TOP_CODE) -> tuple[int, int]:
@@ -107,11 +114,8 @@ def pair_limits(top: int = TOP_CODE) -> tuple[int, int]:
 
 def risky_pairs(rows: np.ndarray, top: int = TOP_CODE) -> np.ndarray:
     """[rows, pairs] bool: the pair's products with activation codes in [0, top] can leave int16."""
-    p = _pairs(rows)
-    plus, minus = np.maximum(p, 0), np.minimum(p, 0)
-    high = top * (plus[..., 0] + plus[..., 1])    # both activations at ``top`` where the weight is positive
-    low = top * (minus[..., 0] + minus[..., 1])
-    return (high > INT16_MAX) | (low < INT16_MIN)
+    high, low = _same_sign_sums(_pairs(rows))
+    return (top * high > INT16_MAX) | (top * low < INT16_MIN)
 
 
 def clip_pairs(rows: np.ndarray, exact: np.ndarray, qmin: int, qmax: int, top: int = TOP_CODE) -> np.ndarray:
@@ -145,8 +149,8 @@ def pair_safe_scale(values: np.ndarray, node: gs.Node, scale, top: int = TOP_COD
     channels = row_channels(values.shape, node.op, transposed)
     per_row = scale[channels] if scale.size > 1 else np.full(len(channels), scale.item())
     risky = risky_pairs(np.rint(rows / per_row[:, None]), top).any(1)
-    p = np.pad(rows, ((0, 0), (0, rows.shape[1] % 2))).reshape(rows.shape[0], -1, 2)
-    largest = np.maximum(np.maximum(p, 0).sum(-1).max(1), -np.minimum(p, 0).sum(-1).min(1))   # per row
+    high, low = _same_sign_sums(_pairs(rows, np.float64))
+    largest = np.maximum(high.max(1), -low.min(1))   # per row
     per_channel = np.zeros(int(channels.max()) + 1)
     np.maximum.at(per_channel, channels, np.where(risky, largest, 0.0))
     high, low = pair_limits(top)

@@ -70,11 +70,13 @@ def types_of(tq) -> list[str]:
     return [tq.qtype] + ([tq.convert.qtype] if tq.convert is not None else [])
 
 
-def find_targets(model: QModel, activation_bits: int, ops=OPS, bodies: bool = False) -> list[Target]:
+def find_targets(model: QModel, activation_bits: int, ops=OPS, bodies: bool = False,
+                 also: frozenset[str] = frozenset()) -> list[Target]:
     """The ``ops`` layers (Conv/ConvTranspose 1-D or 2-D, MatMul, Gemm with transA = 0) of the main
     graph (and, with ``bodies``, of If/Loop/Scan bodies) whose constant weight, read by that node only,
     has integer qparams in the table (no convert, per tensor or per output channel) and whose data
-    input is a tensor left float or quantized to at least ``activation_bits`` bits; graph order."""
+    input is a tensor left float or quantized to at least ``activation_bits`` bits (or whose weight
+    is in ``also``, whatever its input); graph order."""
     inner, out = scopes(model), []
     for node in _in_order(model.graph, bodies):
         scope = inner.scope_of(node)
@@ -87,7 +89,8 @@ def find_targets(model: QModel, activation_bits: int, ops=OPS, bodies: bool = Fa
                 or qtype(tq.qtype).is_float or np.asarray(weight.values).dtype.kind != "f"):
             continue
         source = model.quant.get(data.name)
-        if source is not None and min(qtype(t).bits for t in types_of(source)) < activation_bits:
+        if (source is not None and weight.name not in also
+                and min(qtype(t).bits for t in types_of(source)) < activation_bits):
             continue
         shape = np.shape(weight.values)
         if node.op in ("Conv", "ConvTranspose"):

@@ -138,6 +138,7 @@ class ReconstructWeights(Pass):
         work, trial = self._working_copy(model, ctx)
         targets = [t for t in find_targets(work, self.activation_bits, WEIGHTED_OPS, True) if 2 * t.geo.h_bytes <= budget]
         changed, notes, gains, done, few, samples = {}, [], [], 0, 0, 0
+        grids = pair_grids(model)
         stages = _merged(list(_stages(targets, self.stages, budget)), _anchors(work))
         bar = progress(ctx, NAME, len(targets))
         try:
@@ -153,7 +154,7 @@ class ReconstructWeights(Pass):
                         if t.hessian.rows < self.min_rows * t.geo.k:
                             few += 1
                         else:
-                            done += self._solve(work, t, samples, changed, notes, gains)
+                            done += self._solve(work, t, samples, changed, notes, gains, t.weight.name in grids)
                         t.hessian = None
                     runner.advance(k, stage, changed)
                     bar.update(done + few)
@@ -194,10 +195,11 @@ class ReconstructWeights(Pass):
             require_opset(work, trial.opset)
         return work, trial
 
-    def _solve(self, model: QModel, t: Target, samples: int, changed: dict, notes: list, gains: list) -> bool:
+    def _solve(self, model: QModel, t: Target, samples: int, changed: dict, notes: list, gains: list,
+               grid: bool) -> bool:
         """Choose ``t``'s codes (and bias) in ``model`` (the working copy): ``changed`` gets the new
         values by name, ``notes`` the why-lines (tensor name, line), ``gains`` the dB its output error
-        fell by on the rows seen."""
+        fell by on the rows seen; ``grid``: its weight is on protect-pair-sums' pair-safe grid."""
         tq = model.quant[t.weight.name]
         values = np.asarray(t.weight.values)
         rows = t.to_rows(values.astype(np.float64))
@@ -215,7 +217,7 @@ class ReconstructWeights(Pass):
             lo, hi = qt.qmin, qt.qmax
         codes = round_codes(goal, scale, zero, lo, hi, h, self.damping, dead_to_zero=False)
         codes, _ = refine_codes(codes, goal / s + z, lo, hi, damped(h, self.damping), self.sweeps)
-        if t.weight.name in pair_grids(model):   # protect-pair-sums' grid: zero point 0
+        if grid:   # protect-pair-sums' grid: zero point 0
             codes = within_pairs(t, codes, goal / s, qt)
         rounded = (codes - z) * s
         nearest = (np.clip(np.rint(rows / s) + z, qt.qmin, qt.qmax) - z) * s

@@ -103,9 +103,8 @@ class RoundWeights(Pass):
         if DECISION in model.decisions:
             return PassResult(model, False, {"rounded": 0})
         short = self.below_aim and model.decisions.get(PRECISION_SEARCH, {}).get("aim_met") is False
-        grids = pair_grids(model) if self.grids else set()   # coarser steps: rounded whatever their input
-        wanted = {t.weight.name for t in find_targets(model, 8 if short else self.activation_bits)} | grids
-        targets = [t for t in find_targets(model, 8) if t.weight.name in wanted]
+        grids = frozenset(pair_grids(model)) if self.grids else frozenset()   # coarser steps: rounded whatever their input
+        targets = find_targets(model, 8 if short else self.activation_bits, also=grids)
         if not targets:
             return PassResult(model, False, {"rounded": 0})
         if model.decisions.get("weight_reconstruction", {}).get("reconstructed"):
@@ -130,7 +129,7 @@ class RoundWeights(Pass):
                             few += 1
                             t.hessian = None
                         else:
-                            rounded += self._round(model, t, samples, originals, notes)
+                            rounded += self._round(model, t, samples, originals, notes, t.weight.name in grids)
             checked = None
             if self.check and rounded:   # scored from the float model the codes were chosen for
                 new = {name: c.values for name, (c, _) in originals.items()}
@@ -152,14 +151,14 @@ class RoundWeights(Pass):
         ctx.findings.set(NAME, summary)
         return PassResult(model, True, {"rounded": rounded, "samples": samples})
 
-    def _round(self, model: QModel, t: Target, samples: int, originals: dict, notes: list) -> bool:
+    def _round(self, model: QModel, t: Target, samples: int, originals: dict, notes: list, grid: bool) -> bool:
         tq = model.quant[t.weight.name]
         values = np.asarray(t.weight.values)
         rows = t.to_rows(values.astype(np.float64))
         scale, zero = t.per_row(tq.scale, values.shape), t.per_row(tq.zero_point, values.shape)
         qt = qtype(tq.qtype)
         codes = round_codes(rows, scale, zero, qt.qmin, qt.qmax, t.hessian.h, self.damping)
-        if t.weight.name in pair_grids(model):   # protect-pair-sums' grid: zero point 0
+        if grid:   # protect-pair-sums' grid: zero point 0
             codes = within_pairs(t, codes, rows / scale[..., None], qt)
         rounded = (codes - zero[..., None]) * scale[..., None]
         new = t.from_rows(rounded, values.shape).astype(values.dtype)

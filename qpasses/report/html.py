@@ -177,10 +177,11 @@ def _pair_sums(view: dict) -> list[str]:
     for node in nodes:
         risk, fix = now.get(node), by_node.get(node)
         x86 = f"saturates: {len(risk.channels)} of {risk.of} output channels ({risk.pairs} weight pairs)" if risk else "safe"
-        how = ("" if not fix else "weights stored as uint8 (uint8 x uint8 kernel)" if fix.get("fix") == "uint8"
-               else f"int8 grid no pair can saturate on (scale x{fix.get('widened', 1):.3g} at most)"
-               if fix.get("fix") == "grid" else "left int8" if fix.get("fix") == "int8" else escape(str(fix.get("fix"))))
-        how += f": {escape(fix['why'])}" if fix and fix.get("why") else ""
+        how = ""
+        if fix:
+            words = {"uint8": "weights stored as uint8 (uint8 x uint8 kernel)", "int8": "left int8",
+                     "grid": f"int8 grid no pair can saturate on (scale x{fix.get('widened', 1):.3g} at most)"}
+            how = words.get(fix.get("fix"), escape(str(fix.get("fix")))) + (f": {escape(fix['why'])}" if fix.get("why") else "")
         rows.append([node, risk.op if risk else fix["op"], x86, "safe", "safe", how])
     return out + [_table(["layer", "op", "x86-64 without VNNI", "x86-64 with VNNI", "ARM64", "protect-pair-sums"],
                          rows, sortable=True, cap=CAP)]
