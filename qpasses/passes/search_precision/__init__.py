@@ -186,11 +186,12 @@ class SearchPrecision(Pass):
             decision |= {"confirmed": confirmed, "feeds": len(search.check_ref.feeds)}
         elif reached >= needed and rest:
             decision |= {"confirmed": rest}
-        if aim > needed and reached < aim and widest is not None and widest >= aim:
-            decision |= {"aimed": CONFIRMED_AIM}
-        elif aim > needed and reached < aim:
-            chosen, reached = search.aim(chosen, aim, keep)
-            decision |= {"aim": aim, "keep_8bit": keep, "aimed": search.aimed}
+        if aim > needed and reached < aim:
+            if widest is not None and widest >= aim:
+                decision |= {"aimed": CONFIRMED_AIM}
+            else:
+                chosen, reached = search.aim(chosen, aim, keep)
+                decision |= {"aim": aim, "keep_8bit": keep, "aimed": search.aimed}
         search.bar.close()
         decision |= search.spread(chosen, "reached")
         if chosen:
