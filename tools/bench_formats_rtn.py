@@ -84,7 +84,8 @@ def phase_lines(proto, repeats: int) -> list[str]:
     from qpasses.core.pipeline import PassManager
     from qpasses.ir import model as ir
     from qpasses.passes import quantize_weights as qw
-    from qpasses.weightonly import parallel, targets
+    from qpasses.executors import threads as parallel
+    from qpasses.weightonly import targets
 
     spent: dict[str, float] = {}
 

@@ -6,7 +6,8 @@ import math
 
 import numpy as np
 
-from .evaluate import Reference, check_same_signature, io_names, judging_session, snr_from_sums
+from ..executors.threads import thread_count
+from .evaluate import Reference, check_same_signature, io_names, judging_session, run_feeds, snr_from_sums
 from .scored_runs import ScoredRuns, model_bytes
 
 
@@ -52,11 +53,18 @@ class Contender:
         check_same_signature(reference.inputs, reference.names, self.session)
         self.errors = np.zeros(reference.signal().shape)
         self.ran = 0
+        self.ahead: dict[int, list] = {}   # feed -> outputs run with others side by side, not counted yet
 
     def advance(self, upto: int) -> None:
         ref = self.reference
-        for i in range(self.ran, min(upto, len(ref.feeds))):
-            values = self.session.run(ref.names, ref.feeds[i])
+        stop = min(upto, len(ref.feeds))
+        if stop <= self.ran:
+            return
+        todo = [i for i in range(self.ran, min(len(ref.feeds), max(stop, self.ran + thread_count())))
+                if i not in self.ahead]
+        self.ahead.update(zip(todo, run_feeds(self.session, ref.names, [ref.feeds[i] for i in todo])))
+        for i in range(self.ran, stop):
+            values = self.ahead.pop(i)
             if self.kept is not None:
                 self.kept.add(ref, i, values)
             self.errors[i] = ref.sums(i, values)

@@ -13,20 +13,22 @@ from ..calibration import segments
 from ..calibration.data import InputSpec, validate
 from ..calibration.sessions import ort_session
 from ..errors import CalibrationDataError, ModelError
+from ..executors.threads import in_order
 from ..ir.model import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
 from .scored_runs import ScoredRuns
 
 
-def session(model, *, optimize: bool = True):
+def session(model, *, optimize: bool = True, threads: int | None = None):
     """An onnxruntime CPU session for a QModel, ModelProto, bytes or path (``optimize=False``: no
     graph optimizations, so Q/DQ pairs run as written instead of as fused integer kernels; a
-    quantized model is judged in ``judging_session``)."""
+    quantized model is judged in ``judging_session``; ``threads``: onnxruntime's, None: its default)."""
     if isinstance(model, QModel):
         model = model.to_proto()
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
     try:
-        return ort_session(model if isinstance(model, bytes) else str(model), optimization=None if optimize else "none")
+        return ort_session(model if isinstance(model, bytes) else str(model), optimization=None if optimize else "none",
+                           threads=threads)
     except Exception:
         if isinstance(model, bytes):
             raise
@@ -34,7 +36,7 @@ def session(model, *, optimize: bool = True):
         if proto.ir_version <= max_ort_ir_version():
             raise
         load_external_data(proto, Path(model).parent)
-        return session(load(proto), optimize=optimize)
+        return session(load(proto), optimize=optimize, threads=threads)
 
 
 def judging_session(model):
@@ -42,12 +44,18 @@ def judging_session(model):
     search-precision's checks, quantize-silu, round-weights): onnxruntime without graph
     optimizations, each Q/DQ as written and every other op in float. onnxruntime's fused integer
     kernels differ by CPU (without VNNI, U8S8 pair sums saturate in int16); this simulation does
-    not, so the same model, data and config give the same decisions on every CPU. Its float
-    kernels may round differently with another number of threads (onnxruntime's default: the
-    cores), which can move a score in its last digits and, rarely, a decision (yolo_detector's
-    select-by-snr read 7.68 dB on 2 threads, 7.66 on 1); the golden hashes of
-    tests/integration/test_cpu_independence.py hold on 1, 2 and 4 threads."""
-    return session(model, optimize=False)
+    not, so the same model, data and config give the same decisions on every CPU. It runs on one
+    thread, as float kernels may round differently on another number (yolo_detector's
+    select-by-snr read 7.68 dB on 2 threads, 7.66 on 1), so the scores do not depend on the cores
+    either; the cores run feeds side by side instead (``run_feeds``: yolo_detector's 8 check feeds
+    0.43 -> 0.22 s on 2 cores)."""
+    return session(model, optimize=False, threads=1)
+
+
+def run_feeds(sess, names: list[str], feeds: list[dict]) -> list[list]:
+    """``sess``'s outputs ``names`` on each of ``feeds``, in order; feeds run side by side on the
+    CPUs free (executors.threads), as one onnxruntime session may run on several threads at once."""
+    return list(in_order(feeds, lambda feed: sess.run(names, feed)))
 
 
 def max_nodes_option(default: int, why: str = ""):
@@ -336,7 +344,8 @@ class Reference:
                      judging_session(test_model) if judged else session(test_model))
         check_same_signature(self.inputs, self.names, test_sess)
         _check_comparable(self, test_sess)   # inputs it takes, finite reference outputs
-        return runs + [test_sess.run(self.names, feed) for feed in self.feeds[len(runs):]]
+        rest = self.feeds[len(runs):]
+        return runs + (run_feeds(test_sess, self.names, rest) if judged else [test_sess.run(self.names, f) for f in rest])
 
     def runs(self, *, native: bool = False) -> list[list[np.ndarray]]:
         """The reference outputs per feed, in the order of ``names``, shaped as the model returned

@@ -19,7 +19,7 @@ from ..weightonly.gptq import quantize_gptq, quantize_gptq_shared
 from ..weightonly.hessian import input_stats
 from ..weightonly.hqq import quantize_hqq
 from ..weightonly.mx import ELEMENTS, quantize_mx
-from ..weightonly.parallel import in_order
+from ..executors.threads import in_order
 from ..weightonly.rtn import quantize_rtn
 from ..weightonly.scaling import divide_input
 from ..weightonly.targets import find_targets

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from qpasses.api import run_pipeline
-from qpasses.weightonly import parallel
+from qpasses.executors import threads as parallel
 
 from tests.passes.test_quantize_weights import mlp
 

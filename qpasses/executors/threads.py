@@ -1,5 +1,6 @@
-"""Weights quantized on a small thread pool (numpy releases the GIL in its array loops), results
-in the weights' order so the graph edits and the output bytes do not depend on the threads."""
+"""Jobs on a small thread pool, results in the jobs' order so that what is made of them does not
+depend on the threads: weights quantized (numpy releases the GIL in its array loops), feeds run
+in one-thread onnxruntime sessions (evaluate.run_feeds)."""
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ MIN_VALUES = 1 << 22   # fewer weight values than this run inline (a pool cost m
 
 
 def thread_count(values: int | None = None) -> int:
-    """Threads for weights of ``values`` values in all (None: as if many): one per CPU this process
+    """Threads for jobs of ``values`` values in all (None: as if many): one per CPU this process
     may run on, less the CPUs other threads of the machine keep busy right now (a worker waiting for
     the GIL held by a thread the scheduler has put aside stalls: on 2 CPUs with one busy, the decoder
     of tools/bench_formats.py took 77 ms on two threads against 59 ms on one)."""
@@ -40,13 +41,13 @@ def others_running() -> int:
 
 def in_order(jobs: list, fn, values: int | None = None):
     """Yield fn(job) for each job, in order. At most thread_count(values) run at once and one more
-    result waits, so the weights in flight (and their temporaries) stay bounded."""
+    result waits, so the jobs in flight (and their temporaries) stay bounded."""
     threads = thread_count(values)
     if threads == 1 or len(jobs) < 2:
         for job in jobs:
             yield fn(job)
         return
-    with ThreadPoolExecutor(threads, thread_name_prefix="quantize-weights") as pool:
+    with ThreadPoolExecutor(threads, thread_name_prefix="qpasses") as pool:
         rest = iter(jobs)
         pending = deque(pool.submit(fn, job) for job in islice(rest, threads + 1))
         try:
