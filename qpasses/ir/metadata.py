@@ -43,9 +43,10 @@ def unpack(stored: str) -> str:
         raise ValueError(f"packed but does not decode ({type(exc).__name__})") from None
 
 
-def read_saved(meta: dict[str, str]) -> dict:
+def read_saved(meta: dict[str, str], *, entries_checked: bool = True) -> dict:
     """Pop the qpasses entries from ``meta`` (key -> JSON text) and return them parsed:
-    ``quant`` (a QuantTable or None), ``facts``, ``ranges``, ``observed``, ``decisions``."""
+    ``quant`` (a QuantTable or None), ``facts``, ``ranges``, ``observed``, ``decisions``
+    (``entries_checked=False``: the quant table's entries are taken as qpasses wrote them)."""
     from .annotations import QuantTable
 
     problems: list[str] = []
@@ -79,7 +80,7 @@ def read_saved(meta: dict[str, str]) -> dict:
     if not isinstance(table, dict):
         problems.append(f"metadata '{QUANT_TABLE_KEY}' must be a JSON object of tensor entries, got {_short(table)}")
         table = {}
-    else:
+    elif entries_checked:
         for name, entry in table.items():
             problems += [f"metadata '{QUANT_TABLE_KEY}': entry '{name}': {p}" for p in _entry_problems(entry)]
     if problems:
