@@ -45,7 +45,7 @@ def build(float_model, qdq_model, data, *, objective=None, run_report: dict | No
             "layer_samples": min(layer_samples, len(feeds)),
             "summary": summary_line(qproto, float_reasons(qmodel)), "decisions": qmodel.decisions,
             "floats": kept_float(qproto, float_reasons(qmodel)), "floats_recorded": len(float_reasons(qmodel)),
-            "passes": (run_report or {}).get("passes"),
+            "passes": (run_report or {}).get("passes"), "vs_onnxruntime": (run_report or {}).get("vs_onnxruntime"),
             "spread": objective.spread_note(accuracy),
             "pair_sums": {"checked": len(paired), "risks": risks(paired), "record": qmodel.decisions.get(PAIR_SUMS)}}
     return html.page(info, rows, layers.precision_cells(qproto))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from html import escape
 
+from ..evaluation.vs_ort import line as vs_ort_line
 from . import svg
 
 WORST = 6   # histograms for this many tensors with the lowest local SNR
@@ -128,6 +129,10 @@ def _summary(info: dict) -> list[str]:
         overall = objective.get("overall", math.nan)
         out.append(f"<p>Objective ({escape(str(metric))}, worst component): <b>{overall:.4g}</b></p>")
         out.append(_table(["component", str(metric), "where"], comps, numeric=(1,)))
+    versus = info.get("vs_onnxruntime")
+    out.append(f"<p class=\"headline\">Speed and size {escape(vs_ort_line(versus))}.</p>" if versus else
+               "<p>Speed and size against onnxruntime's own QDQ model: not measured here "
+               "(<code>qpasses run ... --html --vs-onnxruntime</code> measures them).</p>")
     passes = info.get("passes")
     if passes:
         total = sum(p["seconds"] for p in passes) or 1.0

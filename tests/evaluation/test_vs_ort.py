@@ -1,5 +1,6 @@
 """run --vs-onnxruntime: the output's latency and size against onnxruntime's own QDQ model."""
 import json
+from html import escape
 
 import numpy as np
 import onnx
@@ -18,9 +19,9 @@ def example(tmp_path_factory):
 
 def test_run_prints_and_reports_the_ratios(example, tmp_path, capsys):
     model, calib, _ = example
-    out, report = tmp_path / "q.onnx", tmp_path / "r.json"
+    out, report, page = tmp_path / "q.onnx", tmp_path / "r.json", tmp_path / "r.html"
     assert main(["run", str(model), "-o", str(out), "--calib", str(calib), "--vs-onnxruntime",
-                 "--report", str(report)]) == 0
+                 "--report", str(report), "--html", str(page)]) == 0
     err = capsys.readouterr().err
     result = json.loads(report.read_text())["vs_onnxruntime"]
     assert result["onnxruntime"] == "quantize_static QDQ U8S8 per-channel MinMax" and result["runs"] == 20
@@ -28,6 +29,14 @@ def test_run_prints_and_reports_the_ratios(example, tmp_path, capsys):
     assert result["size_mb"] == pytest.approx(out.stat().st_size / 1e6, rel=0.01)
     assert result["size_ratio"] == pytest.approx(result["size_mb"] / result["onnxruntime_size_mb"], rel=0.01)
     assert line(result) in err and "WARNING:root" not in err   # onnxruntime's advice stays quiet
+    assert escape(line(result)) in page.read_text()
+
+
+def test_the_report_says_where_speed_was_not_measured(example, tmp_path):
+    model, calib, _ = example
+    out, page = tmp_path / "q.onnx", tmp_path / "r.html"
+    assert main(["run", str(model), "-o", str(out), "--calib", str(calib), "--html", str(page), "--quiet"]) == 0
+    assert "not measured here" in page.read_text() and "--vs-onnxruntime" in page.read_text()
 
 
 def test_without_calibration_data_it_is_refused(example, tmp_path, capsys):
