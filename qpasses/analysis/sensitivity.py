@@ -21,6 +21,7 @@ from ..ir.model import QModel
 from ..quant.oprules import OUTPUT_QUANTIZED_OPS, WEIGHTED_OPS
 from ..quant.qparams import dequantize, quantize
 from ..quant.qtypes import EIGHT_BIT
+from . import op_costs
 from .scopes import scopes
 from .walks import EightBitShare
 
@@ -122,29 +123,32 @@ def _relative_error_db(x: np.ndarray, tq) -> float:
     return float(20 * np.log10(max(err, 1e-30) / typical)) if typical else -400.0
 
 
-def eight_bit_share(model: QModel, groups: dict[str, list[str]], keep: float) -> EightBitShare:
+def eight_bit_share(model: QModel, groups: dict[str, list[str]], keep: float, table: dict | None = None) -> EightBitShare:
     """Which weighted ops (Conv/ConvTranspose/Gemm/MatMul with a constant weight, in bodies too)
     run as integer kernels, and which of them each group's promotion takes out of 8 bits, each
-    counted by its multiply-accumulates (``macs``): what it costs to run in float. An op runs so
-    when its input and weight are 8-bit and, for a Conv or ConvTranspose, its output too (without a
-    QuantizeLinear after it onnxruntime runs a Conv in float); a member among those takes it out."""
+    counted by the latency it loses in float (``op_costs.costs`` on ``table``, pattern ->
+    picoseconds per multiply-accumulate; None: the table shipped). An op runs so when its input and
+    weight are 8-bit and, for a Conv or ConvTranspose, its output too (without a QuantizeLinear
+    after it onnxruntime runs a Conv in float); a member among those takes it out."""
     owner = {member: root for root, members in groups.items() for member in members}
     reads: dict[str, set[int]] = {root: set() for root in groups}
-    ops, eight = [], set()
-    for scope in scopes(model).scopes:
-        for node in scope.graph.nodes:
-            if node.op not in WEIGHTED_OPS or len(node.inputs) < 2 or not isinstance(node.inputs[1], gs.Constant):
-                continue
-            ops.append(node)
-            names = (node.inputs[0].name, node.inputs[1].name)
-            names += (node.outputs[0].name,) if node.op in OUTPUT_QUANTIZED_OPS else ()
-            if all(n in model.quant and model.quant[n].qtype in EIGHT_BIT for n in names):
-                eight.add(id(node))
-                for name in names:
-                    if name in owner:
-                        reads[owner[name]].add(id(node))
-    cost = macs(ops)
+    ops, eight = weighted_ops(model), set()
+    for node in ops:
+        names = (node.inputs[0].name, node.inputs[1].name)
+        names += (node.outputs[0].name,) if node.op in OUTPUT_QUANTIZED_OPS else ()
+        if all(n in model.quant and model.quant[n].qtype in EIGHT_BIT for n in names):
+            eight.add(id(node))
+            for name in names:
+                if name in owner:
+                    reads[owner[name]].add(id(node))
+    cost = op_costs.costs(ops, macs(ops), op_costs.shipped() if table is None else table)
     return EightBitShare(reads, sum(cost[i] for i in eight), sum(cost.values()), keep, cost)
+
+
+def weighted_ops(model: QModel) -> list[gs.Node]:
+    """The Conv/ConvTranspose/Gemm/MatMul nodes with a constant weight, in bodies too."""
+    return [node for scope in scopes(model).scopes for node in scope.graph.nodes
+            if node.op in WEIGHTED_OPS and len(node.inputs) >= 2 and isinstance(node.inputs[1], gs.Constant)]
 
 
 def macs(nodes: list[gs.Node]) -> dict[int, float]:

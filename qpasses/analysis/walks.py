@@ -10,7 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-GIVE_BACK = 4   # evaluations the aim spends giving members back: it is a best effort, and each costs a run
+# evaluations the aim spends giving members back, and the failed ones in a row after which a search
+# stops giving back: a best effort, each costs a run (yolo_detector's target search spent 20 giving
+# back and kept all 74 promotions)
+GIVE_BACK = 4
+# a chunk whose return to 8 bits would save at most this share of the weighted ops' float-vs-int8
+# latency is not worth an evaluation
+NEGLIGIBLE = 0.005
 
 
 class Walk:
@@ -35,8 +41,8 @@ class Walk:
 @dataclass(frozen=True)
 class EightBitShare:
     """Which weighted ops each group's promotion takes out of 8 bits (``reads``: root -> op ids),
-    what the 8-bit ones cost now (``eight``) of ``total``, and the share to keep; ``cost``: op id ->
-    its multiply-accumulates (None: every op counts 1)."""
+    what the 8-bit ones would cost in float (``eight``) of ``total``, and the share to keep;
+    ``cost``: op id -> the latency it loses in float (analysis.op_costs; None: every op counts 1)."""
 
     reads: dict
     eight: float
@@ -46,6 +52,11 @@ class EightBitShare:
 
     def lost(self, names) -> float:
         return self._cost(set().union(*(self.reads.get(n, ()) for n in names)))
+
+    def saved(self, chosen, back) -> float:
+        """What giving ``back`` (of ``chosen``) to 8 bits saves: the ops no other member keeps out."""
+        kept = set(back)
+        return self.lost(chosen) - self.lost([n for n in chosen if n not in kept])
 
     def _cost(self, ops: set) -> float:
         return float(len(ops)) if self.cost is None else sum(self.cost[i] for i in ops)
@@ -60,12 +71,15 @@ class EightBitShare:
         return len(ranked)
 
 
-def fewest(walk: Walk, ranked: list[str], target: float, start: int = 0, reserve: int = 0) -> tuple[list[str], float]:
+def fewest(walk: Walk, ranked: list[str], target: float, start: int = 0, reserve: int = 0,
+           share: EightBitShare | None = None) -> tuple[list[str], float]:
     """The fewest promotions found that meet ``target``: the smallest head of ``ranked`` that does
     (bisection; the first ``start`` are known to fall short together), then its members given back
-    to 8 bits in halves while the target still holds (the least sensitive first), while more than
-    ``reserve`` evaluations of the budget are left. When not even all of ``ranked`` meets it: the
-    best candidate seen within ``ranked``."""
+    to 8 bits in halves while the target still holds, while more than ``reserve`` evaluations of the
+    budget are left: the costliest first by ``share`` (EightBitShare.lost; ties, and without a share
+    or a cost in it: the least sensitive first), a chunk whose return would save under ``NEGLIGIBLE``
+    of the total cost not tried, until ``GIVE_BACK`` evaluations in a row fail. When not even all of
+    ``ranked`` meets it: the best candidate seen within ``ranked``."""
     if walk.score(ranked) < target:
         inside = set(ranked)
         best = max((k for k in walk.seen if k <= inside), key=lambda k: (walk.seen[k], -len(k)))
@@ -78,15 +92,22 @@ def fewest(walk: Walk, ranked: list[str], target: float, start: int = 0, reserve
         else:
             lo = mid
     chosen = ranked[:hi]
-    chunks = [chosen[::-1]]   # least sensitive first
-    while chunks and walk.left > reserve:
+    share = share if share is not None and share.total > 0 else None   # no weighted op to tell costs by
+    chunks = [sorted(chosen[::-1], key=lambda n: -share.lost([n])) if share is not None else chosen[::-1]]
+    misses = 0
+    while chunks and walk.left > reserve and misses < GIVE_BACK:
         chunk = chunks.pop(0)
+        if share is not None and share.saved(chosen, chunk) <= NEGLIGIBLE * share.total:
+            continue
         dropped = set(chunk)
         trial = [n for n in chosen if n not in dropped]
+        known = frozenset(trial) in walk.seen
         if walk.score(trial) >= target:
-            chosen = trial
-        elif len(chunk) > 1:
-            chunks += [chunk[:len(chunk) // 2], chunk[len(chunk) // 2:]]
+            chosen, misses = trial, 0
+        else:
+            misses += not known
+            if len(chunk) > 1:
+                chunks += [chunk[:len(chunk) // 2], chunk[len(chunk) // 2:]]
     return chosen, walk.score(chosen)
 
 
@@ -95,7 +116,7 @@ def aimed(walk: Walk, orders: list[list[str]], chosen: list[str], aim: float,
     """From ``chosen`` (short of ``aim``) towards ``aim``: each order of the candidates (``chosen``
     first) is cut to its longest head that keeps ``share.keep`` of the weighted ops' work 8-bit and that
     head is scored; the order whose head scores highest is then searched with ``fewest`` (at most
-    ``GIVE_BACK`` evaluations giving members back). (promoted, score, index of the order; -1:
+    ``GIVE_BACK`` evaluations giving members back, the costliest first). (promoted, score, index of the order; -1:
     ``chosen`` stays, as nothing within the share scored higher.)"""
     best, best_score = -1, walk.score(chosen)
     heads, taken = [], set(chosen)
@@ -111,5 +132,6 @@ def aimed(walk: Walk, orders: list[list[str]], chosen: list[str], aim: float,
     bisection = math.ceil(math.log2(len(head) - len(chosen) + 1))
     if best_score >= aim and walk.left < bisection:
         return head, best_score, best
-    found, reached = fewest(walk, head, aim, start=len(chosen), reserve=max(0, walk.left - bisection - GIVE_BACK))
+    found, reached = fewest(walk, head, aim, start=len(chosen), reserve=max(0, walk.left - bisection - GIVE_BACK),
+                            share=share)
     return found, reached, best

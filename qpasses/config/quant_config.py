@@ -57,7 +57,7 @@ class AccuracyConfig:
     target: float | None = None    # None: search-precision's own default (12 dB)
     fallback: str = "float"         # what promoted tensors become
     aim: float | None = None       # beyond the target, within keep_8bit (None: 25 dB when no target is given)
-    keep_8bit: float = 0.8         # share of weighted ops' multiply-accumulates 8-bit while aiming
+    keep_8bit: float = 0.8         # share of the weighted ops' int8 latency gain kept 8-bit while aiming
 
     def __post_init__(self):
         problems = _Problems()

@@ -144,8 +144,9 @@ def _summary(info: dict) -> list[str]:
     search = info.get("decisions", {}).get("precision_search")
     if search:
         promoted = search.get("promoted", [])
-        aim = (f" (aim {escape(str(search['aim']))} with {100 * search.get('keep_8bit', 0):.0f} % of the weighted ops' multiply-accumulates "
-               f"8-bit, {'met' if search.get('aim_met') else 'not met'}: {escape(str(search.get('aimed')))})"
+        left = f", {100 * search['int8_share']:.0f} % left" if "int8_share" in search else ""
+        aim = (f" (aim {escape(str(search['aim']))} with {100 * search.get('keep_8bit', 0):.0f} % of the weighted ops' int8 latency gain "
+               f"8-bit{left}, {'met' if search.get('aim_met') else 'not met'}: {escape(str(search.get('aimed')))})"
                if "aimed" in search else "")
         out.append(f"<p>search-precision: target {escape(str(search.get('target')))} {escape(str(search.get('metric')))}{aim}, "
                    f"quantized {escape(str(search.get('quantized')))}, reached {escape(str(search.get('reached')))} "

@@ -81,3 +81,38 @@ def test_the_share_counts_multiply_accumulates_not_ops():
                           {0: 90.0, 1: 10 / 3, 2: 10 / 3, 3: 10 / 3})
     assert share.cap(["heavy", "a"]) == 0 and share.cap(["a", "b", "c", "heavy"]) == 3
     assert share.lost(["a", "b"]) == 20 / 3
+
+
+def test_fewest_gives_back_the_costliest_promotions_first_and_skips_free_ones():
+    """Any two of the four meet the target (the bisection starts with all four). The costliest in
+    float (b and d) go back to 8 bits first, whatever their rank; c costs nothing, so no evaluation
+    is spent giving it back."""
+    names = ["a", "b", "c", "d"]
+    share = EightBitShare({n: {i} for i, n in enumerate(names)}, 100.0, 100.0, 0.8,
+                          {0: 10.0, 1: 60.0, 2: 0.0, 3: 30.0})
+    walk, asked = _walk(lambda s: 10.0 + 2 * len(s))
+    assert fewest(walk, names, 14.0, start=3, share=share) == (["a", "c"], 14.0)
+    given_back = [key for key in asked if key != frozenset(names)]
+    assert given_back[0] == frozenset({"a", "c"})   # b and d, the costliest half, back at once
+    assert all("c" in key for key in given_back)   # c alone is never given back
+
+
+def test_fewest_without_costs_gives_back_the_least_sensitive_first():
+    walk, asked = _walk(lambda s: 10.0 + 2 * len(s))
+    assert fewest(walk, ["a", "b", "c", "d"], 14.0, start=3) == (["a", "b"], 14.0)
+    assert asked[1] == frozenset({"a", "b"})
+
+
+def test_a_member_whose_ops_another_keeps_float_saves_nothing():
+    """a and b both read op 0: giving a back alone leaves op 0 float."""
+    share = EightBitShare({"a": {0}, "b": {0}, "c": {1}}, 10.0, 10.0, 0.8, {0: 6.0, 1: 4.0})
+    assert share.saved(["a", "b", "c"], ["a"]) == 0 and share.saved(["a", "b", "c"], ["a", "b"]) == 6.0
+
+
+def test_giving_back_stops_after_four_failures_in_a_row():
+    """Every one of the 16 is needed: after the bisection, four failed give-backs end the search."""
+    names = [f"n{i}" for i in range(16)]
+    walk, asked = _walk(lambda s: 10.0 + 10 * (len(s) == 16))
+    assert fewest(walk, names, 14.0) == (names, 20.0)
+    bisection = 4   # heads of 8, 12, 14, 15
+    assert len(asked) == 1 + bisection + 4

@@ -1,6 +1,7 @@
 """search-precision: the fewest tensors kept at a higher precision for the outputs to meet a target."""
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -313,7 +314,7 @@ def test_without_a_target_it_aims_higher_within_the_8_bit_share(options):
     eight, total = weighted_ops(model.to_proto())
     assert total == 5 and eight >= 4
     reason = float_reasons(model)[decision["promoted"][0]]["reason"]
-    assert f"aim 25 with 80% of the weighted ops' multiply-accumulates 8-bit: taken over the {decision['aimed']}" in reason
+    assert f"aim 25 with 80% of the weighted ops' int8 latency gain 8-bit: taken over the {decision['aimed']}" in reason
     ranked = [float_reasons(model)[name]["reason"] for name in decision["promoted"]]
     assert all(("; this one ranks " in r) != ("; this one was taken in graph order" in r) for r in ranked), ranked
 
@@ -360,10 +361,13 @@ def _late_spike_feeds(calm: int, spiky: int, seed: int = 0) -> list[dict]:
 
 
 @pytest.mark.parametrize("resumed", [False, True])
-def test_a_target_met_on_the_check_feeds_is_confirmed_on_the_next_ones(resumed):
+def test_a_target_met_on_the_check_feeds_is_confirmed_on_the_next_ones(resumed, monkeypatch):
     """The check feeds meet the target with nothing promoted; the next feeds do not: the worst of them
     join the check feeds, the clipped input is kept float, and the rest then confirm the target
     (the same from calibrate's kept outputs or from reading the data again)."""
+    from qpasses.analysis import op_costs
+
+    monkeypatch.setattr(op_costs, "shipped", lambda: {})   # no costs: members given back by count
     results = {}
     for confirm in (0, 32):
         model = from_proto(parse(CLIPPED))
@@ -450,3 +454,22 @@ def test_the_aim_is_not_chased_when_the_confirmation_reads_it_met():
     assert alone["quantized_counted"] < 27 and alone["promoted"]
     assert wider["quantized_counted"] < 27 <= wider["confirmed"]["counted"]
     assert wider["promoted"] == [] and wider["aim_met"] and wider["aimed"].startswith("nothing: the confirmation")
+
+
+def test_measured_costs_time_the_models_patterns_once_and_cache_them(tmp_path, monkeypatch):
+    """cost=measured times each op pattern the model holds (here: made-up timings, cached under
+    XDG_CACHE_HOME) instead of reading the table shipped; a second run reads the cache."""
+    from qpasses.analysis import op_costs
+
+    timed = []
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(op_costs, "measure", lambda name: timed.append(name) or 20.0)
+    for _ in range(2):
+        model = from_proto(_chain())
+        ctx = RunContext({}, _spiky_feeds(40))
+        PassManager(PRELUDE).run(model, ctx)
+        PassManager([SearchPrecision(cost="measured")]).run(model, ctx)
+        decision = model.decisions["precision_search"]
+        assert decision["cost"] == "measured" and 0.8 <= decision["int8_share"] <= 1
+    assert timed == ["matmul|0|0|1"]   # the chain's five 32x32 MatMuls (rows unknown): one pattern, timed once
+    assert json.loads(op_costs.cache_path().read_text())["ps_per_mac"] == {"matmul|0|0|1": 20.0}

@@ -158,12 +158,12 @@ def test_the_summary_says_what_the_search_aimed_at():
 
     search = {"metric": "snr", "target": 12.0, "fallback": "float", "quantized": 16.4, "reached": 22.1,
               "promoted": ["a", "b"], "aim": 25.0, "keep_8bit": 0.8, "aimed": "graph order", "aim_met": False,
-              "feeds": 12, "confirmed": {"feeds": 24, "added": 4, "score": 19.5, "counted": 18.2, "met": True}}
+              "int8_share": 0.83, "feeds": 12, "confirmed": {"feeds": 24, "added": 4, "score": 19.5, "counted": 18.2, "met": True}}
     info = {"summary": "8-bit: 81 %", "data": "calib.npz", "layer_samples": 8,
             "accuracy": {"samples": 8, "outputs": {}}, "decisions": {"precision_search": search}}
     text = "".join(html._summary(info))
-    assert ("search-precision: target 12.0 snr (aim 25.0 with 80 % of the weighted ops' multiply-accumulates 8-bit, "
-            "not met: graph order), quantized 16.4, reached 22.1 on 12 check feeds, confirmed on 24 calibration feeds (4 of "
+    assert ("search-precision: target 12.0 snr (aim 25.0 with 80 % of the weighted ops' int8 latency gain 8-bit, "
+            "83 % left, not met: graph order), quantized 16.4, reached 22.1 on 12 check feeds, confirmed on 24 calibration feeds (4 of "
             "them then added to the checks): 19.5, met; 2 tensors promoted to float: a, b") in text
     del search["aimed"]   # an aim the 8-bit model met before any walk: nothing more to say
     search["confirmed"] = {"skipped": "calib.npz: gone"}

@@ -27,9 +27,9 @@ DECISION = PRECISION_SEARCH
 # evaluations and 8-bit layers on models that already work (tools/README.md).
 DEFAULT_TARGET_DB = 12.0
 # Beyond the target, without one given: 25 dB (the issue's bar for a usable model on every class
-# measured) while 80 % of the weighted ops' multiply-accumulates stay 8-bit: the cost of float is
-# the work it does (counting ops instead, ppocr_v4_rec read 0.891 on 128 samples, 0.938 by
-# multiply-accumulates, both under onnxruntime's latency; tools/RESULTS.md).
+# measured) while 80 % of the latency the weighted ops' int8 kernels save stays 8-bit: the cost of
+# float is the time it loses (analysis.op_costs; counting ops instead, ppocr_v4_rec read 0.891 on
+# 128 samples, 0.938 by multiply-accumulates, both under onnxruntime's latency; tools/RESULTS.md).
 DEFAULT_AIM_DB = 25.0
 CONFIRMED_AIM = "nothing: the confirmation read the aim met"
 
@@ -51,13 +51,15 @@ class SearchPrecision(Pass):
     values, from one float run on ``probe_samples`` feeds: a tensor whose few large values stretch the
     grid over its many small ones (an additive attention mask over scores, boxes beside probabilities)
     ranks first — finds by bisection the shortest head of that ranking whose move to ``fallback``
-    (float, or 16 bits) meets the target, then gives members back to 8 bits in halves, least sensitive
-    first, while the target still holds: at most 2*log2(tensors) + 16 evaluations of a quantized copy on
+    (float, or 16 bits) meets the target, then gives members back to 8 bits in halves while the target
+    still holds, the costliest in float first (a chunk that would save under 0.5 % of the weighted
+    ops' float-vs-int8 latency is not tried; ties: the least sensitive first), until 4 fail in a row: at most 2*log2(tensors) + 16 evaluations of a quantized copy on
     the held-out feeds. A target met is confirmed on the next ``confirm_samples`` calibration feeds
     (one evaluation); while it misses there, the worst of them join the check feeds and the bisection
     goes on from the promotions made, down the ranking (the same budget). Then, below ``aim`` (default:
-    25 dB of SNR when no target is given), it goes on promoting while ``keep_8bit`` of the weighted
-    ops' multiply-accumulates stay 8-bit (analysis.sensitivity.macs: the cost of running them in float): each of two orders (the same ranking; the graph order, the inputs' end first, as
+    25 dB of SNR when no target is given), it goes on promoting while ``keep_8bit`` of the latency the
+    weighted ops' int8 kernels save stays 8-bit (analysis.op_costs: by op pattern, from the table
+    shipped, or with ``cost`` measured, timed on this machine): each of two orders (the same ranking; the graph order, the inputs' end first, as
     errors made early grow through the rest) is cut where the share would drop below ``keep_8bit``,
     the order whose head scores higher is searched (bisection to the aim, then at most 4 evaluations
     giving members back), within the same evaluation budget. With
@@ -68,7 +70,7 @@ class SearchPrecision(Pass):
     derived from them, the reason in ``model.decisions["float"]``; 16-bit: the new type, with a
     why-line), ``model.decisions["precision_search"]`` (target, scores and what they counted as,
     promotions, evaluations; what the confirmation read and how many feeds it added to the checks;
-    the aim, the share and the order it took). ``met`` is false when the last confirmation missed;
+    the aim, the share and the order it took; ``int8_share``: the share of that latency left 8-bit). ``met`` is false when the last confirmation missed;
     then ``blocking`` names the tensors next in the ranking, not promoted, with their local errors,
     and ``requested`` those the config named (never promoted).
     Invariants: the graph is not changed; what the config names (tensor_overrides, mixed_precision,
@@ -76,7 +78,8 @@ class SearchPrecision(Pass):
     aim (the target when there is no aim) on the check feeds or on the confirmation's wider reading
     (ddddocr_det: 24.4 dB counted on 8 check feeds, 25.6 on all 32; the float first Conv the aim took
     then bought 0.3 dB on 128 held-out samples, within their standard error, for 10 % latency); the
-    aim never takes the 8-bit share of the weighted ops' multiply-accumulates below ``keep_8bit`` (the target may); nothing is done (and it says why) without calibration data or above
+    aim never takes the 8-bit share of the weighted ops' int8 latency gain below ``keep_8bit`` (the target may); the
+    default's decisions never depend on timings taken during the run; nothing is done (and it says why) without calibration data or above
     ``max_nodes`` / ``max_weight_mb``.
     """
 
@@ -110,8 +113,12 @@ class SearchPrecision(Pass):
         "help": "beyond the target, promote towards this score while keep_8bit of the weighted ops' work stays "
                 f"8-bit (empty: config accuracy.aim, else {DEFAULT_AIM_DB:g} dB of SNR when no target is given)"})
     keep_8bit: float | None = field(default=None, metadata={
-        "help": "share of the weighted ops' multiply-accumulates (Conv/ConvTranspose/Gemm/MatMul with a constant "
-                "weight) that stays 8-bit while aiming (empty: config accuracy.keep_8bit, 0.8)"})
+        "help": "share of the latency the weighted ops' int8 kernels save (Conv/ConvTranspose/Gemm/MatMul with a "
+                "constant weight, against float) that stays 8-bit while aiming (empty: config accuracy.keep_8bit, 0.8)"})
+    cost: str = field(default="table", metadata={
+        "help": "what a weighted op loses in float: table (shipped, measured with onnxruntime on one machine: the same "
+                "decisions on every CPU) or measured (timed on this machine per op pattern, cached in "
+                "~/.cache/qpasses/op-costs; decisions may then differ by machine)", "choices": ("table", "measured")})
     samples: int = field(default=32, metadata={"help": "most feeds a check runs (held out when calibrate held some out)"})
     output_values: int = field(default=2**17, metadata={"help": "fewer feeds (not under 8) once the outputs hold this "
                             "many values: bert_encoder's 128-value embedding read 3 dB above its eval set on 8, 1 on 24"})
@@ -200,7 +207,7 @@ class SearchPrecision(Pass):
                           if search.check_ref is not check else ("", ""))
             how = f"taken over the {search.aimed}" if search.aimed in ORDERS else search.aimed
             goal = (f"target {target:g}" + (f", {needed:g} on feeds the ranges came from" if needed > target else "")
-                    + (f", aim {aim:g} with {keep:.0%} of the weighted ops' multiply-accumulates 8-bit: {how}"
+                    + (f", aim {aim:g} with {keep:.0%} of the weighted ops' int8 latency gain 8-bit: {how}"
                        if "aimed" in decision else ""))
             gain = (f"keeping {len(chosen)} of {total} tensors {fallback} takes the worst output component's "
                     f"{metric} from {unpromoted:.4g}{first} to {search.raw[frozenset(chosen)]:.4g}{now} ({goal}"
@@ -210,6 +217,7 @@ class SearchPrecision(Pass):
                 for name in chosen})
         met = reached >= target and decision.get("confirmed", {}).get("met") is not False
         decision |= {"promoted": chosen, "evaluations": search.evaluations, "met": met}
+        decision |= {"int8_share": round(search.int8_share(chosen), 3), "cost": self.cost} if chosen or "aimed" in decision else {}
         decision |= {} if met else {"blocking": search.blocking(chosen)} | ({"requested": sorted(pins)} if pins else {})
         decision |= {"aim_met": reached >= aim or decision.get("aimed") == CONFIRMED_AIM} if "aim" in decision else {}
         model.decisions[DECISION] = decision

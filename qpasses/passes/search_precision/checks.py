@@ -7,7 +7,8 @@ import time
 from functools import partial
 
 from ... import executors
-from ...analysis.sensitivity import eight_bit_share, graph_order, local_errors, promote
+from ...analysis import op_costs
+from ...analysis.sensitivity import eight_bit_share, graph_order, local_errors, promote, weighted_ops
 from ...analysis.walks import Walk, aimed, fewest
 from ...core.progress import progress
 from ...errors import first_line
@@ -48,6 +49,7 @@ class Checks:
         self.speculated: dict = {}   # rounds of speculative tasks, for speculate.LAST
         self.local_db, self.ranking = None, []   # root -> local error in dB; the roots, largest first
         self.aimed = ""   # which order the aim took
+        self.op_table = None   # pattern -> picoseconds a weighted op loses per multiply-accumulate in float
 
     def check(self, promoted: list[str]) -> float:
         """The objective (worst component) on the held-out feeds with ``promoted`` kept at the fallback."""
@@ -144,8 +146,8 @@ class Checks:
     def search(self, reserve: int = 0) -> tuple[list[str], float]:
         """The fewest promotions found that meet the target (analysis.walks.fewest), leaving
         ``reserve`` evaluations of the budget."""
-        ranked = self.ranked()
-        return self._walked(lambda walk: fewest(walk, ranked, self.target, reserve=reserve), self.target)
+        ranked, share = self.ranked(), self._share(0.0)
+        return self._walked(lambda walk: fewest(walk, ranked, self.target, reserve=reserve, share=share), self.target)
 
     def confirmed(self, chosen: list[str], rest: Reference, reserve: int = 0) -> tuple[list[str], dict]:
         """``chosen`` (meeting the target on the check feeds) scored on those and ``rest`` together:
@@ -182,7 +184,9 @@ class Checks:
             self.scores, self.raw, self.known, self.shared, self.reuse = {}, {}, {}, None, None
             ranked = chosen + [name for name in self.ranked() if name not in chosen]
             start = len(chosen)   # short of the target on all the feeds, so on the worst of them too
-            chosen, _ = self._walked(lambda walk: fewest(walk, ranked, self.target, start, reserve + 1), self.target)
+            share = self._share(0.0)
+            chosen, _ = self._walked(lambda walk: fewest(walk, ranked, self.target, start, reserve + 1, share),
+                                     self.target)
         if "counted" not in record and not rest.feeds:   # every feed is a check feed now
             key = frozenset(chosen)
             record |= {"score": _round(self.raw[key]), "counted": _round(self.scores[key])}
@@ -209,7 +213,15 @@ class Checks:
         return [local, graph_order(self.model, self.groups, local)]
 
     def _share(self, keep: float):
-        return eight_bit_share(self.model, self.groups, keep)
+        if self.op_table is None:   # the table shipped, or this machine's timings of the model's patterns
+            self.op_table = (op_costs.measured(filter(None, map(op_costs.pattern, weighted_ops(self.model))))
+                             if self.options.cost == "measured" else op_costs.shipped())
+        return eight_bit_share(self.model, self.groups, keep, self.op_table)
+
+    def int8_share(self, chosen: list[str]) -> float:
+        """The share of the weighted ops' float-vs-int8 latency that stays int8 with ``chosen`` promoted."""
+        share = self._share(0.0)
+        return (share.eight - share.lost(chosen)) / share.total if share.total else 1.0
 
     def _walked(self, walk, threshold: float):
         """``walk(Walk)``'s result; with a parallel executor, its checks replayed on scores evaluated
