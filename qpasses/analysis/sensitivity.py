@@ -142,7 +142,11 @@ def eight_bit_share(model: QModel, groups: dict[str, list[str]], keep: float, ta
                 if name in owner:
                     reads[owner[name]].add(id(node))
     cost = op_costs.costs(ops, macs(ops), op_costs.shipped() if table is None else table)
-    return EightBitShare(reads, sum(cost[i] for i in eight), sum(cost.values()), keep, cost)
+    constants = model.tensors()
+    weights = {root: sum(constants[m].values.size for m in members if isinstance(constants.get(m), gs.Constant))
+               for root, members in groups.items()}
+    return EightBitShare(reads, sum(cost[i] for i in eight), sum(cost.values()), keep, cost,
+                         {root: n for root, n in weights.items() if n})
 
 
 def weighted_ops(model: QModel) -> list[gs.Node]:

@@ -8,14 +8,14 @@ on from there towards a higher aim while enough weighted ops stay 8-bit.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # evaluations the aim spends giving members back, and the failed ones in a row after which a search
 # stops giving back: a best effort, each costs a run (yolo_detector's target search spent 20 giving
 # back and kept all 74 promotions)
 GIVE_BACK = 4
 # a chunk whose return to 8 bits would save at most this share of the weighted ops' float-vs-int8
-# latency is not worth an evaluation
+# latency and of the weights' size is not worth an evaluation
 NEGLIGIBLE = 0.005
 
 
@@ -42,13 +42,16 @@ class Walk:
 class EightBitShare:
     """Which weighted ops each group's promotion takes out of 8 bits (``reads``: root -> op ids),
     what the 8-bit ones would cost in float (``eight``) of ``total``, and the share to keep;
-    ``cost``: op id -> the latency it loses in float (analysis.op_costs; None: every op counts 1)."""
+    ``cost``: op id -> the latency it loses in float (analysis.op_costs; None: every op counts 1);
+    ``weights``: root -> the weight values its promotion keeps float (a size cost, where the latency
+    is lost anyway: a float weight whose op reads a float input)."""
 
     reads: dict
     eight: float
     total: float
     keep: float
     cost: dict | None = None
+    weights: dict = field(default_factory=dict)
 
     def lost(self, names) -> float:
         return self._cost(set().union(*(self.reads.get(n, ()) for n in names)))
@@ -57,6 +60,17 @@ class EightBitShare:
         """What giving ``back`` (of ``chosen``) to 8 bits saves: the ops no other member keeps out."""
         kept = set(back)
         return self.lost(chosen) - self.lost([n for n in chosen if n not in kept])
+
+    def negligible(self, chosen, back) -> bool:
+        """Whether giving ``back`` saves under ``NEGLIGIBLE`` of the latency and of the weights."""
+        total = sum(self.weights.values())
+        return (self.saved(chosen, back) <= NEGLIGIBLE * self.total
+                and sum(self.weights.get(n, 0) for n in back) <= NEGLIGIBLE * total)
+
+    def order(self, chosen) -> list[str]:
+        """``chosen``, the costliest to give back first: by the latency its return alone saves, then
+        its weights, then the latency of the ops it reads; ties: the last first."""
+        return sorted(chosen[::-1], key=lambda n: (-self.saved(chosen, [n]), -self.weights.get(n, 0), -self.lost([n])))
 
     def _cost(self, ops: set) -> float:
         return float(len(ops)) if self.cost is None else sum(self.cost[i] for i in ops)
@@ -76,9 +90,9 @@ def fewest(walk: Walk, ranked: list[str], target: float, start: int = 0, reserve
     """The fewest promotions found that meet ``target``: the smallest head of ``ranked`` that does
     (bisection; the first ``start`` are known to fall short together), then its members given back
     to 8 bits in halves while the target still holds, while more than ``reserve`` evaluations of the
-    budget are left: the costliest first by ``share`` (EightBitShare.lost; ties, and without a share
-    or a cost in it: the least sensitive first), a chunk whose return would save under ``NEGLIGIBLE``
-    of the total cost not tried, until ``GIVE_BACK`` evaluations in a row fail. When not even all of
+    budget are left: the costliest first by ``share`` (EightBitShare.order; without a share or a cost
+    in it: the least sensitive first), a chunk whose return would save under ``NEGLIGIBLE`` of the
+    latency and of the weights not tried, until ``GIVE_BACK`` evaluations in a row fail. When not even all of
     ``ranked`` meets it: the best candidate seen within ``ranked``."""
     if walk.score(ranked) < target:
         inside = set(ranked)
@@ -93,11 +107,11 @@ def fewest(walk: Walk, ranked: list[str], target: float, start: int = 0, reserve
             lo = mid
     chosen = ranked[:hi]
     share = share if share is not None and share.total > 0 else None   # no weighted op to tell costs by
-    chunks = [sorted(chosen[::-1], key=lambda n: -share.lost([n])) if share is not None else chosen[::-1]]
+    chunks = [share.order(chosen) if share is not None else chosen[::-1]]
     misses = 0
     while chunks and walk.left > reserve and misses < GIVE_BACK:
         chunk = chunks.pop(0)
-        if share is not None and share.saved(chosen, chunk) <= NEGLIGIBLE * share.total:
+        if share is not None and share.negligible(chosen, chunk):
             continue
         dropped = set(chunk)
         trial = [n for n in chosen if n not in dropped]

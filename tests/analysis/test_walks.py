@@ -116,3 +116,15 @@ def test_giving_back_stops_after_four_failures_in_a_row():
     assert fewest(walk, names, 14.0) == (names, 20.0)
     bisection = 4   # heads of 8, 12, 14, 15
     assert len(asked) == 1 + bisection + 4
+
+
+def test_a_float_weight_whose_op_runs_float_anyway_still_costs_its_size():
+    """The input x and the weight w both take op 0 out: giving either back alone saves no latency,
+    but w's values would stay float, so it goes back first; the activation t saves neither and is
+    never tried alone."""
+    share = EightBitShare({"x": {0}, "w": {0}, "t": set()}, 10.0, 10.0, 0.8, {0: 10.0}, {"w": 1000})
+    assert share.order(["x", "t", "w"]) == ["w", "x", "t"]
+    assert not share.negligible(["x", "w", "t"], ["w"]) and share.negligible(["x", "w", "t"], ["t"])
+    walk, asked = _walk(lambda s: 10.0 + 5 * ("x" in s) + ("w" in s))
+    assert fewest(walk, ["x", "w", "t"], 14.0, start=2, share=share) == (["x", "t"], 15.0)
+    assert frozenset({"x", "w"}) not in asked

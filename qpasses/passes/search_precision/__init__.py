@@ -201,6 +201,7 @@ class SearchPrecision(Pass):
                 decision |= {"aim": aim, "keep_8bit": keep, "aimed": search.aimed}
         search.bar.close()
         decision |= search.spread(chosen, "reached")
+        decision |= {"int8_share": round(search.int8_share(chosen), 3), "cost": self.cost} if chosen or "aimed" in decision else {}
         if chosen:
             total = len(groups)
             first, now = ((f" on its first {len(check.feeds)} check feeds", f" on {len(search.check_ref.feeds)}")
@@ -217,7 +218,6 @@ class SearchPrecision(Pass):
                 for name in chosen})
         met = reached >= target and decision.get("confirmed", {}).get("met") is not False
         decision |= {"promoted": chosen, "evaluations": search.evaluations, "met": met}
-        decision |= {"int8_share": round(search.int8_share(chosen), 3), "cost": self.cost} if chosen or "aimed" in decision else {}
         decision |= {} if met else {"blocking": search.blocking(chosen)} | ({"requested": sorted(pins)} if pins else {})
         decision |= {"aim_met": reached >= aim or decision.get("aimed") == CONFIRMED_AIM} if "aim" in decision else {}
         model.decisions[DECISION] = decision
