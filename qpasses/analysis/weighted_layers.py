@@ -16,7 +16,7 @@ from ..ir.decisions import PRECISION_SEARCH
 from ..ir.graphutil import subgraphs
 from ..ir.model import QModel
 from ..quant.qtypes import qtype
-from ..quant.rounding import Geometry, Hessian, conv_geometry
+from ..quant.rounding import Geometry, Hessian, conv_geometry, most_rows
 from .scopes import scopes
 
 OPS = ("Conv", "MatMul", "Gemm")
@@ -188,15 +188,20 @@ def batches(targets: list[Target], budget: float):
         yield batch
 
 
-def measure(model: QModel, data, batch: list[Target], samples: int) -> int:
+def measure(model: QModel, data, batch: list[Target], samples: int, min_rows: float = 0.0) -> int:
     """Each target's ``hessian``: X^T X of its float input over ``samples`` calibration feeds, in one
-    streamed run; returns the feeds read."""
+    streamed run; returns the feeds read. A target whose input cannot give ``min_rows`` rows per
+    input in that many feeds (rounding.most_rows) is not measured: its ``hessian`` stays None."""
     from ..calibration.runner import collect_stats
 
     by_input: dict[str, list[Hessian]] = {}
-    for k, t in enumerate(batch):
-        t.hessian = Hessian(t.geo, seed=k)
-        by_input.setdefault(t.node.inputs[0].name, []).append(t.hessian)
+    for k, t in enumerate(batch):   # seeds by place in the batch, measured or not
+        t.hessian = None
+        if samples * most_rows(t.node.inputs[0].shape, t.geo) >= min_rows * t.geo.k:
+            t.hessian = Hessian(t.geo, seed=k)
+            by_input.setdefault(t.node.inputs[0].name, []).append(t.hessian)
+    if not by_input:
+        return 0
     _, count = collect_stats(model, data, max_samples=samples, only=set(by_input),
                              collector=lambda name: Readers(by_input.get(name, [])))
     return count

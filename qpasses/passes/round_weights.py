@@ -123,9 +123,9 @@ class RoundWeights(Pass):
         try:
             with serial_blas():   # the Hessians' products and factorisations
                 for batch in batches(targets, budget):
-                    samples = measure(model, ctx.calibration_data, batch, self.samples)
+                    samples = measure(model, ctx.calibration_data, batch, self.samples, self.min_rows) or samples
                     for t in batch:
-                        if t.hessian.rows < self.min_rows * t.geo.k:
+                        if t.hessian is None or t.hessian.rows < self.min_rows * t.geo.k:
                             few += 1
                             t.hessian = None
                         else:

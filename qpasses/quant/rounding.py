@@ -93,7 +93,7 @@ def paired_rows(arrays: list, geo: Geometry, rng: np.random.Generator, most: int
     n, c, height, width = xs[0].shape
     begins, ends = conv_pads(geo.auto_pad, geo.pads, (height, width), geo.kernel, geo.strides, geo.dilations)
     (kh, kw), (sh, sw), (dh, dw) = geo.kernel, geo.strides, geo.dilations
-    span_h, span_w = dh * (kh - 1) + 1, dw * (kw - 1) + 1
+    span_h, span_w = _spans(geo)
     xps = [_padded(x, begins, ends) for x in xs]
     if xps[0].shape[2] < span_h or xps[0].shape[3] < span_w:
         return [np.zeros((geo.groups, geo.k, 0), np.float32) for _ in xs]
@@ -111,6 +111,29 @@ def paired_rows(arrays: list, geo: Geometry, rng: np.random.Generator, most: int
         fields = fields.reshape(len(pick), geo.groups, -1)            # [R, G, C/g * kh * kw]
         out.append(np.ascontiguousarray(fields.transpose(1, 2, 0)))
     return out
+
+
+def most_rows(shape, geo: Geometry) -> int:
+    """The most rows input_rows takes from one array of ``shape`` (ints; None or a name: unknown,
+    then the budget alone bounds them)."""
+    budget = _row_budget(geo, None if geo.kind == "dense" else geo.k * geo.groups)
+    if shape is None or not all(isinstance(d, (int, np.integer)) for d in shape):
+        return budget
+    if geo.kind == "dense":
+        return min(budget, int(np.prod(shape[:-1])))
+    sizes = [1, shape[-1]] if len(shape) == 3 else list(shape[2:])
+    sizes = [(size - 1) * u + 1 for size, u in zip(sizes, geo.upsample)] if geo.upsample else sizes
+    begins, ends = conv_pads(geo.auto_pad, geo.pads, tuple(sizes), geo.kernel, geo.strides, geo.dilations)
+    positions = int(shape[0])
+    for size, b, e, span, stride in zip(sizes, begins, ends, _spans(geo), geo.strides):
+        padded = size + b + e
+        positions *= (padded - span) // stride + 1 if padded >= span else 0
+    return min(budget, positions)
+
+
+def _spans(geo: Geometry) -> tuple[int, int]:
+    """How far a conv's receptive field reaches on each spatial axis."""
+    return tuple(d * (k - 1) + 1 for d, k in zip(geo.dilations, geo.kernel))
 
 
 def _spread(x: np.ndarray, upsample: tuple) -> np.ndarray:

@@ -8,7 +8,7 @@ from qpasses.core.pipeline import BOUNDED_RECONSTRUCTION, QUANTIZE_PIPELINE
 from qpasses.core.verify import check_onnx
 from qpasses.evaluation.evaluate import snr_db
 from qpasses.quant.qparams import quantize as quantize_values
-from qpasses.quant.rounding import Geometry, conv_geometry, input_rows, round_codes, upper_inverse_cholesky
+from qpasses.quant.rounding import Geometry, conv_geometry, input_rows, most_rows, round_codes, upper_inverse_cholesky
 from qpasses.testing import model_from_text, parse, run, run_passes
 
 WITH = QUANTIZE_PIPELINE.replace(BOUNDED_RECONSTRUCTION + ",", "")   # these small models: round-weights alone
@@ -161,6 +161,11 @@ def test_layers_with_too_few_input_rows_keep_round_to_nearest():
     model = model_from_text(MATMUL)
     run_passes("annotate-types,calibrate,compute-qparams", model, A16W8, feeds)
     ctx = RunContext(A16W8, feeds)
+    run_passes("round-weights{samples=3}", model, ctx=ctx)   # 3 feeds of 32 rows cannot be enough: none is read
+    assert ctx.findings.as_dict()["round-weights"] == {"layers": 1, "rounded": 0, "samples": 0, "too_few_rows": 1}
+    model = model_from_text(MATMUL)
+    run_passes("annotate-types,calibrate,compute-qparams", model, A16W8, feeds)
+    ctx = RunContext(A16W8, feeds)
     run_passes("round-weights{min_rows=4}", model, ctx=ctx)
     assert ctx.findings.as_dict()["round-weights"]["rounded"] == 1
 
@@ -222,6 +227,25 @@ def test_input_rows_are_the_receptive_fields(attrs, wshape):
     got = input_rows(x, geo, np.random.default_rng(0))
     want = _im2col(x, wshape[2:], geo.strides, geo.pads, geo.dilations, geo.groups)
     np.testing.assert_allclose(got, want)
+
+
+@pytest.mark.parametrize("op, attrs, wshape, xshape", [
+    ("Conv", {"pads": [1, 1, 1, 1]}, (4, 6, 3, 3), (2, 6, 7, 9)),
+    ("Conv", {"strides": [2, 1], "pads": [0, 1, 2, 1], "dilations": [1, 2]}, (4, 6, 3, 2), (2, 6, 7, 9)),
+    ("Conv", {"group": 6, "pads": [2, -1, 2, 2]}, (6, 1, 5, 5), (1, 6, 7, 9)),
+    ("Conv", {"auto_pad": "SAME_LOWER", "strides": [3]}, (2, 3, 4), (2, 3, 11)),
+    ("Conv", {}, (2, 3, 5, 5), (1, 3, 4, 9)),   # no full field fits
+    ("ConvTranspose", {"strides": [2, 2], "pads": [1, 0, 0, 1], "output_padding": [1, 0]}, (6, 2, 3, 3), (1, 6, 5, 4)),
+    ("Conv", {}, (8, 256, 3, 3), (1, 256, 40, 40)),   # more fields than the budget
+    ("MatMul", {}, (16, 4), (3, 5, 16)),
+    ("MatMul", {}, (16, 4), (400_000, 16)),
+])
+def test_most_rows_are_the_rows_input_rows_takes(op, attrs, wshape, xshape):
+    geo = conv_geometry(attrs, wshape, op == "ConvTranspose") if op != "MatMul" else Geometry("dense", wshape[0])
+    x = np.ones(xshape, np.float32)
+    rows = input_rows(x, geo, np.random.default_rng(0)).shape[2]
+    assert most_rows(xshape, geo) == rows
+    assert most_rows(("N",) + xshape[1:], geo) >= rows
 
 
 def test_input_rows_same_padding_1d_and_sampling():
