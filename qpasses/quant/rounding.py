@@ -97,20 +97,30 @@ def paired_rows(arrays: list, geo: Geometry, rng: np.random.Generator, most: int
     xps = [_padded(x, begins, ends) for x in xs]
     if xps[0].shape[2] < span_h or xps[0].shape[3] < span_w:
         return [np.zeros((geo.groups, geo.k, 0), np.float32) for _ in xs]
-    pick = oy = ox = b = None
-    out = []
-    for xp in xps:
-        windows = np.lib.stride_tricks.sliding_window_view(xp, (span_h, span_w), axis=(2, 3))
-        windows = windows[:, :, ::sh, ::sw, ::dh, ::dw]              # [N, C, oh, ow, kh, kw], a view
-        if pick is None:
-            oh, ow = windows.shape[2:4]
-            pick = _pick(n * oh * ow, _row_budget(geo, c * kh * kw, most), rng)
-            b, rest = np.divmod(pick, oh * ow)
-            oy, ox = np.divmod(rest, ow)
-        fields = windows[b, :, oy, ox]                                # [R, C, kh, kw]
-        fields = fields.reshape(len(pick), geo.groups, -1)            # [R, G, C/g * kh * kw]
-        out.append(np.ascontiguousarray(fields.transpose(1, 2, 0)))
-    return out
+    oh, ow = (xps[0].shape[2] - span_h) // sh + 1, (xps[0].shape[3] - span_w) // sw + 1
+    pick = _pick(n * oh * ow, _row_budget(geo, c * kh * kw, most), rng)
+    at = None
+    if len(pick) < n * oh * ow:   # the (sample, y, x) of each row picked
+        b, rest = np.divmod(pick, oh * ow)
+        at = (b, *np.divmod(rest, ow))
+    return [_fields(xp, geo, oh, ow, at) for xp in xps]
+
+
+def _fields(xp: np.ndarray, geo: Geometry, oh: int, ow: int, at: tuple | None) -> np.ndarray:
+    """[G, K, R] receptive fields of the padded ``xp`` [N, C, H, W]: every one (``at`` None, in
+    sample, y, x order) or those at (sample, y, x) ``at``; one strided slice per kernel tap."""
+    n, c = xp.shape[:2]
+    g, (kh, kw), (sh, sw), (dh, dw) = geo.groups, geo.kernel, geo.strides, geo.dilations
+    rows = n * oh * ow if at is None else len(at[0])
+    out = np.empty((g, c // g, kh, kw, rows), xp.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            tap = xp[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw]   # [N, C, oh, ow]
+            if at is None:
+                out[:, :, i, j] = tap.reshape(n, g, c // g, oh, ow).transpose(1, 2, 0, 3, 4).reshape(g, c // g, rows)
+            else:
+                out[:, :, i, j] = tap[at[0], :, at[1], at[2]].T.reshape(g, c // g, rows)
+    return out.reshape(g, geo.k, rows)
 
 
 def most_rows(shape, geo: Geometry) -> int:

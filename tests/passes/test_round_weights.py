@@ -8,6 +8,7 @@ from qpasses.core.pipeline import BOUNDED_RECONSTRUCTION, QUANTIZE_PIPELINE
 from qpasses.core.verify import check_onnx
 from qpasses.evaluation.evaluate import snr_db
 from qpasses.quant.qparams import quantize as quantize_values
+from qpasses.quant import rounding
 from qpasses.quant.rounding import Geometry, conv_geometry, input_rows, most_rows, round_codes, upper_inverse_cholesky
 from qpasses.testing import model_from_text, parse, run, run_passes
 
@@ -246,6 +247,16 @@ def test_most_rows_are_the_rows_input_rows_takes(op, attrs, wshape, xshape):
     rows = input_rows(x, geo, np.random.default_rng(0)).shape[2]
     assert most_rows(xshape, geo) == rows
     assert most_rows(("N",) + xshape[1:], geo) >= rows
+
+
+def test_sampled_input_rows_are_those_receptive_fields(monkeypatch):
+    x = np.random.default_rng(4).standard_normal((2, 6, 7, 9)).astype(np.float32)
+    geo = conv_geometry({"group": 2, "strides": [2, 1], "pads": [1, 0, 1, 2], "dilations": [1, 2]}, (4, 3, 3, 2))
+    every = input_rows(x, geo, np.random.default_rng(0))
+    monkeypatch.setattr(rounding, "ROW_FLOPS", 20 * geo.k * geo.k * geo.groups)   # 20 of its rows
+    got = input_rows(x, geo, np.random.default_rng(5))
+    pick = np.sort(np.random.default_rng(5).choice(every.shape[2], 20, replace=False))
+    np.testing.assert_array_equal(got, every[:, :, pick])
 
 
 def test_input_rows_same_padding_1d_and_sampling():
