@@ -208,18 +208,18 @@ class Hessian:
             return
         # in float64: the last digits of float32 products differ between CPUs' BLAS kernels, and the
         # codes chosen from them did (the example model's conv2 under qemu Haswell)
-        cols = np.concatenate([c for c, _ in self._pending], axis=2).astype(np.float64)
-        ref = np.concatenate([r for _, r in self._pending], axis=2).astype(np.float64)
-        self._pending = []
+        pending, self._pending = self._pending, []
         if self.cross is None:
             self.cross, self.ref_xtx, self.ref_sum = np.zeros_like(self.xtx), np.zeros_like(self.xtx), np.zeros_like(self.sum)
         if self.geo.groups == 1:   # plain GEMMs on copies (numpy's stacked path and its X X^T path are slower)
-            c, r = cols[0], ref[0]
-            ct, rt = np.ascontiguousarray(c.T), np.ascontiguousarray(r.T)
+            c, r = (np.concatenate([p[i][0] for p in pending], axis=1, dtype=np.float64) for i in (0, 1))
+            ct, rt = (np.concatenate([p[i][0].T for p in pending], axis=0, dtype=np.float64) for i in (0, 1))
+            cols, ref = c[None], r[None]
             self.xtx[0] += c @ ct
             self.cross[0] += c @ rt
             self.ref_xtx[0] += r @ rt
         else:
+            cols, ref = (np.concatenate([p[i] for p in pending], axis=2, dtype=np.float64) for i in (0, 1))
             self.xtx += cols @ cols.transpose(0, 2, 1)
             self.cross += cols @ ref.transpose(0, 2, 1)
             self.ref_xtx += ref @ ref.transpose(0, 2, 1)
