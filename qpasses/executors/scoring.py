@@ -75,8 +75,9 @@ def objective_score(reference: Reference, model, objective, reuse=None) -> dict:
 
 
 def _trial(model, then, ctx, edit=None) -> bytes:
-    """A copy of ``model`` (``edit`` applied to it) made a QDQ model by the nested pipeline ``then``."""
-    trial = model.copy(share_weights=True)
+    """A copy of ``model`` (``edit`` applied to it) made a QDQ model by the nested pipeline ``then``;
+    ``model`` may be its ``copier()``, for trials of one model that export it once."""
+    trial = model() if callable(model) else model.copy(share_weights=True)
     if edit is not None:
         edit(trial)
     then.run(trial, ctx)
