@@ -144,8 +144,8 @@ def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then, sam
         for name, values in changed.items():
             tensors[name].values = values
 
-    fresh = model.copier()
-    runs = [trial_runs(fresh, then, ctx, reference), trial_runs(fresh, then, ctx, reference, edit)]
+    fresh = model.copier()   # the model does not change during the check
+    runs = [trial_runs(model, then, ctx, reference, None, fresh), trial_runs(model, then, ctx, reference, edit, fresh)]
     ref_runs = reference.runs()
     before, score = (objective.overall(objective.scores_from_runs(ref_runs, r, reference.names)) for r in runs)
     difference, error = objective.paired_difference(ref_runs, *runs, reference.names)

@@ -74,10 +74,10 @@ def objective_score(reference: Reference, model, objective, reuse=None) -> dict:
         return {"score": float("-inf"), "standard_error": 0.0, "failed": first_line(exc)}
 
 
-def _trial(model, then, ctx, edit=None) -> bytes:
-    """A copy of ``model`` (``edit`` applied to it) made a QDQ model by the nested pipeline ``then``;
-    ``model`` may be its ``copier()``, for trials of one model that export it once."""
-    trial = model() if callable(model) else model.copy(share_weights=True)
+def _trial(model, then, ctx, edit=None, fresh=None) -> bytes:
+    """A copy of ``model`` (``edit`` applied to it) made a QDQ model by the nested pipeline ``then``.
+    ``fresh``: ``model.copier()``, made once for many trials."""
+    trial = fresh() if fresh is not None else model.copy(share_weights=True)
     if edit is not None:
         edit(trial)
     then.run(trial, ctx)
@@ -90,9 +90,9 @@ def trial_score(model, then, ctx, reference: Reference, objective, edit=None, re
     return objective_score(reference, _trial(model, then, ctx, edit), objective, reuse)["score"]
 
 
-def trial_runs(model, then, ctx, reference: Reference, edit=None) -> list[list]:
+def trial_runs(model, then, ctx, reference: Reference, edit=None, fresh=None) -> list[list]:
     """``_trial``'s judged outputs on the reference's feeds."""
-    return reference.runs_of(_trial(model, then, ctx, edit), judged=True)
+    return reference.runs_of(_trial(model, then, ctx, edit, fresh), judged=True)
 
 
 def objective_task(model: bytes, shared) -> dict:
