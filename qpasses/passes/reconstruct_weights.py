@@ -188,8 +188,8 @@ class ReconstructWeights(Pass):
     def _working_copy(self, model: QModel, ctx) -> tuple[QModel, QModel]:
         """A scratch copy of ``model`` whose weights the stages move, at the opset ``then`` raises it
         to (raised once, not in every stage's trial), and the first stage's QDQ trial."""
-        work = model.copy(share_weights=True)
-        trial = work.copy(share_weights=True)
+        fresh = model.copier()   # one export for both
+        work, trial = fresh(), fresh()
         self.then.run(trial, ctx)
         if trial.opset > work.opset:
             require_opset(work, trial.opset)
