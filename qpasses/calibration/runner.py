@@ -18,6 +18,7 @@ order: the statistics are those of the sample-outer run.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -53,10 +54,11 @@ class _Segment:
         self.body = body or {}   # body tensor -> the outputs threading it out (calibration.subgraphs)
         self.capture, self.captured = list(capture), []   # graph outputs, and their last values
 
-    def run(self, env: dict):
-        """Run on ``env`` (name -> array, updated in place); yields (tensor, array) for the raw
-        measurements, or (tensor, (min, max)) in min/max mode, and for the reduced ones."""
-        values = self.part.run(env)
+    def run(self, env: dict, values: dict | None = None):
+        """Run on ``env`` (name -> array, updated in place; ``values``: the part's outputs on it,
+        when they were run already); yields (tensor, array) for the raw measurements, or (tensor,
+        (min, max)) in min/max mode, and for the reduced ones."""
+        values = self.part.run(env) if values is None else values
         self.captured = [np.array(values[name]) for name in self.capture]   # own copies: a view would pin the arena
         if self.minmax:
             yield from _batch_minmax([(name, values[name]) for name in self.raw])
@@ -234,8 +236,8 @@ def _sample_outer(plan: _Plan, feeds, stats: dict, progress, total, count: int =
                   kept: KeptSamples | None = None) -> int:
     """Every sample through every segment (all sessions alive); returns the number of samples."""
     bar = progress("calibrate", total)
-    for index, feed in feeds:
-        _measure(plan, plan.segments, index, dict(feed), feed, stats)
+    for index, feed, env, values in _run_ahead(plan.segments, feeds):
+        _measure(plan, plan.segments, index, env, feed, stats, ran=values)
         if kept is not None and plan.segments:
             captured = {n: v for segment in plan.segments for n, v in zip(segment.capture, segment.captured)}
             kept.add(feed, [captured[n] for n in plan.capture])
@@ -283,18 +285,49 @@ def _segment_outer(plan: _Plan, feeds, stats: dict, progress, total) -> int:
     return count
 
 
+def _run_ahead(segments: list, feeds):
+    """(index, feed, env, the one part's outputs or None) per feed. A model in one part runs the
+    next feed in onnxruntime on a worker thread while the caller takes this one's statistics (the
+    same values, in the same order: ddddocr_det's calibrate 4.4 -> 3.6 s on 2 cores); one feed's
+    outputs more are held meanwhile."""
+    if len(segments) != 1:
+        for index, feed in feeds:
+            yield index, feed, dict(feed), None
+        return
+    part = segments[0].part
+
+    def run(index: int, env: dict) -> dict:
+        try:
+            return part.run(env)
+        except RunError as exc:
+            exc.index = index
+            raise
+
+    with ThreadPoolExecutor(1, thread_name_prefix="qpasses-calibrate") as pool:
+        waiting = None
+        for index, feed in feeds:
+            env = dict(feed)
+            running = (index, feed, env, pool.submit(run, index, env))
+            if waiting is not None:
+                yield waiting[:3] + (waiting[3].result(),)
+            waiting = running
+        if waiting is not None:
+            yield waiting[:3] + (waiting[3].result(),)
+
+
 def _measure(plan: _Plan, segments, index: int, env: dict, feed: dict | None, stats: dict,
-             names: list[str] | None = None) -> None:
+             names: list[str] | None = None, ran: dict | None = None) -> None:
     """Run one sample (``env``, updated in place) through ``segments`` and update the statistics
-    of ``names`` (default: all); ``feed``: the sample's feed when its graph inputs are measured here."""
+    of ``names`` (default: all); ``feed``: the sample's feed when its graph inputs are measured here;
+    ``ran``: the first segment's outputs on it, when they were run already (``_run_ahead``)."""
     use_hist = not plan.minmax
     if use_hist and feed is not None:
         for name in plan.inputs:
             stats[name].update(feed[name])
     current, small = {}, []
     try:
-        for segment in segments:
-            for name, value in segment.run(env):   # one segment's values at a time
+        for k, segment in enumerate(segments):
+            for name, value in segment.run(env, ran if k == 0 else None):   # one segment's values at a time
                 if not use_hist:
                     current[name] = value
                 elif np.size(value) <= SMALL_TENSOR and hasattr(stats[name], "defer"):

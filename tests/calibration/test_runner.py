@@ -1,6 +1,7 @@
 """Calibration runner: big-weight models run segment-outer (one onnxruntime session at a time over
 every sample) and measure exactly what the sample-outer run over the same segments measures."""
 import io
+import threading
 
 import numpy as np
 import onnx
@@ -207,3 +208,31 @@ def test_one_session_keeps_the_first_feeds_and_float_outputs(monkeypatch):
     unbuilt = KeptSamples(3)   # min/max: a part that computes an output but measures nothing gets no
     runner.collect_stats(from_proto(proto), feeds, kept=unbuilt)   # session, so none are kept
     assert unbuilt.feeds == []
+
+
+@pytest.mark.parametrize("method", ["minmax", "entropy"])
+def test_a_one_session_model_runs_the_next_sample_ahead_with_the_same_statistics(monkeypatch, method):
+    """The next sample runs in onnxruntime while this one's statistics are taken: the same counts
+    as running each sample in turn, and a sample onnxruntime rejects is still the one named."""
+    from qpasses.errors import CalibrationDataError
+
+    proto = _layered()
+    feeds = [random_feed(proto, seed=s) for s in range(5)]
+    threads = []
+    run = segments.Part.run
+    monkeypatch.setattr(segments.Part, "run", lambda self, env: threads.append(threading.current_thread()) or run(self, env))
+    ahead, count = runner.collect_stats(from_proto(proto), feeds, method=method)
+    assert count == 5 and len(threads) == 5 and threading.main_thread() not in threads
+    monkeypatch.setattr(runner, "_run_ahead", lambda segs, fs: ((i, f, dict(f), None) for i, f in fs))
+    inline, _ = runner.collect_stats(from_proto(proto), feeds, method=method)
+    assert len(threads) == 10 and threads[-1] is threading.main_thread()
+    assert list(ahead) == list(inline)
+    for name in inline:
+        assert (ahead[name].min, ahead[name].max, ahead[name].samples) == (inline[name].min, inline[name].max,
+                                                                           inline[name].samples)
+        if method == "entropy":
+            assert np.array_equal(ahead[name].hist.counts, inline[name].hist.counts)
+    monkeypatch.undo()
+    feeds[3]["x2"] = np.ones((1, WIDTH + 1), np.float32)
+    with pytest.raises(CalibrationDataError, match="sample 3"):
+        runner.collect_stats(from_proto(proto), feeds, method=method)
