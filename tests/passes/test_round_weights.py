@@ -335,25 +335,6 @@ def test_codes_that_score_lower_than_round_to_nearest_are_not_kept():
     assert any("round-weights" in why for why in loose.quant["w"].why)
 
 
-def test_the_check_reads_the_float_outputs_calibrate_kept(monkeypatch):
-    """The same verdict with no float run when calibrate kept the check's feeds (KeptSamples)."""
-    from qpasses.evaluation.evaluate import Reference
-
-    feeds, verdicts = _half_silent_feeds(16), []
-    for kept in (False, True):
-        model = model_from_text(NARROW)
-        ctx = RunContext(A16W8, feeds)
-        run_passes("annotate-types,calibrate,compute-qparams", model, ctx=ctx)
-        model.decisions["precision_search"] = {"metric": "snr", "feeds": 8}
-        if kept:
-            monkeypatch.setattr(Reference, "run", lambda *a, **k: pytest.fail("the float model ran again"))
-        else:
-            ctx = RunContext(A16W8, feeds)
-        run_pipeline(model, "round-weights{samples=2,min_rows=0}", ctx=ctx)
-        verdicts.append(ctx.findings.as_dict()["round-weights"]["checked"])
-    assert verdicts[0] == verdicts[1] and verdicts[0]["feeds"] == 8
-
-
 def test_serial_blas_runs_one_thread_and_chooses_the_same_codes():
     from threadpoolctl import threadpool_info
 
