@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..calibration.kept import KeptSamples
 from ..evaluation.evaluate import Reference
 from ..evaluation.objective import Objective
 from ..executors.scoring import trial_runs
@@ -133,10 +132,9 @@ def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then, sam
     search = model.decisions.get(PRECISION_SEARCH, {})
     start = (model.decisions.get("calibration", {}).get("held_out_from") or 0 if search.get("held_out") else 0)
     start = max(start + search.get("feeds", 0), after)
-    kept = ctx.cache.get(KeptSamples.CACHE_KEY)   # calibrate's float outputs: no second float run on those
-    reference = Reference.for_rest(model, ctx.calibration_data, kept, start, False, samples)
+    reference = Reference.for_rest(model, ctx.calibration_data, None, start, False, samples)
     if reference is None:   # no feed left after those
-        start, reference = 0, Reference.for_rest(model, ctx.calibration_data, kept, 0, False, samples)
+        start, reference = 0, Reference.for_rest(model, ctx.calibration_data, None, 0, False, samples)
     objective = Objective(search.get("metric", ctx.config.accuracy.metric), model=model.to_proto(metadata=False))
 
     def edit(trial: QModel) -> None:
