@@ -68,6 +68,13 @@ REGRESSIONS = [
         r = Add (x, k)
         y = Mul (r, j)
      }""", {"tensor_overrides": {"r": [{"scale": 0.01, "zero_point": 3}]}, "mixed_precision": {"y": "uint16"}}),
+    ("an int8 DQ before an excluded Reshape at opset 21: onnxruntime could not load the model (its QDQ propagation)",
+     """<ir_version: 10, opset_import: ["" : 21]>
+     fuzz (float[1,2] x) => (float[?,?] y) <float[2,1] w = {0.5, -0.25}, int64[2] shp = {1,-1}> {
+        [Gemm_0] g = Gemm (x, w)
+        [Relu_2] r = Relu (g)
+        [Reshape_1] y = Reshape (r, shp)
+     }""", {"nodes_to_exclude": ["Reshape_1"], "activation_type": "int8"}),
 ]
 
 
