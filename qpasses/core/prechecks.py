@@ -21,6 +21,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..errors import ConfigError, ModelError
+from ..quant.oprules import QDQ_PROPAGATED
 from .instruments import Instrument
 
 FLOAT32_LIMIT = float(np.finfo(np.float32).max) / 2   # a range [-x, x] must fit in float32
@@ -134,6 +135,15 @@ def _read_type(model, name: str, node) -> str | None:
     return tq.qtype
 
 
+def _moved_from(model, node) -> tuple[str, str | None]:
+    """The tensor a MaxPool reads through a chain of float movers, and the type it is read as (None:
+    not quantized)."""
+    reader, t = node, node.inputs[0]
+    while t.name not in model.quant and len(t.inputs) == 1 and t.inputs[0].op in QDQ_PROPAGATED and t.inputs[0].inputs:
+        reader, t = t.inputs[0], t.inputs[0].inputs[0]
+    return t.name, _read_type(model, t.name, reader)
+
+
 def unloadable_4bit(model) -> list[str]:
     """Nodes reading a 4-bit activation that onnxruntime fuses into a kernel without 4-bit types
     (in the main graph and in its If/Loop/Scan bodies)."""
@@ -152,6 +162,10 @@ def unloadable_4bit(model) -> list[str]:
             continue
         x = node.inputs[0].name
         qt = _read_type(model, x, node)
+        through = ""
+        if node.op == "MaxPool" and qt is None:   # onnxruntime moves a DQ down to it through float movers
+            x, qt = _moved_from(model, node)
+            through = " through float Reshape/Transpose/... nodes, which onnxruntime moves its DequantizeLinear past"
         if node.op == "MaxPool" and qt not in FOUR_BIT and written in FOUR_BIT:
             problems.append(f"node '{node.name}' (MaxPool) writes '{out}' as {written} (onnxruntime moves "
                             f"the quantization before it; MaxPool has no {written} kernel)")
@@ -167,5 +181,5 @@ def unloadable_4bit(model) -> list[str]:
             kernel = "QLinearConv"
         else:
             kernel = "MaxPool"
-        problems.append(f"node '{node.name}' ({node.op}) reads '{x}' as {qt} ({kernel} has no {qt} kernel)")
+        problems.append(f"node '{node.name}' ({node.op}) reads '{x}' as {qt}{through} ({kernel} has no {qt} kernel)")
     return problems

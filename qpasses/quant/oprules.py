@@ -35,6 +35,9 @@ FLOAT_WEIGHT_OPS = frozenset({"Conv", "ConvTranspose", "Gemm"})
 # them (QLinearConv); a MatMul or Gemm with a float output still runs MatMulIntegerToFloat or QGemm
 OUTPUT_QUANTIZED_OPS = frozenset({"Conv", "ConvTranspose"})
 Q_OP, DQ_OP = "QuantizeLinear", "DequantizeLinear"
+# ops onnxruntime's QDQ propagation moves a DequantizeLinear past when their output is float
+# (measured on 1.32: qpasses/quant/int8_movers.py, core/prechecks.py)
+QDQ_PROPAGATED = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Slice"})
 QDQ_OPS = frozenset({Q_OP, DQ_OP})
 
 ACTIVATION, WEIGHT, BIAS, FLOAT = "activation", "weight", "bias", "float"

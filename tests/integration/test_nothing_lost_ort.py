@@ -97,6 +97,17 @@ def _conv_then_relus():
         }""", opset=13)
 
 
+def _reshape_then_pool():
+    """Found by the 4-bit fuzz: a float Reshape between a quantized Relu and a float MaxPool."""
+    return parse("""
+        fuzz (float[1,1] x1) => (float[?,?,?,?] relu_9) <int64[4] shape4 = {1,1,1,1}> {
+            [Relu_3] relu_2 = Relu (x1)
+            [Reshape_6] resh_5 = Reshape (relu_2, shape4)
+            [MaxPool_8] maxp_7 = MaxPool <kernel_shape = [1, 1]> (resh_5)
+            [Relu_10] relu_9 = Relu (maxp_7)
+        }""", opset=13)
+
+
 REFUSED = [
     ("uint4 activations into Conv", convs, {"activation_type": "uint4"}, "QLinearConv has no uint4 kernel"),
     ("int4 activations into Conv", convs, {"activation_type": "int4"}, "QLinearConv has no int4 kernel"),
@@ -111,6 +122,8 @@ REFUSED = [
     ("uint4 activations into a Conv in an If branch", _conv_in_if, {"activation_type": "uint4"},
      "node 't_conv' (Conv) reads 't_r' as uint4"),
     ("a uint4 MaxPool output", _pool_output_only, {"activation_type": "uint4"}, "(MaxPool) writes 'maxp_2' as uint4"),
+    ("uint4 into MaxPool through a float Reshape", _reshape_then_pool,
+     {"activation_type": "uint4", "nodes_to_quantize": ["Relu_3"]}, "reads 'relu_2' as uint4 through float Reshape"),
     ("a Clip before a uint4 QuantizeLinear", _clip_then_conv, {"activation_type": "uint4", "weight_type": "int16"},
      "(Clip) writes 'clip_10' as uint4"),
 ]

@@ -43,6 +43,20 @@ def test_the_mover_gets_a_pair_and_the_model_loads_with_the_same_values(op):
     assert requantize_movers(model) == []   # its output is quantized now
 
 
+def test_a_chain_of_movers_gets_a_pair_after_each():
+    proto = parser.parse_model("""<ir_version: 10, opset_import: ["" : 21]>
+    g (float[1,4] x) => (float[1,1,2,2] y) <float s = {0.05}, int8 z = {3}, int64[4] shape = {1, 1, 2, 2}> {
+        q = QuantizeLinear (x, s, z)
+        d = DequantizeLinear (q, s, z)
+        r = Reshape (d, shape)
+        y = MaxPool <kernel_shape = [2, 2], pads = [0, 0, 1, 1], strides = [1, 1]> (r)
+    }""")
+    model = from_proto(proto)
+    assert sorted(requantize_movers(model)) == sorted(n.name for n in model.graph.nodes if n.op in ("Reshape", "MaxPool"))
+    exact = _run(proto, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    np.testing.assert_array_equal(_run(model.to_proto(), ort.GraphOptimizationLevel.ORT_ENABLE_ALL)[0], exact[0])
+
+
 @pytest.mark.parametrize("opset, zero", [(19, "int8 z = {3}"), (21, "uint8 z = {131}")])
 def test_older_opsets_and_uint8_are_left_alone(opset, zero):
     model = from_proto(_model("Reshape", opset, zero))
