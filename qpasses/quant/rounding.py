@@ -92,7 +92,7 @@ def paired_rows(arrays: list, geo: Geometry, rng: np.random.Generator, most: int
         xs = [_spread(x, geo.upsample) for x in xs]
     n, c, height, width = xs[0].shape
     begins, ends = conv_pads(geo.auto_pad, geo.pads, (height, width), geo.kernel, geo.strides, geo.dilations)
-    (kh, kw), (sh, sw), (dh, dw) = geo.kernel, geo.strides, geo.dilations
+    (kh, kw), (sh, sw) = geo.kernel, geo.strides
     span_h, span_w = _spans(geo)
     xps = [_padded(x, begins, ends) for x in xs]
     if xps[0].shape[2] < span_h or xps[0].shape[3] < span_w:
