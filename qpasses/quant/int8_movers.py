@@ -27,6 +27,7 @@ def requantize_movers(model) -> list[str]:
     if model.opset < FIRST_OPSET:
         return []
     namer, place, done = new_namer(model), Placement(model.graph), []
+    outputs = {t.name for t in model.graph.outputs}
     waiting = [n for n in model.graph.nodes if n.op == DQ_OP and _int8_activation(n)]
     while waiting:
         dq = waiting.pop()
@@ -34,8 +35,8 @@ def requantize_movers(model) -> list[str]:
             if node.op not in MOVERS or not in_default_domain(node) or node.inputs[0] is not dq.outputs[0]:
                 continue
             out = node.outputs[0]
-            if any(reader.op == Q_OP for reader in out.outputs):
-                continue
+            if out.outputs and all(r.op == Q_OP for r in out.outputs) and out.name not in outputs:
+                continue   # quantized: onnxruntime moves nothing (a float reader beside a Q still breaks it)
             moved = gs.Variable(namer(f"{out.name}_float"), dtype=out.dtype, shape=out.shape)
             node.outputs[0] = moved
             codes = gs.Variable(namer(f"{out.name}_quantized"), dtype=np.int8, shape=out.shape)

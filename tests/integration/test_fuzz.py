@@ -75,6 +75,16 @@ REGRESSIONS = [
         [Relu_2] r = Relu (g)
         [Reshape_1] y = Reshape (r, shp)
      }""", {"nodes_to_exclude": ["Reshape_1"], "activation_type": "int8"}),
+    ("an int8 convert before a Reshape whose Conv reads it float: its dead Q/DQ went, so onnxruntime could not load it",
+     """
+     fuzz (float[1,1] x1) => (float[?,?] relu_2, float[?,?,?,?] conv_10) <int64[4] shape6 = {1,1,1,1},
+                                                                           float[1,1,1,1] w9 = {0.12573022}> {
+        [Relu_3] relu_2 = Relu (x1)
+        [Relu_5] relu_4 = Relu (x1)
+        [Reshape_8] resh_7 = Reshape (relu_4, shape6)
+        [Conv_11] conv_10 = Conv <kernel_shape = [1, 1]> (resh_7, w9)
+     }""", {"op_types_to_quantize": ["Gemm"], "activation_type": "uint16", "mixed_precision": {"relu_4": "int8"},
+            "weight_type": "uint4"}),
 ]
 
 
