@@ -14,6 +14,7 @@ MatMul/Gemm/dense Conv, G = channels for a depthwise Conv) with H [G, K, K].
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,12 +93,12 @@ def paired_rows(arrays: list, geo: Geometry, rng: np.random.Generator, most: int
         xs = [_spread(x, geo.upsample) for x in xs]
     n, c, height, width = xs[0].shape
     begins, ends = conv_pads(geo.auto_pad, geo.pads, (height, width), geo.kernel, geo.strides, geo.dilations)
-    (kh, kw), (sh, sw) = geo.kernel, geo.strides
+    kh, kw = geo.kernel
     span_h, span_w = _spans(geo)
     xps = [_padded(x, begins, ends) for x in xs]
     if xps[0].shape[2] < span_h or xps[0].shape[3] < span_w:
         return [np.zeros((geo.groups, geo.k, 0), np.float32) for _ in xs]
-    oh, ow = (xps[0].shape[2] - span_h) // sh + 1, (xps[0].shape[3] - span_w) // sw + 1
+    oh, ow = _out_sizes(xps[0].shape[2:], geo)
     pick = _pick(n * oh * ow, _row_budget(geo, c * kh * kw, most), rng)
     at = None
     if len(pick) < n * oh * ow:   # the (sample, y, x) of each row picked
@@ -134,11 +135,12 @@ def most_rows(shape, geo: Geometry) -> int:
     sizes = [1, shape[-1]] if len(shape) == 3 else list(shape[2:])
     sizes = [(size - 1) * u + 1 for size, u in zip(sizes, geo.upsample)] if geo.upsample else sizes
     begins, ends = conv_pads(geo.auto_pad, geo.pads, tuple(sizes), geo.kernel, geo.strides, geo.dilations)
-    positions = int(shape[0])
-    for size, b, e, span, stride in zip(sizes, begins, ends, _spans(geo), geo.strides):
-        padded = size + b + e
-        positions *= (padded - span) // stride + 1 if padded >= span else 0
-    return min(budget, positions)
+    return min(budget, int(shape[0]) * math.prod(_out_sizes([s + b + e for s, b, e in zip(sizes, begins, ends)], geo)))
+
+
+def _out_sizes(padded, geo: Geometry) -> list[int]:
+    """A conv's output positions on each spatial axis of an input ``padded`` to these sizes."""
+    return [(p - span) // s + 1 if p >= span else 0 for p, span, s in zip(padded, _spans(geo), geo.strides)]
 
 
 def _spans(geo: Geometry) -> tuple[int, int]:
