@@ -49,7 +49,7 @@ class Checks:
         self.speculated: dict = {}   # rounds of speculative tasks, for speculate.LAST
         self.local_db, self.ranking = None, []   # root -> local error in dB; the roots, largest first
         self.aimed = ""   # which order the aim took
-        self.op_table = None   # pattern -> picoseconds a weighted op loses per multiply-accumulate in float
+        self.shares: dict = {}   # keep_8bit -> EightBitShare (the model does not change during the search)
 
     def check(self, promoted: list[str]) -> float:
         """The objective (worst component) on the held-out feeds with ``promoted`` kept at the fallback."""
@@ -213,10 +213,11 @@ class Checks:
         return [local, graph_order(self.model, self.groups, local)]
 
     def _share(self, keep: float):
-        if self.op_table is None:   # the table shipped, or this machine's timings of the model's patterns
-            self.op_table = (op_costs.measured(filter(None, map(op_costs.pattern, weighted_ops(self.model))))
-                             if self.options.cost == "measured" else op_costs.shipped())
-        return eight_bit_share(self.model, self.groups, keep, self.op_table)
+        if keep not in self.shares:   # on the table shipped, or this machine's timings of the model's patterns
+            table = (op_costs.measured(filter(None, map(op_costs.pattern, weighted_ops(self.model))))
+                     if self.options.cost == "measured" else None)
+            self.shares[keep] = eight_bit_share(self.model, self.groups, keep, table)
+        return self.shares[keep]
 
     def int8_share(self, chosen: list[str]) -> float:
         """The share of the weighted ops' float-vs-int8 latency that stays int8 with ``chosen`` promoted."""
