@@ -87,9 +87,15 @@ def compare(source: Path, output: Path, data, runs: int = RUNS) -> dict:
         mine_ms, theirs_ms = interleaved_latencies([output, theirs], feed, runs)
         mine_mb, theirs_mb = model_bytes(output) / 1e6, model_bytes(theirs) / 1e6
     return {"onnxruntime": f"quantize_static QDQ U8S8 {'per-channel' if per_channel else 'per-tensor'} MinMax",
-            "latency_ms": round(mine_ms, 3), "onnxruntime_latency_ms": round(theirs_ms, 3),
+            "latency_ms": _figures(mine_ms), "onnxruntime_latency_ms": _figures(theirs_ms),
             "latency_ratio": round(mine_ms / theirs_ms, 3), "size_mb": round(mine_mb, 6),
             "onnxruntime_size_mb": round(theirs_mb, 6), "size_ratio": round(mine_mb / theirs_mb, 3), "runs": runs}
+
+
+def _figures(value: float, digits: int = 4) -> float:
+    """``value`` to ``digits`` significant figures: a sub-millisecond latency kept to three decimals
+    read 0.016 against 0.025 ms, a ratio 1 % off the one computed from the times."""
+    return float(f"{value:.{digits}g}")
 
 
 def line(result: dict) -> str:
