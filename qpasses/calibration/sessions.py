@@ -19,11 +19,12 @@ class RunError(Exception):
 
 
 def ort_session(model, opts=None, *, log: int = 3, optimization: str | None = None,
-                optimized_to=None, threads: int | None = None):
+                optimized_to=None, threads: int | None = None, float_only: bool = False):
     """An onnxruntime CPU session of ``model`` (serialised bytes or a path), with ``opts`` (new
     options by default): logging at severity ``log`` and up, graph optimizations at ``optimization``
     ("none", "extended", "all"; None: onnxruntime's default), the optimized graph saved to
-    ``optimized_to``, and ``threads`` threads (intra- and inter-op). Its threads wait without
+    ``optimized_to``, and ``threads`` threads (intra- and inter-op); ``float_only``: no Q/DQ fusion
+    into integer kernels, whatever the level (session.disable_quant_qdq). Its threads wait without
     spinning: qpasses runs a model many times with Python work between the runs (statistics,
     scores, the next trial), which spinning threads take the cores from (yolo_detector's default
     pipeline: 52 -> 34 s, 39 -> 23 s of CPU, on two busy cores; the same outputs)."""
@@ -36,6 +37,8 @@ def ort_session(model, opts=None, *, log: int = 3, optimization: str | None = No
         opts.graph_optimization_level = {"none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
                                          "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
                                          "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[optimization]
+    if float_only:
+        opts.add_session_config_entry("session.disable_quant_qdq", "1")
     if optimized_to is not None:
         opts.optimized_model_filepath = str(optimized_to)
     if threads is not None:

@@ -18,7 +18,7 @@ from ..ir.model import QModel, constant_bytes, load, load_external_data, max_ort
 from .scored_runs import ScoredRuns
 
 
-def session(model, *, optimize: bool = True, threads: int | None = None):
+def session(model, *, optimize: bool = True, threads: int | None = None, float_only: bool = False):
     """An onnxruntime CPU session for a QModel, ModelProto, bytes or path (``optimize=False``: no
     graph optimizations, so Q/DQ pairs run as written instead of as fused integer kernels; a
     quantized model is judged in ``judging_session``; ``threads``: onnxruntime's, None: its default)."""
@@ -28,7 +28,7 @@ def session(model, *, optimize: bool = True, threads: int | None = None):
         model = model.SerializeToString()
     try:
         return ort_session(model if isinstance(model, bytes) else str(model), optimization=None if optimize else "none",
-                           threads=threads)
+                           threads=threads, float_only=float_only)
     except Exception:
         if isinstance(model, bytes):
             raise
@@ -36,20 +36,40 @@ def session(model, *, optimize: bool = True, threads: int | None = None):
         if proto.ir_version <= max_ort_ir_version():
             raise
         load_external_data(proto, Path(model).parent)
-        return session(load(proto), optimize=optimize, threads=threads)
+        return session(load(proto), optimize=optimize, threads=threads, float_only=float_only)
+
+
+JUDGED_FOLDING_BYTES = 256 * 2**20   # models from this size on are judged unoptimized (see judging_session)
 
 
 def judging_session(model):
     """The session every judgement of a quantized model runs in (select-by-snr's variants,
-    search-precision's checks, quantize-silu, round-weights): onnxruntime without graph
-    optimizations, each Q/DQ as written and every other op in float. onnxruntime's fused integer
+    search-precision's checks, quantize-silu, round-weights): each Q/DQ as written, never fused into
+    onnxruntime's integer kernels (session.disable_quant_qdq), and every other op in float. Those
     kernels differ by CPU (without VNNI, U8S8 pair sums saturate in int16); this simulation does
-    not, so the same model, data and config give the same decisions on every CPU. It runs on one
-    thread, as float kernels may round differently on another number (yolo_detector's
-    select-by-snr read 7.68 dB on 2 threads, 7.66 on 1), so the scores do not depend on the cores
-    either; the cores run feeds side by side instead (``run_feeds``: yolo_detector's 8 check feeds
-    0.43 -> 0.22 s on 2 cores)."""
+    not, so the same model, data and config give the same decisions on every CPU. onnxruntime's
+    float optimizations do run (NCHWc convolutions, fused activations, weight DQs folded to the
+    same float values): a judged run of yolo_detector's trials 26 -> 19 ms, bert_encoder's
+    4 -> 1.5 ms, for about 25 ms more per session. A model of JUDGED_FOLDING_BYTES or more (its
+    folded weights are float copies, 4x their int8 bytes), or one the optimizer refuses, runs
+    unoptimized. It runs on one thread, as float kernels may round differently on another number
+    (yolo_detector's select-by-snr read 7.68 dB on 2 threads, 7.66 on 1), so the scores do not
+    depend on the cores either; the cores run feeds side by side instead (``run_feeds``)."""
+    if _serialized_bytes(model) < JUDGED_FOLDING_BYTES:
+        try:
+            return session(model, threads=1, float_only=True)
+        except Exception:   # the unoptimized session says what is wrong, if anything is
+            pass
     return session(model, optimize=False, threads=1)
+
+
+def _serialized_bytes(model) -> int:
+    """About the bytes of ``model`` (a QModel, ModelProto, bytes or path) serialised."""
+    if isinstance(model, QModel):
+        return constant_bytes(model.graph)
+    if isinstance(model, onnx.ModelProto):
+        return model.ByteSize()
+    return len(model) if isinstance(model, bytes) else Path(model).stat().st_size
 
 
 def run_feeds(sess, names: list[str], feeds: list[dict]) -> list[list]:
