@@ -13,7 +13,7 @@ from ..calibration import segments
 from ..calibration.data import InputSpec, validate
 from ..calibration.sessions import ort_session
 from ..errors import CalibrationDataError, ModelError
-from ..executors.threads import in_order
+from ..executors.threads import in_order, thread_count
 from ..ir.model import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
 from .scored_runs import ScoredRuns
 
@@ -283,8 +283,9 @@ class Reference:
         """Run the reference model on ``feeds`` (at most ``max_samples``; stop after ``min_samples``
         once the outputs hold ``enough_values`` values). A QModel with more than CHUNK_NODES nodes
         or IN_MEMORY_BYTES of weights runs through the segmented executor (a chain of sessions,
-        weights handed over as arrays: no serialised copy, and no 2 GB limit). An onnxruntime
-        session is run as it is."""
+        weights handed over as arrays: no serialised copy, and no 2 GB limit). Another model runs
+        on one onnxruntime thread, feeds side by side (``run_feeds``): its outputs do not depend on
+        the number of cores. An onnxruntime session is run as it is."""
         if is_session(reference_model):
             ref_sess = reference_model
             names = [o.name for o in ref_sess.get_outputs()]
@@ -297,19 +298,26 @@ class Reference:
         else:
             if isinstance(reference_model, QModel):
                 reference_model = reference_model.to_proto(metadata=False)
-            ref_sess = session(reference_model)
+            ref_sess = session(reference_model, threads=1)   # feeds side by side, as judged runs
             names = [o.name for o in ref_sess.get_outputs()]
             specs = session_inputs(ref_sess)
             inputs = [i.name for i in ref_sess.get_inputs()]
+        side_by_side = not isinstance(ref_sess, segments.SegmentedSession)
+        source, rest = getattr(feeds, "source", ""), iter(feeds)
         kept, outs = [], []
-        for index, feed in enumerate(feeds):
-            if max_samples is not None and index >= max_samples:
+        while max_samples is None or len(kept) < max_samples:
+            room = thread_count() if side_by_side else 1
+            if max_samples is not None:
+                room = min(room, max_samples - len(kept))
+            batch = [validate(feed, specs, len(kept) + i, source)   # cast/reshape like calibration
+                     for i, feed in enumerate(itertools.islice(rest, room))]
+            if not batch:
                 break
-            feed = validate(feed, specs, index, getattr(feeds, "source", ""))  # cast/reshape like calibration
-            kept.append(feed)
-            outs.append(ref_sess.run(names, feed))
-            if enough_values and len(outs) >= min_samples and len(outs) * sum(map(np.size, outs[0])) >= enough_values:
-                break
+            for feed, out in zip(batch, run_feeds(ref_sess, names, batch)):
+                kept.append(feed)
+                outs.append(out)
+                if enough_values and len(outs) >= min_samples and len(outs) * sum(map(np.size, outs[0])) >= enough_values:
+                    return cls(names, inputs, kept, outs)
         return cls(names, inputs, kept, outs)
 
     def score(self, test_model, *, judged: bool = False, objective=None, per_output: bool = True,
