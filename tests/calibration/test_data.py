@@ -39,6 +39,21 @@ def test_npz_file(tmp_path):
     assert _as_list(data) == xs.tolist()  # re-iterable
 
 
+@pytest.mark.parametrize("keep_bytes, loads", [(2**20, 1), (0, 3)])
+def test_npz_decompressed_once_per_run_when_small(tmp_path, monkeypatch, keep_bytes, loads):
+    from qpasses.calibration import data as data_module
+    path = tmp_path / "c.npz"
+    np.savez_compressed(path, x=_samples(4))
+    monkeypatch.setattr(data_module, "KEEP_NPZ_BYTES", keep_bytes)
+    reads = []
+    real = data_module._npz_arrays
+    monkeypatch.setattr(data_module, "_npz_arrays", lambda p: reads.append(p) or real(p))
+    data = open_data(path)
+    readings = [_as_list(data) for _ in range(3)]
+    assert readings[0] == readings[1] == readings[2] == _samples(4).tolist()
+    assert len(reads) == loads
+
+
 def test_npz_folder_sorted_by_name(tmp_path):
     xs = _samples(5)
     np.savez(tmp_path / "b.npz", x=xs[2:])
