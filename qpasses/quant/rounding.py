@@ -368,21 +368,26 @@ def round_codes(w: np.ndarray, scale: np.ndarray, zero: np.ndarray, qmin, qmax,
     if dead_to_zero:
         w[gi, :, ki] = 0.0
     u = upper_inverse_cholesky(h, damping)
-    codes = np.empty_like(w)
+    # column-major copies [K, G, R]: a column, and the columns after it, are contiguous blocks
+    wt, codes = np.ascontiguousarray(w.transpose(2, 0, 1)), np.empty((k, g, r))
+    lo_t, hi_t, st = lo.transpose(2, 0, 1), hi.transpose(2, 0, 1), s[..., 0]
+    ut, diag = u.transpose(1, 2, 0)[..., None], np.diagonal(u, axis1=1, axis2=2)[..., None]   # ut[c, t]: u[:, c, t]
+    err, spread, tmp = np.empty((BATCH, g, r)), np.empty((BATCH, g, r)), np.empty((g, r))
     for c1 in range(0, k, BATCH):
         c2 = min(c1 + BATCH, k)
-        block, err = w[:, :, c1:c2], np.empty((g, r, c2 - c1))
-        for j in range(c2 - c1):
-            col = block[:, :, j:j + 1]
-            c = c1 + j
-            q = np.clip(np.rint(col / s), lo[:, :, c:c + 1], hi[:, :, c:c + 1])
-            codes[:, :, c:c + 1] = q
-            e = (col - q * s) / u[:, None, c, c, None]
-            block[:, :, j + 1:] -= e * u[:, None, c, c + 1:c2]
-            err[:, :, j:j + 1] = e
-        if c2 < k:
-            w[:, :, c2:] -= err @ u[:, c1:c2, c2:]
-    return codes + z
+        for c in range(c1, c2):
+            col, q, e, later = wt[c], codes[c], err[c - c1], wt[c + 1:c2]
+            np.divide(col, st, out=q)
+            np.rint(q, out=q)
+            np.clip(q, lo_t[c], hi_t[c], out=q)
+            np.multiply(q, st, out=tmp)
+            np.subtract(col, tmp, out=tmp)
+            np.divide(tmp, diag[:, c], out=e)
+            np.multiply(e, ut[c, c + 1:c2], out=spread[:len(later)])
+            np.subtract(later, spread[:len(later)], out=later)
+        if c2 < k:   # the same product, in the same layout, as on [G, R, K] rows
+            wt[c2:] -= (np.ascontiguousarray(err[:c2 - c1].transpose(1, 2, 0)) @ u[:, c1:c2, c2:]).transpose(2, 0, 1)
+    return np.ascontiguousarray(codes.transpose(1, 2, 0)) + z
 
 
 def refine_codes(codes: np.ndarray, goal: np.ndarray, lo, hi, h: np.ndarray, sweeps: int) -> tuple[np.ndarray, int]:
