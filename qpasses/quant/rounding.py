@@ -73,20 +73,22 @@ def conv_geometry(attrs: dict, weight_shape: tuple, transposed: bool = False) ->
     return Geometry("conv", k, groups, kernel, strides, pads, dilations, auto_pad_of(attrs), upsample)
 
 
-def input_rows(x: np.ndarray, geo: Geometry, rng: np.random.Generator) -> np.ndarray:
-    """[G, K, R] float32 columns of ``x`` as the layer reads them (R rows: tokens or receptive
-    fields), at most ROW_ELEMENTS / ROW_FLOPS worth, sampled without replacement when there are more."""
-    return paired_rows([x], geo, rng)[0]
+def input_rows(x: np.ndarray, geo: Geometry, rng: np.random.Generator, dtype=np.float32) -> np.ndarray:
+    """[G, K, R] columns of ``x`` as the layer reads them (R rows: tokens or receptive fields), at
+    most ROW_ELEMENTS / ROW_FLOPS worth, sampled without replacement when there are more; the float32
+    values, as ``dtype`` (C order)."""
+    return paired_rows([x], geo, rng, dtype=dtype)[0]
 
 
-def paired_rows(arrays: list, geo: Geometry, rng: np.random.Generator, most: int = 0) -> list[np.ndarray]:
+def paired_rows(arrays: list, geo: Geometry, rng: np.random.Generator, most: int = 0,
+                dtype=np.float32) -> list[np.ndarray]:
     """input_rows of arrays of one shape (a layer's input in two models) at the same sampled rows
     (``most`` of them when given, whatever the multiply-adds)."""
     xs = [np.asarray(x, np.float32) for x in arrays]
     if geo.kind == "dense":
         rows = [x.reshape(-1, x.shape[-1]) for x in xs]
         pick = _pick(len(rows[0]), _row_budget(geo, None, most), rng)
-        return [np.ascontiguousarray(r[pick].T)[None] for r in rows]
+        return [np.ascontiguousarray(r[pick].T, dtype=dtype)[None] for r in rows]
     if xs[0].ndim == 3:   # a 1-D conv (conv_geometry made it 2-D with height 1)
         xs = [x[:, :, None, :] for x in xs]
     if geo.upsample:
@@ -97,28 +99,29 @@ def paired_rows(arrays: list, geo: Geometry, rng: np.random.Generator, most: int
     span_h, span_w = _spans(geo)
     xps = [_padded(x, begins, ends) for x in xs]
     if xps[0].shape[2] < span_h or xps[0].shape[3] < span_w:
-        return [np.zeros((geo.groups, geo.k, 0), np.float32) for _ in xs]
+        return [np.zeros((geo.groups, geo.k, 0), dtype) for _ in xs]
     oh, ow = _out_sizes(xps[0].shape[2:], geo)
     pick = _pick(n * oh * ow, _row_budget(geo, c * kh * kw, most), rng)
     at = None
     if len(pick) < n * oh * ow:   # the (sample, y, x) of each row picked
         b, rest = np.divmod(pick, oh * ow)
         at = (b, *np.divmod(rest, ow))
-    return [_fields(xp, geo, oh, ow, at) for xp in xps]
+    return [_fields(xp, geo, oh, ow, at, dtype) for xp in xps]
 
 
-def _fields(xp: np.ndarray, geo: Geometry, oh: int, ow: int, at: tuple | None) -> np.ndarray:
-    """[G, K, R] receptive fields of the padded ``xp`` [N, C, H, W]: every one (``at`` None, in
-    sample, y, x order) or those at (sample, y, x) ``at``; one strided slice per kernel tap."""
+def _fields(xp: np.ndarray, geo: Geometry, oh: int, ow: int, at: tuple | None, dtype) -> np.ndarray:
+    """[G, K, R] receptive fields of the padded ``xp`` [N, C, H, W] as ``dtype``: every one (``at``
+    None, in sample, y, x order) or those at (sample, y, x) ``at``; one strided slice per kernel tap."""
     n, c = xp.shape[:2]
     g, (kh, kw), (sh, sw), (dh, dw) = geo.groups, geo.kernel, geo.strides, geo.dilations
     rows = n * oh * ow if at is None else len(at[0])
-    out = np.empty((g, c // g, kh, kw, rows), xp.dtype)
+    out = np.empty((g, c // g, kh, kw, rows), dtype)
+    every = out.reshape(g, c // g, kh, kw, n, oh, ow) if at is None else None
     for i in range(kh):
         for j in range(kw):
             tap = xp[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw]   # [N, C, oh, ow]
             if at is None:
-                out[:, :, i, j] = tap.reshape(n, g, c // g, oh, ow).transpose(1, 2, 0, 3, 4).reshape(g, c // g, rows)
+                every[:, :, i, j] = tap.reshape(n, g, c // g, oh, ow).transpose(1, 2, 0, 3, 4)
             else:
                 out[:, :, i, j] = tap[at[0], :, at[1], at[2]].T.reshape(g, c // g, rows)
     return out.reshape(g, geo.k, rows)
@@ -160,8 +163,10 @@ def _padded(x: np.ndarray, begins, ends) -> np.ndarray:
     """``x`` zero-padded on its two spatial axes (negative pads crop)."""
     if not any(begins) and not any(ends):
         return x
-    x = np.pad(x, ((0, 0), (0, 0)) + tuple((max(b, 0), max(e, 0)) for b, e in zip(begins, ends)))
-    return x[:, :, max(-begins[0], 0):x.shape[2] - max(-ends[0], 0), max(-begins[1], 0):x.shape[3] - max(-ends[1], 0)]
+    (top, left), (bottom, right) = ([max(p, 0) for p in pads] for pads in (begins, ends))
+    out = np.zeros(x.shape[:2] + (x.shape[2] + top + bottom, x.shape[3] + left + right), x.dtype)
+    out[:, :, top:top + x.shape[2], left:left + x.shape[3]] = x
+    return out[:, :, max(-begins[0], 0):out.shape[2] - max(-ends[0], 0), max(-begins[1], 0):out.shape[3] - max(-ends[1], 0)]
 
 
 def _row_budget(geo: Geometry, width: int | None = None, most: int = 0) -> int:
@@ -199,7 +204,7 @@ class Hessian:
             if sum(c.size for c, _ in self._pending) >= ROW_ELEMENTS:
                 self._flush()
             return
-        cols = input_rows(x, self.geo, self.rng).astype(np.float64)   # float32 products' last digits: CPU's BLAS
+        cols = input_rows(x, self.geo, self.rng, np.float64)   # float32 products' last digits: CPU's BLAS
         self.xtx += cols @ cols.transpose(0, 2, 1)
         self.sum += cols.sum(axis=2, dtype=np.float64)
         self.rows += cols.shape[2]
