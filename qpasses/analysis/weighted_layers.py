@@ -135,7 +135,7 @@ def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then, sam
     reference = Reference.for_rest(model, ctx.calibration_data, None, start, False, samples)
     if reference is None:   # no feed left after those
         start, reference = 0, Reference.for_rest(model, ctx.calibration_data, None, 0, False, samples)
-    objective = Objective(search.get("metric", ctx.config.accuracy.metric), model=model.to_proto(metadata=False))
+    objective = Objective(search.get("metric", ctx.config.accuracy.metric), model=model)   # its weights as stubs: not copied
 
     def edit(trial: QModel) -> None:
         tensors = trial.tensors()
