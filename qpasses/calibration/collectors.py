@@ -90,13 +90,10 @@ class Histogram:
         self.lo, self.hi = lo, hi
         if x_lo <= 0.0 <= x_hi:
             self.zeros += int(np.count_nonzero(flat == 0))
-        # x * 2**-e is exact (a power-of-two scale), so its floor is the exact absolute bin index
-        t = np.multiply(flat, flat.dtype.type(math.ldexp(1.0, -e)))
-        np.floor(t, out=t)
-        index = t.astype(np.int64)
-        if self._dense is None and self._keys.size + index.size <= 4 * SPARSE_BINS:
+        scale = flat.dtype.type(math.ldexp(1.0, -e))
+        if self._dense is None and self._keys.size + flat.size <= 4 * SPARSE_BINS:
             # counted over the window [k_lo, k_hi] (fewer than ``bins`` bins), the bins held added in
-            counts = np.bincount(np.clip(index, k_lo, k_hi) - k_lo, minlength=k_hi - k_lo + 1)
+            counts = _bin_counts(flat, scale, k_lo, k_hi - k_lo + 1)
             counts[self._keys - k_lo] += self._vals
             occupied = np.flatnonzero(counts)
             self._keys, self._vals = occupied + k_lo, counts[occupied]
@@ -104,12 +101,7 @@ class Histogram:
                 self._densify()
             return
         self._densify()
-        index -= self.offset
-        counts = np.bincount(index, minlength=self.bins)
-        if counts.size > self.bins:  # cannot happen with exact arithmetic; keep counts total anyway
-            counts[self.bins - 1] += counts[self.bins:].sum()
-            counts = counts[:self.bins]
-        self._dense += counts
+        self._dense += _bin_counts(flat, scale, self.offset, self.bins)
 
     def _densify(self) -> None:
         if self._dense is None:
@@ -196,6 +188,27 @@ class Histogram:
             return edges, counts
         counts = np.concatenate([counts[:j], [self.zeros, counts[j] - self.zeros], counts[j + 1:]])
         return np.insert(edges, j, 0.0), counts
+
+
+CHUNK = 1 << 16   # values binned at once: the temporaries stay in the core's cache (ddddocr_det's
+                  # calibrate: 3.3 -> 2.9 s of CPU on the thread counting, the same counts)
+
+
+def _bin_counts(flat: np.ndarray, scale, start: int, size: int) -> np.ndarray:
+    """Counts of the values x of ``flat`` per bin ``floor(x * scale) - start``, each in [0, size):
+    ``scale`` is a power of two, so ``x * scale`` is exact, and so is the difference of two integers
+    that is an integer in [0, size), even in float32."""
+    counts = np.zeros(size, np.int64)
+    buf = np.empty(min(flat.size, CHUNK), flat.dtype)
+    index = np.empty(buf.size, np.int32)   # bincount counts int32 faster than intp (whose cast costs more)
+    for i in range(0, flat.size, CHUNK):
+        t, k = buf[:flat.size - i], index[:flat.size - i]
+        np.multiply(flat[i:i + CHUNK], scale, out=t)
+        np.floor(t, out=t)
+        t -= start
+        np.copyto(k, t, casting="unsafe")
+        counts += np.bincount(k, minlength=size)
+    return counts
 
 
 def _merged(keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

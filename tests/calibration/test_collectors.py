@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qpasses.calibration.collectors import (Histogram, TensorStats, entropy_range, finalise, kl_thresholds,
+from qpasses.calibration.collectors import (CHUNK, Histogram, TensorStats, entropy_range, finalise, kl_thresholds,
                                             minmax_range, mse_range, percentile_range)
 from qpasses.quant.qparams import dequantize, quantize
 
@@ -48,6 +48,23 @@ def test_histogram_merging_is_exact(parts, bins):
     nz = np.flatnonzero(hist.counts)
     if hist.hi - hist.lo > 2.0 ** -90:
         assert nz[-1] - nz[0] + 1 > bins // 4 or hist.width <= max(abs(hist.lo), abs(hist.hi)) * 2.0**-21
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_large_arrays_are_counted_exactly(dtype):
+    """Arrays of more than CHUNK values (counted a chunk at a time into the dense counts): every
+    value in the bin that brackets it, denormals, zeros and values on bin edges included."""
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal(3 * CHUNK + 5) * 3).astype(dtype)
+    values[:100], values[100:200] = -1e-42 if dtype == np.float32 else -1e-300, 0.0
+    values[200:300] = rng.integers(-700, 700, 100) * 2.0**-8   # on edges of the finer grids
+    first = values[:CHUNK // 2] / 4   # a narrower range first: the grid grows when the rest arrive
+    hist = Histogram(8192)
+    hist.add(first)
+    hist.add(values)
+    both = np.concatenate([first, values])
+    assert hist.total == both.size and hist.zeros == np.count_nonzero(both == 0) >= 200
+    np.testing.assert_array_equal(hist.counts, _exact_counts(hist, both))
 
 
 @SETTINGS
