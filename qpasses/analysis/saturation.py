@@ -330,7 +330,9 @@ class PairSums:
         r, j = np.nonzero(risky_pairs(rows, top))
         self.layer, self.qp, self.shift = layer, qp, 128 if qp.qtype.name == "int8" else 0
         a, b = rows[r, 2 * j], rows[r, 2 * j + 1]   # a risky pair never holds an odd K's padding
-        self.a, self.b, self.sign = np.abs(a), np.abs(b), np.sign(a)   # both codes of a risky pair share a sign
+        # |codes| <= 128 times input codes <= 255: each |sum| fits uint16 (exact, half int32's traffic)
+        self.a, self.b = np.abs(a).astype(np.uint8), np.abs(b).astype(np.uint8)
+        self.sign = np.sign(a)   # both codes of a risky pair share a sign
         self.rows, self.k = r, 2 * j
         self.bound = np.where(a > 0, INT16_MAX, -INT16_MIN)            # the |sum| int16 holds, per pair
         self.cap = (self.bound * limit).astype(np.int64)               # the |sum| taken to saturate
@@ -369,7 +371,9 @@ class PairSums:
         if self.layer.node.op == "Conv" and x.ndim != self.layer.codes.ndim:
             self.unread = True   # not the layout the layer reads: nothing measured
             return
-        codes = np.asarray(quantized_values(x, self.qp), np.int16) + np.int16(self.shift)
+        codes = quantized_values(x, self.qp)
+        if self.shift:   # int8 codes + 128 as uint8: the sign bit flipped
+            codes = np.bitwise_xor(codes.view(np.uint8), np.uint8(self.shift))
         self.last_error = {}   # row -> each output's clipped parts (int64) on this input
         if self.layer.node.op == "Conv":
             self._conv(codes)
@@ -392,7 +396,7 @@ class PairSums:
         dilations = [int(d) for d in node.attrs.get("dilations", [1] * rank)]
         begins, ends = conv_pads(auto_pad_of(node.attrs), node.attrs.get("pads", [0] * 2 * rank), codes.shape[2:],
                                  kernel, strides, dilations)
-        pad = int(self.qp.zero_point[0]) + self.shift
+        pad = np.uint8(int(self.qp.zero_point[0]) + self.shift)
         padded = np.pad(codes, [(0, 0), (0, 0)] + list(zip(begins, ends)), constant_values=pad)
         out = [(n - (k - 1) * d - 1) // s + 1 for n, k, s, d in zip(padded.shape[2:], kernel, strides, dilations)]
 
@@ -434,8 +438,8 @@ class PairSums:
         for start in range(0, pairs.size, step):
             sel = pairs[start:start + step]
             shape[axis] = sel.size
-            sums = np.multiply(self.a[sel].reshape(shape), left(sel), dtype=np.int32)
-            sums += np.multiply(self.b[sel].reshape(shape), right(sel), dtype=np.int32)
+            sums = np.multiply(self.a[sel].reshape(shape), left(sel), dtype=np.uint16)
+            sums += np.multiply(self.b[sel].reshape(shape), right(sel), dtype=np.uint16)
             sums = np.moveaxis(sums, axis, 0).reshape(sel.size, -1)   # [pairs, outputs]: a view when the axes before are 1
             top = sums.max(1)
             self.extreme[sel] = np.maximum(self.extreme[sel], top)
@@ -446,16 +450,19 @@ class PairSums:
                 self._clip(sel[hot], sums if hot.size == sel.size else sums[hot])
 
     def _clip(self, pairs: np.ndarray, sums: np.ndarray) -> None:
-        """Count the ``sums`` ([pairs, outputs], int32, overwritten) past their pair's bound, and add the
-        parts past its cap to their row's outputs' (integer sums: exact in any order)."""
-        self.saturated += int(np.count_nonzero(sums > self.bound[pairs, None].astype(np.int32)))
-        sums -= self.cap[pairs, None].astype(np.int32)
-        np.maximum(sums, 0, out=sums)
-        sums *= self.sign[pairs, None]
-        rows = self.rows[pairs]   # ascending: pairs are taken in row order
-        cuts = np.flatnonzero(rows[1:] != rows[:-1]) + 1
-        for row, start, end in zip(rows[np.r_[0, cuts]].tolist(), np.r_[0, cuts], np.r_[cuts, rows.size]):
-            part = sums[start:end].sum(0, dtype=np.int64)
+        """Count the ``sums`` ([pairs, outputs], |sums|) past their pair's bound, and add the parts past
+        its cap, with its sign, to their row's outputs' (integer sums: exact in any order)."""
+        self.saturated += int(np.count_nonzero(sums > self.bound[pairs, None]))
+        parts = sums.astype(np.int32)
+        parts -= self.cap[pairs, None].astype(np.int32)
+        np.maximum(parts, 0, out=parts)
+        rows, sign = self.rows[pairs], self.sign[pairs]   # rows ascending: pairs are taken in row order
+        cuts = np.flatnonzero((rows[1:] != rows[:-1]) | (sign[1:] != sign[:-1])) + 1   # runs of one row and sign
+        starts, ends = np.concatenate([[0], cuts]), np.concatenate([cuts, [rows.size]])
+        for row, negative, start, end in zip(rows[starts].tolist(), (sign[starts] < 0).tolist(), starts, ends):
+            part = parts[start:end].sum(0, dtype=np.int64)
+            if negative:
+                np.negative(part, out=part)
             if row in self.last_error:
                 self.last_error[row] += part
             else:
