@@ -334,6 +334,8 @@ class PairSums:
         self.a, self.b = np.abs(a).astype(np.uint8), np.abs(b).astype(np.uint8)
         self.sign = np.sign(a)   # both codes of a risky pair share a sign
         self.rows, self.k = r, 2 * j
+        scale = np.float32(qp.scale[0])   # the input's: quantizing keeps the order of values with one finite positive scale
+        self.monotonic = len(qp.scale) == 1 and 0 < scale < np.inf
         self.bound = np.where(a > 0, INT16_MAX, -INT16_MIN)            # the |sum| int16 holds, per pair
         self.cap = (self.bound * limit).astype(np.int64)               # the |sum| taken to saturate
         channels = row_channels(layer.codes.shape, layer.node.op, layer.transposed)
@@ -371,22 +373,45 @@ class PairSums:
         if self.layer.node.op == "Conv" and x.ndim != self.layer.codes.ndim:
             self.unread = True   # not the layout the layer reads: nothing measured
             return
-        codes = quantized_values(x, self.qp)
-        if self.shift:   # int8 codes + 128 as uint8: the sign bit flipped
-            codes = np.bitwise_xor(codes.view(np.uint8), np.uint8(self.shift))
         self.last_error = {}   # row -> each output's clipped parts (int64) on this input
         if self.layer.node.op == "Conv":
-            self._conv(codes)
+            self._conv(x)
         else:
             if self.layer.node.op == "Gemm" and self.layer.node.attrs.get("transA", 0):
-                codes = codes.T
-            worth = self._worth(codes.reshape(-1, codes.shape[-1]).max(0), self.k, self.k + 1)
-            self._reduce(np.flatnonzero(worth), lambda sel: codes[..., self.k[sel]], lambda sel: codes[..., self.k[sel] + 1], -1)
+                x = x.T
+            worth, codes, at = self._inputs(x, x.ndim - 1, self.k, self.k + 1)
+            self._reduce(np.flatnonzero(worth), lambda sel: codes[..., at[self.k[sel]]],
+                         lambda sel: codes[..., at[self.k[sel] + 1]], -1)
         self.errors += [_square_sum(e) * self.scale[row] ** 2 for row, e in self.last_error.items()]
         self.outputs += self._outputs
         self.samples += 1
 
-    def _conv(self, codes: np.ndarray) -> None:
+    def _codes(self, x: np.ndarray) -> np.ndarray:
+        """The codes the kernel reads for ``x`` (uint8; int8 codes + 128: the sign bit flipped)."""
+        codes = quantized_values(x, self.qp)
+        return np.bitwise_xor(codes.view(np.uint8), np.uint8(self.shift)) if self.shift else codes
+
+    def _inputs(self, x: np.ndarray, axis: int, first: np.ndarray, second: np.ndarray, pad=None):
+        """(``_worth`` per pair, the codes of the inputs of ``x`` along ``axis`` that the pairs worth it
+        read, each input's index among those). An input's largest code is its largest value's
+        (``monotonic``), or ``pad``'s (the padding's code)."""
+        others = tuple(a for a in range(x.ndim) if a != axis)
+        top = x.max(axis=others)
+        codes = None
+        if self.monotonic and not np.isnan(top).any():
+            maxima = self._codes(top)
+        else:   # the codes of every input
+            codes = self._codes(x)
+            maxima = codes.max(axis=others)
+        worth = self._worth(maxima if pad is None else np.maximum(maxima, pad), first, second)
+        if codes is not None:
+            return worth, codes, np.arange(maxima.size)
+        read = np.unique(np.concatenate([first[worth], second[worth]]))
+        at = np.zeros(maxima.size, np.intp)
+        at[read] = np.arange(read.size)
+        return worth, self._codes(np.take(x, read, axis=axis)), at
+
+    def _conv(self, x: np.ndarray) -> None:
         from ..quant.conv_pads import auto_pad_of, conv_pads
 
         node, shape = self.layer.node, self.layer.codes.shape
@@ -394,27 +419,30 @@ class PairSums:
         rank = len(kernel)
         strides = [int(s) for s in node.attrs.get("strides", [1] * rank)]
         dilations = [int(d) for d in node.attrs.get("dilations", [1] * rank)]
-        begins, ends = conv_pads(auto_pad_of(node.attrs), node.attrs.get("pads", [0] * 2 * rank), codes.shape[2:],
+        begins, ends = conv_pads(auto_pad_of(node.attrs), node.attrs.get("pads", [0] * 2 * rank), x.shape[2:],
                                  kernel, strides, dilations)
-        pad = np.uint8(int(self.qp.zero_point[0]) + self.shift)
-        padded = np.pad(codes, [(0, 0), (0, 0)] + list(zip(begins, ends)), constant_values=pad)
-        out = [(n - (k - 1) * d - 1) // s + 1 for n, k, s, d in zip(padded.shape[2:], kernel, strides, dilations)]
-
-        def view(position: int) -> np.ndarray:   # the input codes kernel position ``position`` multiplies
-            at = np.unravel_index(position, kernel)
-            return padded[(slice(None), slice(None)) + tuple(slice(p * d, p * d + s * (o - 1) + 1, s)
-                                                             for p, d, s, o in zip(at, dilations, strides, out))]
-
         group = self.rows // (shape[0] // int(node.attrs.get("group", 1)))
         first, second = self.k, self.k + 1
         channel = lambda sel, k: group[sel] * per_group + k[sel] % per_group   # noqa: E731
         every = slice(None)
-        worth = self._worth(padded.max(axis=(0, *range(2, padded.ndim))), channel(every, first), channel(every, second))
+        pad = np.uint8(int(self.qp.zero_point[0]) + self.shift)
+        worth, codes, at = self._inputs(x, 1, channel(every, first), channel(every, second),
+                                        pad if any(begins) or any(ends) else None)
+        if not worth.any():
+            return
+        padded = np.pad(codes, [(0, 0), (0, 0)] + list(zip(begins, ends)), constant_values=pad)
+        out = [(n - (k - 1) * d - 1) // s + 1 for n, k, s, d in zip(padded.shape[2:], kernel, strides, dilations)]
+
+        def view(position: int) -> np.ndarray:   # the input codes kernel position ``position`` multiplies
+            offsets = np.unravel_index(position, kernel)
+            return padded[(slice(None), slice(None)) + tuple(slice(p * d, p * d + s * (o - 1) + 1, s)
+                                                             for p, d, s, o in zip(offsets, dilations, strides, out))]
+
         where = (first // per_group) * int(np.prod(kernel)) + second // per_group   # the pair's two kernel positions
         for key in np.unique(where[worth]):
             pairs = np.flatnonzero((where == key) & worth)
             v1, v2 = view(first[pairs[0]] // per_group), view(second[pairs[0]] // per_group)
-            self._reduce(pairs, lambda sel: v1[:, channel(sel, first)], lambda sel: v2[:, channel(sel, second)], 1)
+            self._reduce(pairs, lambda sel: v1[:, at[channel(sel, first)]], lambda sel: v2[:, at[channel(sel, second)]], 1)
 
     def _worth(self, maxima: np.ndarray, first: np.ndarray, second: np.ndarray) -> np.ndarray:
         """bool per pair: its sums can pass its cap, given the largest code of each input (``maxima``)
