@@ -176,6 +176,36 @@ def test_pair_sums_do_not_depend_on_how_the_work_is_cut(monkeypatch):
     assert results[0] == results[1] and results[0][1] > 0
 
 
+@pytest.mark.parametrize("op", ["Conv", "MatMul"])
+@pytest.mark.parametrize("qtype, zero_point", [("uint8", 100), ("int8", -3)])
+def test_pair_sums_from_the_largest_values_are_those_from_every_code(op, qtype, zero_point):
+    """Each input's largest code from its largest value (then only the inputs worth it quantized), or
+    from all its codes (a NaN, other qparams): the same numbers, bit for bit."""
+    import onnx_graphsurgeon as gs
+
+    from qpasses.quant.qdq import QParams
+
+    rng = np.random.default_rng(3)
+    spread = rng.uniform(0.2, 1.0, 12)   # inputs of unlike ranges (their largest codes below 255)
+    if op == "Conv":
+        layer = _conv_layer(rng.integers(-127, 128, (8, 6, 3, 3)), pads=[1, 1, 1, 1])
+        x = rng.normal(0.5, 1.5, (3, 1, 6, 9, 9)) * spread[:6, None, None]
+    else:
+        codes = rng.integers(-127, 128, (12, 5))
+        node = gs.Node("MatMul", "mm", inputs=[gs.Variable("x"), gs.Constant("w", codes.astype(np.float32))],
+                       outputs=[gs.Variable("y")])
+        layer, x = PairLayer(node, "w", codes.astype(np.int32)), rng.normal(0.5, 1.5, (3, 40, 12)) * spread
+    qp = QParams.make("x", qtype, [0.03], [zero_point])
+    results = []
+    for monotonic in (True, False):
+        found = PairSums(layer, qp, [0.3], [0], limit=0.9)
+        found.monotonic = monotonic
+        for sample in x.astype(np.float32):
+            found.update(sample)
+        results.append((found.extreme.tolist(), found.saturated, found.sums, found.errors, found.ceiling, found.exact))
+    assert results[0] == results[1] and results[0][2] > 0 and results[0][4] > 0   # some pairs summed, some not
+
+
 OUT_SCALE = 0.05   # wide enough for the exact sums: a saturated one lands ~36 steps lower
 
 
