@@ -331,13 +331,14 @@ class PairSums:
         self.layer, self.qp, self.shift = layer, qp, 128 if qp.qtype.name == "int8" else 0
         a, b = rows[r, 2 * j], rows[r, 2 * j + 1]   # a risky pair never holds an odd K's padding
         # |codes| <= 128 times input codes <= 255: each |sum| fits uint16 (exact, half int32's traffic)
-        self.a, self.b = np.abs(a).astype(np.uint8), np.abs(b).astype(np.uint8)
+        self.a, self.b = np.abs(a).astype(np.uint16), np.abs(b).astype(np.uint16)
         self.sign = np.sign(a)   # both codes of a risky pair share a sign
         self.rows, self.k = r, 2 * j
         scale = np.float32(qp.scale[0])   # the input's: quantizing keeps the order of values with one finite positive scale
         self.monotonic = len(qp.scale) == 1 and 0 < scale < np.inf
         self.bound = np.where(a > 0, INT16_MAX, -INT16_MIN)            # the |sum| int16 holds, per pair
         self.cap = (self.bound * limit).astype(np.int64)               # the |sum| taken to saturate
+        self.parts = np.uint16 if limit >= 0 else np.int32             # the parts of sums past their cap
         channels = row_channels(layer.codes.shape, layer.node.op, layer.transposed)
         n = (int(channels.max()) + 1,)
         self.scale = np.broadcast_to(np.asarray(weight_scale, np.float64), n)[channels]
@@ -405,11 +406,11 @@ class PairSums:
             maxima = codes.max(axis=others)
         worth = self._worth(maxima if pad is None else np.maximum(maxima, pad), first, second)
         if codes is not None:
-            return worth, codes, np.arange(maxima.size)
+            return worth, codes.astype(np.uint16), np.arange(maxima.size)
         read = np.unique(np.concatenate([first[worth], second[worth]]))
         at = np.zeros(maxima.size, np.intp)
         at[read] = np.arange(read.size)
-        return worth, self._codes(np.take(x, read, axis=axis)), at
+        return worth, self._codes(np.take(x, read, axis=axis)).astype(np.uint16), at   # the sums' type
 
     def _conv(self, x: np.ndarray) -> None:
         from ..quant.conv_pads import auto_pad_of, conv_pads
@@ -425,7 +426,7 @@ class PairSums:
         first, second = self.k, self.k + 1
         channel = lambda sel, k: group[sel] * per_group + k[sel] % per_group   # noqa: E731
         every = slice(None)
-        pad = np.uint8(int(self.qp.zero_point[0]) + self.shift)
+        pad = int(self.qp.zero_point[0]) + self.shift
         worth, codes, at = self._inputs(x, 1, channel(every, first), channel(every, second),
                                         pad if any(begins) or any(ends) else None)
         if not worth.any():
@@ -466,8 +467,8 @@ class PairSums:
         for start in range(0, pairs.size, step):
             sel = pairs[start:start + step]
             shape[axis] = sel.size
-            sums = np.multiply(self.a[sel].reshape(shape), left(sel), dtype=np.uint16)
-            sums += np.multiply(self.b[sel].reshape(shape), right(sel), dtype=np.uint16)
+            sums = self.a[sel].reshape(shape) * left(sel)
+            sums += self.b[sel].reshape(shape) * right(sel)
             sums = np.moveaxis(sums, axis, 0).reshape(sel.size, -1)   # [pairs, outputs]: a view when the axes before are 1
             top = sums.max(1)
             self.extreme[sel] = np.maximum(self.extreme[sel], top)
@@ -478,17 +479,17 @@ class PairSums:
                 self._clip(sel[hot], sums if hot.size == sel.size else sums[hot])
 
     def _clip(self, pairs: np.ndarray, sums: np.ndarray) -> None:
-        """Count the ``sums`` ([pairs, outputs], |sums|) past their pair's bound, and add the parts past
-        its cap, with its sign, to their row's outputs' (integer sums: exact in any order)."""
-        self.saturated += int(np.count_nonzero(sums > self.bound[pairs, None]))
-        parts = sums.astype(np.int32)
-        parts -= self.cap[pairs, None].astype(np.int32)
-        np.maximum(parts, 0, out=parts)
+        """Count the ``sums`` ([pairs, outputs], |sums| as uint16, overwritten) past their pair's bound, and
+        add the parts past its cap, with its sign, to their row's outputs' (integer sums: exact in any order)."""
+        self.saturated += int(np.count_nonzero(sums > self.bound[pairs, None].astype(sums.dtype)))
+        parts, cap = sums.astype(self.parts, copy=False), self.cap[pairs, None].astype(self.parts)
+        np.maximum(parts, cap, out=parts)
+        parts -= cap
         rows, sign = self.rows[pairs], self.sign[pairs]   # rows ascending: pairs are taken in row order
         cuts = np.flatnonzero((rows[1:] != rows[:-1]) | (sign[1:] != sign[:-1])) + 1   # runs of one row and sign
         starts, ends = np.concatenate([[0], cuts]), np.concatenate([cuts, [rows.size]])
         for row, negative, start, end in zip(rows[starts].tolist(), (sign[starts] < 0).tolist(), starts, ends):
-            part = parts[start:end].sum(0, dtype=np.int64)
+            part = parts[start:end].sum(0, dtype=np.int64) if end - start > 1 else parts[start].astype(np.int64)
             if negative:
                 np.negative(part, out=part)
             if row in self.last_error:
