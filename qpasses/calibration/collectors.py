@@ -444,9 +444,20 @@ class _Moments:
         self.sums = np.zeros((3, n.size + 1))
         np.cumsum(np.stack([n, n * centres, n * centres**2]), axis=1, out=self.sums[:, 1:])
 
+    def index(self, cuts, side: str = "left") -> np.ndarray:
+        """``np.searchsorted(centres, cuts, side)``, searching only the centres between the cuts'
+        extremes (those below all count for every cut, those above for none): the cuts near 0 that
+        ``_expected_mse`` asks about span a few of thousands of bins."""
+        cuts = np.asarray(cuts)
+        low, high = (cuts.min(), cuts.max()) if cuts.size else (0.0, 0.0)
+        if not low <= high:   # NaN
+            return np.searchsorted(self.centres, cuts, side)
+        a, b = np.searchsorted(self.centres, [low, high], side)
+        return a + np.searchsorted(self.centres[a:b], cuts, side)
+
     def between(self, lo, hi, *ks: int):
         """Sum of n*v^k over lo <= v < hi (arrays broadcast), one array per k (a single k: the array)."""
-        i, j = np.searchsorted(self.centres, lo, "left"), np.searchsorted(self.centres, hi, "left")
+        i, j = self.index(lo), self.index(hi)
         j = np.maximum(j, i)
         out = [self.sums[k][j] - self.sums[k][i] for k in ks]
         return out[0] if len(out) == 1 else out
@@ -457,7 +468,7 @@ class _Moments:
 
     def above(self, cut, *ks: int):
         """Sums of n*v^k over v > cut, as ``between``."""
-        j = np.searchsorted(self.centres, cut, "right")
+        j = self.index(cut, "right")
         out = [self.sums[k][-1] - self.sums[k][j] for k in ks]
         return out[0] if len(out) == 1 else out
 

@@ -50,6 +50,19 @@ def test_histogram_merging_is_exact(parts, bins):
         assert nz[-1] - nz[0] + 1 > bins // 4 or hist.width <= max(abs(hist.lo), abs(hist.hi)) * 2.0**-21
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_moments_index_is_searchsorted(side):
+    """_Moments.index searches a window of the centres: the same indices as a search of them all."""
+    from qpasses.calibration.collectors import _Moments
+
+    rng = np.random.default_rng(1)
+    centres = np.unique(np.round(rng.standard_normal(500), 2))
+    m = _Moments(centres, np.ones(centres.size, np.int64))
+    for cuts in (rng.uniform(-0.05, 0.05, (16, 16)), centres[200:260], -np.inf, np.inf, 0.0, [],
+                 np.array([np.nan, 0.3, -1.0]), rng.uniform(-5, 5, 100)):
+        np.testing.assert_array_equal(m.index(cuts, side), np.searchsorted(centres, cuts, side))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_large_arrays_are_counted_exactly(dtype):
     """Arrays of more than CHUNK values (counted a chunk at a time into the dense counts): every
