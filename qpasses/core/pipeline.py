@@ -124,6 +124,14 @@ def _parse_value(cls, f: dataclasses.Field, text: str):
         raise PipelineError(f"{where}: {exc}") from None
     if choices and value not in choices:
         raise PipelineError(f"{where}: '{text}' is not one of {', '.join(map(str, choices))}")
+    return _within_bounds(cls, f, value)
+
+
+def _within_bounds(cls, f: dataclasses.Field, value):
+    """``value``, refused unless above the option's ``above`` (metadata), when it has one."""
+    above = f.metadata.get("above")
+    if above is not None and isinstance(value, (int, float)) and not value > above:
+        raise PipelineError(f"option '{f.name}' of pass '{cls.name}': {value} is not above {above}")
     return value
 
 
@@ -140,7 +148,8 @@ def make_pass(name: str, **options) -> Pass:
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             valid = ", ".join(fields) or "none"
             raise PipelineError(f"pass '{name}' has no option '{key}'{hint}; options: {valid}")
-        kwargs[key] = _parse_value(cls, fields[key], value) if isinstance(value, str) else value
+        kwargs[key] = (_parse_value(cls, fields[key], value) if isinstance(value, str)
+                       else _within_bounds(cls, fields[key], value))
     instance = cls(**kwargs)
     instance._explicit = tuple(kwargs)
     return instance

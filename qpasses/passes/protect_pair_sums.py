@@ -102,7 +102,7 @@ g (float[1,4,4,4] x) => (float[1,2,4,4] y)
                 "slower uint8 x uint8 kernels); a layer that cannot take one takes the other"})
     bound: float = field(default=0.9, metadata={
         "help": "the sums are taken to saturate at this share of the int16 bound: headroom for data the "
-                "calibration set does not hold"})
+                "calibration set does not hold", "above": 0.0})
     noise_db: float = field(default=-10.0, metadata={
         "help": "protect a layer whose saturation error power on the calibration data reaches this many dB against "
                 "the noise power quantizing its input adds to its outputs"})

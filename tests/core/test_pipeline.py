@@ -168,3 +168,12 @@ def test_builtin_passes_are_registered():
     assert {"fold-constants", "cleanup"} <= names
     for cls in all_passes().values():
         assert cls.summary() and cls.name
+
+
+@pytest.mark.parametrize("bound", ["0", "-1"])
+def test_option_below_its_bound_is_refused(bound):
+    with pytest.raises(PipelineError, match="'bound' of pass 'protect-pair-sums': .* is not above 0"):
+        parse_pipeline(f"protect-pair-sums{{bound={bound}}}")
+    with pytest.raises(PipelineError, match="is not above 0"):
+        make_pass("protect-pair-sums", bound=float(bound))
+    assert make_pass("protect-pair-sums", bound=0.5).bound == 0.5
