@@ -30,7 +30,7 @@ from ..quant.oprules import WEIGHTED_OPS
 NAME = "select-by-snr"
 CORRECT_BIAS = "correct-bias"
 BIAS_DECISION = "bias_correction"   # model.decisions key correct-bias reads: it does nothing when set
-KEEP_RUNS = 32   # the chosen variant's outputs on its first feeds, kept for search-precision's first check
+KEEP_RUNS = 32   # the chosen variant's outputs on its first feeds (those it ran), kept for search-precision's checks
 
 
 @dataclass
@@ -230,9 +230,8 @@ class SelectBySnr(Pass):
                                  "penalty_db": round(r.penalty, 2), "samples": r.ran}
                                 | ({"dropped": True} if r.dropped else {}) for c, r in scored]}
         decided = self._bias_correction(model, ctx, best[1], reference, report) if bias else False
-        if getattr(best[1], "kept", None) is not None and best[1].session is not None:   # the next check may be it:
-            best[1].advance(KEEP_RUNS)   # its runs on every feed it keeps (an early stop ran fewer)
-            ctx.cache[ScoredRuns.CACHE_KEY] = best[1].kept
+        if getattr(best[1], "kept", None) is not None:   # a later check of this model takes the feeds it ran
+            ctx.cache[ScoredRuns.CACHE_KEY] = best[1].kept   # and runs only the others (none: the search promoted)
         best[1].close()
         ctx.findings.set(NAME, report)
         return PassResult(model, any(v.changes for v in best[0]) or decided, {"variants": len(scored)})
