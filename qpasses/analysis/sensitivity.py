@@ -118,8 +118,9 @@ def _relative_error_db(x: np.ndarray, tq) -> float:
     zero_point = np.asarray(tq.zero_point) if per_axis else tq.zero_point[0]
     q = dequantize(quantize(x, scale, zero_point, tq.qtype, axis), scale, zero_point, axis)
     err = float(np.sqrt(np.mean(np.square(q.astype(np.float64) - x))))
-    nonzero = np.abs(x[x != 0])
-    typical = float(np.median(nonzero)) if nonzero.size else 0.0
+    magnitude = np.abs(x)
+    nonzero = magnitude[magnitude != 0]
+    typical = float(np.median(nonzero, overwrite_input=True)) if nonzero.size else 0.0   # a scratch copy
     return float(20 * np.log10(max(err, 1e-30) / typical)) if typical else -400.0
 
 
