@@ -10,8 +10,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..evaluation.evaluate import Reference
-from ..evaluation.objective import Objective
-from ..executors.scoring import trial_runs
+from ..evaluation.objective import Objective, recorded
+from ..executors.scoring import trial_bytes
 from ..ir.decisions import PRECISION_SEARCH
 from ..ir.graphutil import subgraphs
 from ..ir.model import QModel
@@ -128,13 +128,17 @@ def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then, sam
     chose its promotions on and the first ``after`` (those favour the values chosen on them), else on
     the first ones. Kept unless lower by more than ``tolerance_db`` (other metrics: 0) plus one
     standard error of the paired difference (Objective.paired_difference: one feed holding most of
-    the error cannot decide); a model that does not score finite is not kept."""
+    the error cannot decide); a model that does not score finite is not kept. Kept after the first
+    half of the feeds when it scores at least as high there (a negative ``tolerance_db``: that much
+    higher): the other half could only undo that by reading ``tolerance_db`` and two standard
+    errors lower (``feeds`` says how many were read)."""
     search = model.decisions.get(PRECISION_SEARCH, {})
     start = (model.decisions.get("calibration", {}).get("held_out_from") or 0 if search.get("held_out") else 0)
     start = max(start + search.get("feeds", 0), after)
-    reference = Reference.for_rest(model, ctx.calibration_data, None, start, False, samples)
+    half = max(1, samples // 2)
+    reference = Reference.for_rest(model, ctx.calibration_data, None, start, False, half)
     if reference is None:   # no feed left after those
-        start, reference = 0, Reference.for_rest(model, ctx.calibration_data, None, 0, False, samples)
+        start, reference = 0, Reference.for_rest(model, ctx.calibration_data, None, 0, False, half)
     objective = Objective(search.get("metric", ctx.config.accuracy.metric), model=model)   # its weights as stubs: not copied
 
     def edit(trial: QModel) -> None:
@@ -143,17 +147,31 @@ def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then, sam
             tensors[name].values = values
 
     fresh = model.copier()   # the model does not change during the check
-    runs = [trial_runs(model, then, ctx, reference, None, fresh), trial_runs(model, then, ctx, reference, edit, fresh)]
-    ref_runs = reference.runs()
-    before, score = (objective.overall(objective.scores_from_runs(ref_runs, r, reference.names)) for r in runs)
-    difference, error = objective.paired_difference(ref_runs, *runs, reference.names)
+    trials = [trial_bytes(model, then, ctx, None, fresh), trial_bytes(model, then, ctx, edit, fresh)]
+    runs = [reference.runs_of(trial, judged=True) for trial in trials]
+    before, score = _overall(objective, reference, runs)
     allowed = tolerance_db if objective.metric == "snr" else 0.0
+    if not (np.isfinite(score) and score >= before + max(0.0, -allowed)) and len(reference.feeds) < samples:
+        more = Reference.for_rest(model, ctx.calibration_data, None, start + len(reference.feeds), False,
+                                  samples - len(reference.feeds))
+        if more is not None:
+            runs = [r + more.runs_of(trial, judged=True) for r, trial in zip(runs, trials)]
+            reference = reference.plus(more)
+            before, score = _overall(objective, reference, runs)
+    ref_runs = reference.runs()
+    difference, error = objective.paired_difference(ref_runs, *runs, reference.names)
     if not math.isfinite(error):   # a leave-one-out score without error: the pooled scores decide
         error = 0.0
     kept = bool(score == before or (np.isfinite(score) and difference >= -(allowed + error)))
     return {"feeds": len(reference.feeds), "from": start, "metric": objective.metric,
-            "round_to_nearest": round(before, 4), "rounded": round(score, 4),
-            "difference_se": round(error, 4), "kept": kept}
+            "round_to_nearest": recorded(before), "rounded": recorded(score),
+            "difference_se": recorded(error), "kept": kept}
+
+
+def _overall(objective, reference: Reference, runs: list) -> tuple[float, ...]:
+    """The objective's overall score of each of ``runs`` (judged outputs on ``reference``'s feeds)."""
+    ref_runs = reference.runs()
+    return tuple(objective.overall(objective.scores_from_runs(ref_runs, r, reference.names)) for r in runs)
 
 
 def restore(values: dict) -> None:

@@ -327,6 +327,13 @@ class Objective:
         return -10 * math.log10(worse) if worse > 0 else math.inf
 
 
+def recorded(score: float):
+    """A score as a saved decision holds it: to 0.01 (a non-finite one as text). The digits after
+    differ between CPUs' float kernels (a check's 42.2841 dB read 42.2842 under AVX2), and the
+    decisions are part of the output's bytes."""
+    return round(float(score), 2) if math.isfinite(score) else str(score)
+
+
 def format_db(value: float) -> str:
     """An SNR as printed: "31.20 dB", "inf dB (identical)"."""
     return "inf dB (identical)" if math.isinf(value) and value > 0 else f"{value:.2f} dB"

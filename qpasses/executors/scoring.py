@@ -74,7 +74,7 @@ def objective_score(reference: Reference, model, objective, reuse=None) -> dict:
         return {"score": float("-inf"), "standard_error": 0.0, "failed": first_line(exc)}
 
 
-def _trial(model, then, ctx, edit=None, fresh=None) -> bytes:
+def trial_bytes(model, then, ctx, edit=None, fresh=None) -> bytes:
     """A copy of ``model`` (``edit`` applied to it) made a QDQ model by the nested pipeline ``then``.
     ``fresh``: ``model.copier()``, made once for many trials."""
     trial = fresh() if fresh is not None else model.copy(share_weights=True)
@@ -85,14 +85,9 @@ def _trial(model, then, ctx, edit=None, fresh=None) -> bytes:
 
 
 def trial_score(model, then, ctx, reference: Reference, objective, edit=None, reuse=None) -> float:
-    """The objective's score of ``_trial``: a pass's check of one change against the model as it is
+    """The objective's score of ``trial_bytes``: a pass's check of one change against the model as it is
     (``reuse``: objective_score's)."""
-    return objective_score(reference, _trial(model, then, ctx, edit), objective, reuse)["score"]
-
-
-def trial_runs(model, then, ctx, reference: Reference, edit=None, fresh=None) -> list[list]:
-    """``_trial``'s judged outputs on the reference's feeds."""
-    return reference.runs_of(_trial(model, then, ctx, edit, fresh), judged=True)
+    return objective_score(reference, trial_bytes(model, then, ctx, edit), objective, reuse)["score"]
 
 
 def objective_task(model: bytes, shared) -> dict:

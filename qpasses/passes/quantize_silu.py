@@ -10,7 +10,7 @@ from ..core.pipeline import Pass, PassResult, Pipeline, pipeline_option
 from ..core.registry import register
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import Reference, max_nodes_option, max_weight_mb_option, rerun_skip_reason
-from ..evaluation.objective import Objective
+from ..evaluation.objective import Objective, recorded
 from ..evaluation.scored_runs import ScoredRuns
 from ..executors.scoring import trial_score
 from ..ir.analyses import GRAPH, QUANT, RANGES, WEIGHTS
@@ -114,7 +114,7 @@ class QuantizeSilu(Pass):
                     floats[name]["reason"] += (f"; {NAME}: {what} took the worst output component's "
                                                f"{metric} from {before:.4g} to {after:.4g}")
 
-        decision = {"gates": sorted(gates), "metric": metric, "before": round(before, 4), "margin_db": self.margin_db,
+        decision = {"gates": sorted(gates), "metric": metric, "before": recorded(before), "margin_db": self.margin_db,
                     "feeds": len(reference.feeds)}
         keep, after = False, before
         if gates:
@@ -127,7 +127,7 @@ class QuantizeSilu(Pass):
                                              f"{after:.4g} on {len(reference.feeds)} calibration feeds")
             else:
                 kept_float(gates, "8-bit SiLU gates", after)
-            decision.update(after=round(after, 4), quantized=keep)
+            decision.update(after=recorded(after), quantized=keep)
         chained = False
         if chains:   # on top of the gates kept: the total is held to the same bar against ``before``
             with_chains = trial_score(model, self.then, ctx, reference, objective,
@@ -140,7 +140,7 @@ class QuantizeSilu(Pass):
                                                  f"{with_chains:.4g} on {len(reference.feeds)} calibration feeds")
             else:
                 kept_float(chains.names(), "8-bit SiLU products with their Concat/Add", with_chains)
-            decision.update(chains=chains.names(), after_chains=round(with_chains, 4), chains_quantized=chained)
+            decision.update(chains=chains.names(), after_chains=recorded(with_chains), chains_quantized=chained)
         model.decisions[DECISION] = decision
         ctx.findings.set(NAME, decision)
         return PassResult(model, True, {"gates": len(gates) if keep else 0, "chains": len(chains.products) if chained else 0})

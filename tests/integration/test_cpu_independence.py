@@ -67,9 +67,9 @@ def example_feeds():
 
 CASES = {"example": (example_model, example_feeds), "mask": (mask_model, mask_feeds), "silu": (silu_model, silu_feeds)}
 GOLDEN = {
-    "example": "3c04522b23d2113efdaeee6e8aad74d3e1f96de655d33e3f9461ac3fe9c1f6cd",
+    "example": "c2dae070d3042b6fdd4ca2efa092fbc41683a6d38383beefab632d856549a0fe",
     "mask": "9645909784d9b8c322b959ba0f67f0fa325c2650b125d0b4fa9680a3d2e6243a",
-    "silu": "79bfae790f8a870187335322666a482fb3fa8068ffaa927555800c642c245c58",
+    "silu": "b31789aa826be78c5844a5e6eb48f243be446d1d96a4725ad304921c4a3eed8b",
 }
 
 

@@ -13,6 +13,7 @@ from ...analysis.walks import Walk, aimed, fewest
 from ...core.progress import progress
 from ...errors import first_line
 from ...evaluation.evaluate import Reference
+from ...evaluation.objective import recorded
 from ...evaluation.scored_runs import ScoredRuns
 from ...executors import speculate
 from ...executors.scoring import objective_score, objective_scores
@@ -133,7 +134,7 @@ class Checks:
     def spread(self, promoted: list[str], label: str) -> dict:
         """The checked score of ``promoted`` and what it counted as, for the decision."""
         key = frozenset(promoted)
-        return {label: _round(self.raw[key]), f"{label}_counted": _round(self.scores[key])}
+        return {label: recorded(self.raw[key]), f"{label}_counted": recorded(self.scores[key])}
 
     def ranked(self) -> list[str]:
         """Group roots from the largest local error (analysis.sensitivity.local_errors) down."""
@@ -171,7 +172,7 @@ class Checks:
             self.evaluations += 1
             self.bar.update(self.evaluations)
             bound = self.objective.lower_bound(summary["overall"], error, self.options.confidence)
-            record |= {"score": _round(summary["overall"]), "counted": _round(bound)}
+            record |= {"score": recorded(summary["overall"]), "counted": recorded(bound)}
             if bound >= self.target or self.evaluations >= self.budget:
                 break
             checked = len(self.check_ref.feeds)
@@ -189,7 +190,7 @@ class Checks:
                                      self.target)
         if "counted" not in record and not rest.feeds:   # every feed is a check feed now
             key = frozenset(chosen)
-            record |= {"score": _round(self.raw[key]), "counted": _round(self.scores[key])}
+            record |= {"score": recorded(self.raw[key]), "counted": recorded(self.scores[key])}
         record["met"] = record["counted"] >= self.target if "counted" in record else None
         return chosen, record
 
@@ -274,7 +275,3 @@ class Checks:
         if key in assumed:
             return assumed[key]
         raise speculate.Unknown(key, list(promoted))
-
-
-def _round(value: float):
-    return round(value, 2) if math.isfinite(value) else str(value)
