@@ -279,8 +279,10 @@ class SegmentedModel:
         proto.graph.output.extend(helper.make_tensor_value_info(n, self.inferred[0][n], None)
                                   for n in capture if n not in listed)
         opts, keep = session_options(proto, self.weights, prepacking=self.prepacking)
-        # with spans, fusions stay; the layout pass (NCHWc reorders) cost 2x session time, 4x run time
-        level = "none" if not self.optimize else "extended" if self.spans[k] is not None else None
+        # with spans or fetched inner tensors, fusions stay and the layout pass goes: its NCHWc
+        # reorders cost 2x session time and 4x run time on cut parts, and fetching ddddocr_det's
+        # 267 inner tensors took 71-75 ms a run with them against 50-59 without
+        level = "none" if not self.optimize else "extended" if self.spans[k] is not None or fetch else None
         data = proto.SerializeToString()
         del proto  # free the exported copy before onnxruntime makes its own
         try:
