@@ -37,6 +37,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -323,6 +324,21 @@ def output_snr(outs_f, outs_q) -> float:
         vals.append(snr_db(np.concatenate([np.ravel(o[i]) for o in outs_f]),
                            np.concatenate([np.ravel(o[i]) for o in outs_q])))
     return min(vals) if vals else float("nan")
+
+
+def repeat_quantizations(drawn: dict[str, list[dict]], tools: list, bm, n_calib, out_dir: Path, args, qp_src) -> None:
+    """``--time-repeats``: each tool quantizes the model (its first draw's data) again, the tools
+    interleaved run by run; its ``seconds`` become the median of all its runs (``seconds_runs``)."""
+    for _ in range(args.time_repeats - 1):
+        for tool in tools:
+            again = run_child(tool, bm, n_calib, out_dir / f"{tool.name}.again.onnx", args.timeout, qp_src,
+                              (0, args.draws))
+            first = drawn[tool.name][0]
+            first.setdefault("seconds_runs", [first.get("seconds")]).append(again.get("seconds"))
+    for draws in drawn.values():
+        runs = [s for s in draws[0].get("seconds_runs", ()) if isinstance(s, float)]
+        if runs:
+            draws[0]["seconds"] = statistics.median(runs)
 
 
 def time_row(draws_by_tool: dict[str, list[dict]], feed: dict, runs: int) -> None:
@@ -636,6 +652,9 @@ def main(argv=None) -> int:
                     help="also time each produced model: median of N runs of the first eval sample (onnxruntime "
                          "CPU, one thread, every model of a row interleaved run by run), mean over the draws, with "
                          "its ratio to onnxruntime's QDQ model (ort)")
+    ap.add_argument("--time-repeats", type=int, default=1, metavar="N",
+                    help="quantize each model N times, the tools interleaved run by run, and report each "
+                         "tool's median seconds (runs of the same quantization vary by 15 %% on this machine)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -705,6 +724,8 @@ def main(argv=None) -> int:
             print(f"{name:16s} {tool.name:10s} task {cell(draws[0], 'task'):>6s}  snr {cell(draws[0], 'snr', 2):>6s}  "
                   f"8-bit {cell(draws[0], 'share'):>7s}  {cell(draws[0], 'seconds', 1):>6s} s  {status(draws[0]) or 'ok'}",
                   file=sys.stderr, flush=True)
+        if args.time_repeats > 1:
+            repeat_quantizations(drawn, [t for t in tools if t.name in drawn], bm, n_calib, out_dir, args, qp_src)
         if args.latency:
             time_row(drawn, feeds[0], args.latency)
         for tool_name, draws in drawn.items():
