@@ -27,7 +27,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper, numpy_helper
 
