@@ -15,17 +15,14 @@ from ..calibration.sessions import ort_session
 from ..errors import CalibrationDataError, ModelError
 from ..executors.threads import in_order, thread_count
 from ..ir.model import QModel, constant_bytes, load, load_external_data, max_ort_ir_version
-from .scored_runs import ScoredRuns
+from .scored_runs import ScoredRuns, model_bytes
 
 
 def session(model, *, optimize: bool = True, threads: int | None = None, float_only: bool = False):
     """An onnxruntime CPU session for a QModel, ModelProto, bytes or path (``optimize=False``: no
     graph optimizations, so Q/DQ pairs run as written instead of as fused integer kernels; a
     quantized model is judged in ``judging_session``; ``threads``: onnxruntime's, None: its default)."""
-    if isinstance(model, QModel):
-        model = model.to_proto()
-    if isinstance(model, onnx.ModelProto):
-        model = model.SerializeToString()
+    model = _serialized(model)
     try:
         return ort_session(model if isinstance(model, bytes) else str(model), optimization=None if optimize else "none",
                            threads=threads, float_only=float_only)
@@ -55,7 +52,8 @@ def judging_session(model):
     unoptimized. It runs on one thread, as float kernels may round differently on another number
     (yolo_detector's select-by-snr read 7.68 dB on 2 threads, 7.66 on 1), so the scores do not
     depend on the cores either; the cores run feeds side by side instead (``run_feeds``)."""
-    if _serialized_bytes(model) < JUDGED_FOLDING_BYTES:
+    model = _serialized(model)   # once for both tries
+    if (len(model) if isinstance(model, bytes) else Path(model).stat().st_size) < JUDGED_FOLDING_BYTES:
         try:
             return session(model, threads=1, float_only=True)
         except Exception:   # the unoptimized session says what is wrong, if anything is
@@ -63,13 +61,9 @@ def judging_session(model):
     return session(model, optimize=False, threads=1)
 
 
-def _serialized_bytes(model) -> int:
-    """About the bytes of ``model`` (a QModel, ModelProto, bytes or path) serialised."""
-    if isinstance(model, QModel):
-        return constant_bytes(model.graph)
-    if isinstance(model, onnx.ModelProto):
-        return model.ByteSize()
-    return len(model) if isinstance(model, bytes) else Path(model).stat().st_size
+def _serialized(model):
+    """``model`` as onnxruntime loads it: a path as it is, anything else as bytes (model_bytes)."""
+    return model if isinstance(model, (str, Path)) else model_bytes(model)
 
 
 def run_feeds(sess, names: list[str], feeds: list[dict]) -> list[list]:
