@@ -149,7 +149,8 @@ def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then, sam
     fresh = model.copier()   # the model does not change during the check
     trials = [trial_bytes(model, then, ctx, None, fresh), trial_bytes(model, then, ctx, edit, fresh)]
     runs = [reference.runs_of(trial, judged=True) for trial in trials]
-    before, score = _overall(objective, reference, runs)
+    ref_runs = reference.runs()
+    before, score = _overall(objective, ref_runs, runs, reference.names)
     allowed = tolerance_db if objective.metric == "snr" else 0.0
     if not (np.isfinite(score) and score >= before + max(0.0, -allowed)) and len(reference.feeds) < samples:
         more = Reference.for_rest(model, ctx.calibration_data, None, start + len(reference.feeds), False,
@@ -157,8 +158,8 @@ def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then, sam
         if more is not None:
             runs = [r + more.runs_of(trial, judged=True) for r, trial in zip(runs, trials)]
             reference = reference.plus(more)
-            before, score = _overall(objective, reference, runs)
-    ref_runs = reference.runs()
+            ref_runs = reference.runs()
+            before, score = _overall(objective, ref_runs, runs, reference.names)
     difference, error = objective.paired_difference(ref_runs, *runs, reference.names)
     if not math.isfinite(error):   # a leave-one-out score without error: the pooled scores decide
         error = 0.0
@@ -168,10 +169,9 @@ def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then, sam
             "difference_se": recorded(error), "kept": kept}
 
 
-def _overall(objective, reference: Reference, runs: list) -> tuple[float, ...]:
-    """The objective's overall score of each of ``runs`` (judged outputs on ``reference``'s feeds)."""
-    ref_runs = reference.runs()
-    return tuple(objective.overall(objective.scores_from_runs(ref_runs, r, reference.names)) for r in runs)
+def _overall(objective, ref_runs: list, runs: list, names: list[str]) -> tuple[float, ...]:
+    """The objective's overall score of each of ``runs`` against the reference's ``ref_runs``."""
+    return tuple(objective.overall(objective.scores_from_runs(ref_runs, r, names)) for r in runs)
 
 
 def restore(values: dict) -> None:
