@@ -12,7 +12,7 @@ from ..core.pipeline import Pass, PassResult
 from ..core.registry import register
 from ..errors import ModelError, QpassesError
 from ..ir.model import QModel, relaxed_gc
-from ..quant.int8_movers import requantize_movers
+from ..quant.int8_movers import requantize_movers_stats
 from ..quant.qdq import (Placement, QParams, dequantizer, float_dtype, keeps_float_input, make_dq, make_q, min_opset,
                          new_namer, qparam_constants, redirect, require_opset, scale_dtype)
 
@@ -161,8 +161,6 @@ g (float[1,4] x) => (float[1,4] y, float[1,4] z)
             steps = plan_converts(model.quant, facts)
         with relaxed_gc():
             stats.update(apply_converts(model, steps, facts))
-        movers = requantize_movers(model)   # a convert may make a DQ int8 (qpasses/quant/int8_movers.py)
-        if movers:
-            stats["movers_requantized"] = len(movers)
+        stats.update(requantize_movers_stats(model))   # a convert may make a DQ int8 (qpasses/quant/int8_movers.py)
         stats["opset_raised_to"] = model.opset if raised else 0
         return PassResult(model, True, dict(stats))

@@ -18,7 +18,7 @@ from ..errors import ModelError, PreconditionError
 from ..ir.decisions import leave_float
 from ..ir.model import QModel, relaxed_gc
 from ..quant.fp8 import guard_relus
-from ..quant.int8_movers import requantize_movers
+from ..quant.int8_movers import requantize_movers_stats
 from ..quant.qdq import (QParams, ScopedPlacement, dequantize_in_bodies, is_quantized, keeps_float_input, make_dq,
                          make_q, min_opset, new_namer, producer, qparam_constants, quantized_values, redirect,
                          require_opset, scale_dtype)
@@ -344,8 +344,6 @@ class InsertQDQ(Pass):
             stats.update(apply_plan(model, plan))
         if any(i.how == "pair" and i.qparams.qtype.is_float for i in plan.inserts):
             stats["relus_as_max"] = guard_relus(model)   # onnxruntime would drop them (qpasses/quant/fp8.py)
-        movers = requantize_movers(model)   # else onnxruntime cannot load it (qpasses/quant/int8_movers.py)
-        if movers:
-            stats["movers_requantized"] = len(movers)
+        stats.update(requantize_movers_stats(model))   # else onnxruntime cannot load it (qpasses/quant/int8_movers.py)
         stats["opset_raised_to"] = model.opset if raised else 0
         return PassResult(model, True, dict(stats))

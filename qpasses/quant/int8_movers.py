@@ -52,6 +52,12 @@ def requantize_movers(model) -> list[str]:
     return done
 
 
+def requantize_movers_stats(model) -> dict:
+    """``requantize_movers`` as a pass's stats: {"movers_requantized": count}, or nothing."""
+    movers = requantize_movers(model)
+    return {"movers_requantized": len(movers)} if movers else {}
+
+
 def _int8_activation(dq: gs.Node) -> bool:
     """A per-tensor DequantizeLinear of a computed (not stored) int8 tensor."""
     zero = dq.inputs[2] if len(dq.inputs) > 2 else None
