@@ -10,7 +10,10 @@ tensor repeats). Every other output is one component named like the output.
 """
 from __future__ import annotations
 
+import importlib.util
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -140,12 +143,29 @@ def _symbolic_shapes(stripped: onnx.ModelProto) -> dict[str, tuple]:
     """Shapes from onnxruntime's symbolic shape inference, which follows Shape -> Gather -> Concat ->
     Reshape chains (an exporter's dynamic-size arithmetic) that onnx's leaves unknown; {} when it fails."""
     try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-        inferred = SymbolicShapeInference.infer_shapes(stripped, auto_merge=True, guess_output_rank=False)
+        inferred = _symbolic_inference().infer_shapes(stripped, auto_merge=True, guess_output_rank=False)
     except Exception:
         return {}
     return _static_shapes(inferred.graph) if inferred is not None else {}
+
+
+SYMBOLIC_MODULE = "onnxruntime.tools.symbolic_shape_infer"
+
+
+def _symbolic_inference():
+    """onnxruntime's SymbolicShapeInference, loaded from its own file: importing it by name runs
+    onnxruntime/tools/__init__.py, which imports torch when torch is installed (1.2 s of yolo_detector's
+    10 s quantization here); the module itself needs only onnx, numpy and sympy."""
+    module = sys.modules.get(SYMBOLIC_MODULE) or sys.modules.get("qpasses._symbolic_shape_infer")
+    if module is None:
+        import onnxruntime
+
+        path = Path(onnxruntime.__file__).parent / "tools" / "symbolic_shape_infer.py"
+        spec = importlib.util.spec_from_file_location("qpasses._symbolic_shape_infer", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[spec.name] = module
+    return module.SymbolicShapeInference
 
 
 def _concat_pieces(output: str, producers: dict, shapes: dict):
