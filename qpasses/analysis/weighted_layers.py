@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ..calibration.kept import KeptSamples
 from ..evaluation.evaluate import Reference
 from ..evaluation.objective import Objective, recorded
 from ..executors.scoring import trial_bytes
@@ -136,9 +137,10 @@ def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then, sam
     start = (model.decisions.get("calibration", {}).get("held_out_from") or 0 if search.get("held_out") else 0)
     start = max(start + search.get("feeds", 0), after)
     half = max(1, samples // 2)
-    reference = Reference.for_rest(model, ctx.calibration_data, None, start, False, half)
+    kept = ctx.cache.get(KeptSamples.CACHE_KEY)   # the float outputs calibrate kept: no float run on those
+    reference = Reference.for_rest(model, ctx.calibration_data, kept, start, False, half)
     if reference is None:   # no feed left after those
-        start, reference = 0, Reference.for_rest(model, ctx.calibration_data, None, 0, False, half)
+        start, reference = 0, Reference.for_rest(model, ctx.calibration_data, kept, 0, False, half)
     objective = Objective(search.get("metric", ctx.config.accuracy.metric), model=model)   # its weights as stubs: not copied
 
     def edit(trial: QModel) -> None:
@@ -153,7 +155,7 @@ def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then, sam
     before, score = _overall(objective, ref_runs, runs, reference.names)
     allowed = tolerance_db if objective.metric == "snr" else 0.0
     if not (np.isfinite(score) and score >= before + max(0.0, -allowed)) and len(reference.feeds) < samples:
-        more = Reference.for_rest(model, ctx.calibration_data, None, start + len(reference.feeds), False,
+        more = Reference.for_rest(model, ctx.calibration_data, kept, start + len(reference.feeds), False,
                                   samples - len(reference.feeds))
         if more is not None:
             runs = [r + more.runs_of(trial, judged=True) for r, trial in zip(runs, trials)]
