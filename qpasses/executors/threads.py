@@ -58,3 +58,13 @@ def in_order(jobs: list, fn, values: int | None = None):
         finally:
             for future in pending:
                 future.cancel()
+
+
+def serial_blas():
+    """A context in which numpy's BLAS and LAPACK run on one thread (threadpoolctl; process-wide while
+    it lasts). Every product here is small (K of a few thousand at most): threads add nothing on idle
+    cores (bert_encoder's smooth-quant: 0.14 s on one or two) and cost most on busy ones (a 576 x 576
+    Cholesky: 5 ms on one thread, 0.8 s on two while other processes hold the cores; smooth-quant
+    0.14 -> 1.5 s); the results are the same."""
+    from threadpoolctl import threadpool_limits
+    return threadpool_limits(1, user_api="blas")

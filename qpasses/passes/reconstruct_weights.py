@@ -21,6 +21,7 @@ from ..core.progress import progress
 from ..core.registry import register
 from ..errors import CalibrationDataError, ModelError, first_line
 from ..evaluation.evaluate import max_nodes_option, max_weight_mb_option, rerun_skip_reason, session
+from ..executors.threads import serial_blas
 from ..ir.analyses import GRAPH, RANGES
 from ..ir.graphutil import proto_subgraphs, subgraphs
 from ..ir.model import QModel
@@ -28,7 +29,7 @@ from ..quant.oprules import WEIGHTED_OPS
 from ..quant.qdq import QParams, quantized_values, require_opset
 from ..quant.qparams import dequantize
 from ..quant.qtypes import qtype
-from ..quant.rounding import Hessian, damped, refine_codes, round_codes, serial_blas, target
+from ..quant.rounding import Hessian, damped, refine_codes, round_codes, target
 
 NAME = "reconstruct-weights"
 DECISION = "weight_reconstruction"

@@ -13,11 +13,12 @@ from ..core.pipeline import Pass, PassResult, Pipeline, pipeline_option
 from ..core.registry import register
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import max_nodes_option, max_weight_mb_option, rerun_skip_reason
+from ..executors.threads import serial_blas
 from ..ir.analyses import GRAPH, RANGES
 from ..ir.decisions import PRECISION_SEARCH
 from ..ir.model import QModel
 from ..quant.qtypes import qtype
-from ..quant.rounding import round_codes, serial_blas
+from ..quant.rounding import round_codes
 
 NAME = "round-weights"
 DECISION = "weight_rounding"

@@ -288,15 +288,6 @@ class Hessian:
         return float(10 * np.log10(max(err, 1e-300) / max(signal, 1e-300)))
 
 
-def serial_blas():
-    """A context in which numpy's BLAS and LAPACK run on one thread: the products and factorisations
-    here are small (K of a few thousand at most), so threads add little on idle cores and cost most
-    on busy ones (a 576 x 576 Cholesky: 5 ms on one thread, 0.8 s on two while other processes hold
-    the cores); the results are the same."""
-    from threadpoolctl import threadpool_limits
-    return threadpool_limits(1, user_api="blas")
-
-
 def damped(h: np.ndarray, damping: float) -> np.ndarray:
     """H [G, K, K] plus ``damping`` times the mean of each diagonal on the diagonal."""
     out = np.array(h, np.float64)

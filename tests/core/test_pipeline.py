@@ -177,3 +177,33 @@ def test_option_below_its_bound_is_refused(bound):
     with pytest.raises(PipelineError, match="is not above 0"):
         make_pass("protect-pair-sums", bound=float(bound))
     assert make_pass("protect-pair-sums", bound=0.5).bound == 0.5
+
+
+def test_passes_run_numpy_blas_on_one_thread():
+    """A second BLAS thread only waits on busy cores (executors.threads.serial_blas): run_pipeline
+    limits it for the whole run and gives the limit back after."""
+    from threadpoolctl import threadpool_info
+
+    from qpasses.api import run_pipeline
+
+    def blas_threads():
+        return {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+
+    seen = []
+
+    @register
+    class Probe(Pass):
+        """Records the BLAS threads it runs with."""
+        name = "test-blas-probe"
+
+        def run(self, model, ctx):
+            seen.append(blas_threads())
+            return PassResult(model, False)
+
+    before = blas_threads()
+    try:
+        run_pipeline(model_from_text(TINY), "test-blas-probe")
+    finally:
+        unregister("test-blas-probe")
+    assert seen == [{1}] or not before   # no BLAS numpy build: nothing to limit
+    assert blas_threads() == before

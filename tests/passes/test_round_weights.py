@@ -338,7 +338,7 @@ def test_codes_that_score_lower_than_round_to_nearest_are_not_kept():
 def test_serial_blas_runs_one_thread_and_chooses_the_same_codes():
     from threadpoolctl import threadpool_info
 
-    from qpasses.quant.rounding import serial_blas
+    from qpasses.executors.threads import serial_blas
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((1, 300, 2000))
