@@ -7,6 +7,7 @@ nodes in a sorted graph, and raising the opset safely (``require_opset``).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,7 +50,7 @@ class QParams:
         zero_point = tuple(int(z) for z in zero_point)
         if len(zero_point) != len(scale):
             raise ModelError(f"tensor '{tensor}': {len(scale)} scales but {len(zero_point)} zero points")
-        if not all(np.isfinite(s) and s > 0 for s in scale):
+        if not all(math.isfinite(s) and s > 0 for s in scale):
             raise ModelError(f"tensor '{tensor}': scale must be finite and positive, got {list(scale)}")
         if not all(qt.qmin <= z <= qt.qmax for z in zero_point):
             raise ModelError(f"tensor '{tensor}': zero point outside the {qt.name} range")

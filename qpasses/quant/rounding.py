@@ -205,7 +205,10 @@ class Hessian:
                 self._flush()
             return
         cols = input_rows(x, self.geo, self.rng, np.float64)   # float32 products' last digits: CPU's BLAS
-        self.xtx += cols @ cols.transpose(0, 2, 1)
+        if self.geo.groups == 1:   # numpy's 2-D X X^T path: one triangle's products (BLAS syrk)
+            self.xtx[0] += cols[0] @ cols[0].T
+        else:
+            self.xtx += cols @ cols.transpose(0, 2, 1)
         self.sum += cols.sum(axis=2, dtype=np.float64)
         self.rows += cols.shape[2]
 
