@@ -38,6 +38,7 @@ class Checks:
         self.bar = progress(ctx, NAME, self.budget, unit="evaluations")
         self.scores: dict[frozenset, float] = {}   # key -> its score minus ``confidence`` standard errors
         self.raw: dict[frozenset, float] = {}   # key -> its score itself
+        self.uppers: dict[frozenset, float] = {}   # key -> its score plus ``confidence`` standard errors
         self.known: dict = {}   # scored, not yet checked: key -> objective_score's result (or what building raised)
         self.computed: dict = {}   # root -> its entry in the fully quantized trial (its qparams)
         self.raised: QModel | None = None   # the model at the highest opset a trial needed (see _quantized)
@@ -125,11 +126,12 @@ class Checks:
         self.bar.update(self.evaluations)
         if result["failed"]:   # a candidate onnxruntime cannot run is never chosen
             self.ctx.findings.update(NAME, {f"failed_{self.evaluations}": result["failed"]})
-        self.scores[key], self.raw[key] = self._bound(result), result["score"]
+        self.scores[key], self.raw[key], self.uppers[key] = self._bound(result), result["score"], self._bound(result, -1)
 
-    def _bound(self, result: dict) -> float:
-        """What a check compares with the target: the score, ``confidence`` standard errors down."""
-        return self.objective.lower_bound(result["score"], result["standard_error"], self.options.confidence)
+    def _bound(self, result: dict, sign: int = 1) -> float:
+        """What a check compares with the target: the score, ``confidence`` standard errors down
+        (``sign`` -1: up, where the aim asks whether two candidates can be told apart)."""
+        return self.objective.lower_bound(result["score"], result["standard_error"], sign * self.options.confidence)
 
     def spread(self, promoted: list[str], label: str) -> dict:
         """The checked score of ``promoted`` and what it counted as, for the decision."""
@@ -182,7 +184,7 @@ class Checks:
             rest = rest.pick(sorted(set(range(len(rest.feeds))) - set(moved)))
             record["added"] += len(moved)
             del record["score"], record["counted"]   # read again on the new promotions, if evaluations are left
-            self.scores, self.raw, self.known, self.shared, self.reuse = {}, {}, {}, None, None
+            self.scores, self.raw, self.uppers, self.known, self.shared, self.reuse = {}, {}, {}, {}, None, None
             ranked = chosen + [name for name in self.ranked() if name not in chosen]
             start = len(chosen)   # short of the target on all the feeds, so on the worst of them too
             share = self._share(0.0)
@@ -230,15 +232,15 @@ class Checks:
         in rounds of speculative candidates (each assumed to reach ``threshold`` or not)."""
         base, spent = dict(self.scores), self.evaluations
         if not self.executor.parallel:
-            return walk(Walk(self.check, self.budget, spent, base))
+            return walk(Walk(self.check, self.budget, spent, base, self._upper))
         rounds, scored = 0, 0
         while True:
             try:
-                result = walk(Walk(self._replayed, self.budget, spent, base))
+                result = walk(Walk(self._replayed, self.budget, spent, base, self._upper))
                 break
             except speculate.Unknown as miss:
                 batch = speculate.frontier(lambda assumed: walk(Walk(partial(self._supposed, assumed), self.budget,
-                                                                     spent, base)),
+                                                                     spent, base, partial(self._supposed_upper, assumed))),
                                            self._width(), (threshold, -math.inf)) or [(miss.key, miss.item)]
                 self._evaluate([names for _, names in batch])
                 rounds, scored = rounds + 1, scored + len(batch)
@@ -262,6 +264,17 @@ class Checks:
                 raise speculate.Unknown(key, list(promoted))
             self._take(key)
         return self.scores[key]
+
+    def _upper(self, promoted: list[str]) -> float:
+        return self.uppers[frozenset(promoted)]
+
+    def _supposed_upper(self, assumed: dict, promoted: list[str]) -> float:
+        """A scored candidate's margin up as the search would see it (an assumed score: no margin)."""
+        key = frozenset(promoted)
+        if key in self.uppers:
+            return self.uppers[key]
+        known = self.known.get(key)
+        return self._bound(known, -1) if isinstance(known, dict) else self._supposed(assumed, promoted)
 
     def _supposed(self, assumed: dict, promoted: list[str]) -> float:
         """A score the search would see, with ``assumed`` scores for candidates not scored yet."""
