@@ -128,3 +128,17 @@ def test_a_float_weight_whose_op_runs_float_anyway_still_costs_its_size():
     walk, asked = _walk(lambda s: 10.0 + 5 * ("x" in s) + ("w" in s))
     assert fewest(walk, ["x", "w", "t"], 14.0, start=2, share=share) == (["x", "t"], 15.0)
     assert frozenset({"x", "w"}) not in asked
+
+
+def test_aim_takes_a_head_the_checks_cannot_tell_from_the_chosen_and_the_costlier_of_equals():
+    """Scores carry a margin of 3: the graph head (d, c) reads 2 below the chosen and the ranking's
+    head (a) 1 below, both within the margins; of these equals the one keeping more ops float wins
+    and, short of the aim, is kept whole. A margin of 0.4 makes both measurably lower: nothing."""
+    names = ["a", "b", "c", "d"]
+    scores = lambda s: 20.0 - 2 * ("d" in s) - ("a" in s)
+    for margin, expected in ((3.0, (["d", "c"], 18.0, 1)), (0.4, ([], 20.0, -1))):
+        walk, _ = _walk(scores)
+        walk._upper = lambda promoted: scores(set(promoted)) + 2 * margin
+        share = EightBitShare({"a": {0}, "b": {1}, "c": {2}, "d": {3}}, 100.0, 100.0, 0.5,
+                              {0: 5.0, 1: 30.0, 2: 20.0, 3: 25.0})
+        assert aimed(walk, [names, ["d", "c", "b", "a"]], [], 30.0, share) == expected

@@ -61,8 +61,11 @@ class SearchPrecision(Pass):
     weighted ops' int8 kernels save stays 8-bit (analysis.op_costs: by op pattern, from the table
     shipped, or with ``cost`` measured, timed on this machine): each of two orders (the same ranking; the graph order, the inputs' end first, as
     errors made early grow through the rest) is cut where the share would drop below ``keep_8bit``,
-    the order whose head scores higher is searched (bisection to the aim, then at most 4 evaluations
-    giving members back), within the same evaluation budget. With
+    a head measurably below the promotions made (its score plus ``confidence`` standard errors under
+    theirs less as many) is dropped, of the rest those the checks cannot tell from the best (margins
+    overlapping) count as equals and the one keeping the most latency float wins (analysis.walks.aimed);
+    it is searched (bisection to the aim, then at most 4 evaluations giving members back) when it meets
+    the aim, else kept whole, within the same evaluation budget. With
     ``config.executor`` ray the copies are scored as parallel tasks, a round of them at once: the checks
     the search may make next, found by replaying its decisions (qpasses.executors.speculate); the same
     checks and result.

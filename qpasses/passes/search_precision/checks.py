@@ -208,7 +208,7 @@ class Checks:
         local-error ranking and the graph order (analysis.walks.aimed); says which order it took."""
         orders, share = self._orders(), self._share(keep)
         promoted, reached, index = self._walked(lambda walk: aimed(walk, orders, chosen, aim, share), aim)
-        self.aimed = ORDERS[index] if index >= 0 else "nothing within the share scored higher"
+        self.aimed = ORDERS[index] if index >= 0 else "nothing within the share: no head, or each read measurably lower"
         return promoted, reached
 
     def _orders(self) -> list[list[str]]:
