@@ -66,7 +66,7 @@ class _Table(Checks):
 
     def __init__(self, table: dict, broken: set, workers: int, target: float, names: list[str]):
         self.scores, self.known, self.evaluations, self.budget = {}, {}, 0, int(2 * math.log2(len(names))) + 16
-        self.raw, self.options = {}, SimpleNamespace(confidence=1.0)   # checks compare score - 0.5
+        self.raw, self.uppers, self.options = {}, {}, SimpleNamespace(confidence=1.0)   # checks compare score - 0.5
         self.speculated, self.local_db, self.aimed = {}, None, ""
         self.objective = Objective("cosine")   # a linear metric: the bound is the score less 0.5
         self.table, self.broken, self.target, self.names, self.asked = table, broken, target, names, []
