@@ -9,7 +9,8 @@ They run as instruments of the user's pipeline (``run_pipeline`` adds them when 
   overflows float32, so its scale is Inf. Refused with exit 2 naming each tensor.
 - ``LoadableTypes``: 4-bit activations that onnxruntime's optimizer fuses into kernels without 4-bit
   support (a Conv with 8-bit or float weights becomes QLinearConv; MaxPool runs on the quantized
-  values, also when only its output is quantized: the quantization is moved before it; a Clip
+  values, also when only its output is quantized, directly or past float Reshape/Transpose/...
+  nodes: the quantization is moved before it; a Clip
   followed by a 4-bit QuantizeLinear meets a fusion that reads 8/16-bit zero points only):
   onnxruntime cannot load such a model at its default optimization level. Checked once the
   types are final (before the first pass after the last pass that may change them, or at the end),
@@ -144,6 +145,19 @@ def _moved_from(model, node) -> tuple[str, str | None]:
     return t.name, _read_type(model, t.name, reader)
 
 
+def _moved_to(model, node) -> tuple[str, str | None]:
+    """The tensor a MaxPool's output reaches through a chain of float movers, each its input's only
+    reader, and the type it is written as (None: not quantized): onnxruntime moves its
+    QuantizeLinear up past them to the MaxPool."""
+    graph_outputs = {t.name for t in model.graph.outputs}
+    t = node.outputs[0]
+    while (t.name not in model.quant and t.name not in graph_outputs and len(t.outputs) == 1
+           and t.outputs[0].op in QDQ_PROPAGATED and t.outputs[0].outputs):
+        t = t.outputs[0].outputs[0]
+    tq = model.quant.get(t.name)
+    return t.name, tq.qtype if tq is not None else None
+
+
 def unloadable_4bit(model) -> list[str]:
     """Nodes reading a 4-bit activation that onnxruntime fuses into a kernel without 4-bit types
     (in the main graph and in its If/Loop/Scan bodies)."""
@@ -166,8 +180,12 @@ def unloadable_4bit(model) -> list[str]:
         if node.op == "MaxPool" and qt is None:   # onnxruntime moves a DQ down to it through float movers
             x, qt = _moved_from(model, node)
             through = " through float Reshape/Transpose/... nodes, which onnxruntime moves its DequantizeLinear past"
+        ahead = ""
+        if node.op == "MaxPool" and written is None:   # onnxruntime moves a Q up to it through float movers
+            out, written = _moved_to(model, node)
+            ahead = " through float Reshape/Transpose/... nodes"
         if node.op == "MaxPool" and qt not in FOUR_BIT and written in FOUR_BIT:
-            problems.append(f"node '{node.name}' (MaxPool) writes '{out}' as {written} (onnxruntime moves "
+            problems.append(f"node '{node.name}' (MaxPool) writes '{out}' as {written}{ahead} (onnxruntime moves "
                             f"the quantization before it; MaxPool has no {written} kernel)")
             continue
         if qt not in FOUR_BIT:

@@ -108,6 +108,17 @@ def _reshape_then_pool():
         }""", opset=13)
 
 
+def _pool_then_transpose():
+    """Found by the 4-bit fuzz: a float MaxPool and Transpose in front of a quantized ConvTranspose
+    input; onnxruntime moves the QuantizeLinear up past the Transpose to the MaxPool."""
+    return parse("""
+        fuzz (float[1,1,1,1] x1) => (float[?,?,?,?] conv_12) <float[1,1,1,1] w11 = {0.12573022}> {
+            [MaxPool_4] maxp_7 = MaxPool <kernel_shape = [1, 1]> (x1)
+            tran_10 = Transpose <perm = [0, 1, 2, 3]> (maxp_7)
+            conv_12 = ConvTranspose <kernel_shape = [1, 1]> (tran_10, w11)
+        }""", opset=13)
+
+
 REFUSED = [
     ("uint4 activations into Conv", convs, {"activation_type": "uint4"}, "QLinearConv has no uint4 kernel"),
     ("int4 activations into Conv", convs, {"activation_type": "int4"}, "QLinearConv has no int4 kernel"),
@@ -124,6 +135,8 @@ REFUSED = [
     ("a uint4 MaxPool output", _pool_output_only, {"activation_type": "uint4"}, "(MaxPool) writes 'maxp_2' as uint4"),
     ("uint4 into MaxPool through a float Reshape", _reshape_then_pool,
      {"activation_type": "uint4", "nodes_to_quantize": ["Relu_3"]}, "reads 'relu_2' as uint4 through float Reshape"),
+    ("a MaxPool whose output a float Transpose hands to uint4", _pool_then_transpose, {"activation_type": "uint4"},
+     "(MaxPool) writes 'tran_10' as uint4 through float Reshape/Transpose"),
     ("a Clip before a uint4 QuantizeLinear", _clip_then_conv, {"activation_type": "uint4", "weight_type": "int16"},
      "(Clip) writes 'clip_10' as uint4"),
 ]
