@@ -9,7 +9,6 @@ from .core.context import RunContext
 from .core.instruments import DumpAfter, Instrument, Reproducer, TimePasses, VerifyEach
 from .core.pipeline import PassManager, default_pipeline
 from .core.prechecks import LoadableTypes, QuantizableValues
-from .executors.threads import serial_blas
 from .ir.model import QModel, load
 from .quant.upgrade import prepare_opset, quantizes
 
@@ -53,8 +52,7 @@ def run_pipeline(model, passes: str | list | None = None, *, config=None, calibr
     # per-channel weights (upgrade.py)
     for notice in prepare_opset(model, ctx.config, names):
         (notify or (lambda line: print(line, file=sys.stderr)))(notice)
-    with serial_blas():   # numpy's products here are small: a second BLAS thread only waits on busy cores
-        records = manager.run(model, ctx)
+    records = manager.run(model, ctx)
     return model, records
 
 

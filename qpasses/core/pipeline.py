@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..errors import ModelError, PassFailure, PipelineError, PreconditionError, QpassesError
+from ..executors.threads import serial_blas
 from ..ir.model import QModel, constant_bytes, relaxed_gc
 from .context import RunContext
 from .facts import CLAIMS
@@ -338,9 +339,15 @@ class PassManager:
     def text(self) -> str:
         return print_pipeline(self.passes)
 
-    @relaxed_gc()
     def run(self, model: QModel, ctx: RunContext | None = None) -> list[PassRecord]:
         ctx = ctx if ctx is not None else RunContext()
+        if ctx.depth:
+            return self._run(model, ctx)
+        with serial_blas():   # numpy's products in passes are small: a second BLAS thread only waits on busy cores
+            return self._run(model, ctx)
+
+    @relaxed_gc()
+    def _run(self, model: QModel, ctx: RunContext) -> list[PassRecord]:
         if ctx.depth == 0:   # kept on the context: pipelines nested in a pass run them too
             ctx.instruments = self.instruments
         instruments = ctx.instruments

@@ -21,7 +21,6 @@ from ..core.progress import progress
 from ..core.registry import register
 from ..errors import CalibrationDataError, ModelError, first_line
 from ..evaluation.evaluate import max_nodes_option, max_weight_mb_option, rerun_skip_reason, session
-from ..executors.threads import serial_blas
 from ..ir.analyses import GRAPH, RANGES
 from ..ir.graphutil import proto_subgraphs, subgraphs
 from ..ir.model import QModel
@@ -144,21 +143,20 @@ class ReconstructWeights(Pass):
         bar = progress(ctx, NAME, len(targets))
         try:
             runner = _Stashed.made(self, ctx, model, trial, stages) or _Rerun(self, ctx, reference, work, trial)
-            with serial_blas():   # the moments' products and the solves (round-weights' reason)
-                for k, stage in enumerate(stages):
-                    try:
-                        samples = runner.measure(k, stage)
-                    except _StashFull:   # from here on, every stage runs the models again from the feeds
-                        runner = _Rerun(self, ctx, reference, work, None)
-                        samples = runner.measure(k, stage)
-                    for t in stage:
-                        if t.hessian.rows < self.min_rows * t.geo.k:
-                            few += 1
-                        else:
-                            done += self._solve(work, t, samples, changed, notes, gains, t.weight.name in grids)
-                        t.hessian = None
-                    runner.advance(k, stage, changed)
-                    bar.update(done + few)
+            for k, stage in enumerate(stages):
+                try:
+                    samples = runner.measure(k, stage)
+                except _StashFull:   # from here on, every stage runs the models again from the feeds
+                    runner = _Rerun(self, ctx, reference, work, None)
+                    samples = runner.measure(k, stage)
+                for t in stage:
+                    if t.hessian.rows < self.min_rows * t.geo.k:
+                        few += 1
+                    else:
+                        done += self._solve(work, t, samples, changed, notes, gains, t.weight.name in grids)
+                    t.hessian = None
+                runner.advance(k, stage, changed)
+                bar.update(done + few)
             runner = None
         except CalibrationDataError as exc:
             bar.close()

@@ -13,7 +13,6 @@ from ..core.pipeline import Pass, PassResult, Pipeline, pipeline_option
 from ..core.registry import register
 from ..errors import CalibrationDataError, first_line
 from ..evaluation.evaluate import max_nodes_option, max_weight_mb_option, rerun_skip_reason
-from ..executors.threads import serial_blas
 from ..ir.analyses import GRAPH, RANGES
 from ..ir.decisions import PRECISION_SEARCH
 from ..ir.model import QModel
@@ -123,15 +122,14 @@ class RoundWeights(Pass):
         targets = [t for t in targets if t.geo.h_bytes <= budget]
         rounded, samples, few, originals, notes = 0, 0, 0, {}, []
         try:
-            with serial_blas():   # the Hessians' products and factorisations
-                for batch in batches(targets, budget):
-                    samples = measure(model, ctx.calibration_data, batch, self.samples, self.min_rows) or samples
-                    for t in batch:
-                        if t.hessian is None or t.hessian.rows < self.min_rows * t.geo.k:
-                            few += 1
-                            t.hessian = None
-                        else:
-                            rounded += self._round(model, t, samples, originals, notes, t.weight.name in grids)
+            for batch in batches(targets, budget):
+                samples = measure(model, ctx.calibration_data, batch, self.samples, self.min_rows) or samples
+                for t in batch:
+                    if t.hessian is None or t.hessian.rows < self.min_rows * t.geo.k:
+                        few += 1
+                        t.hessian = None
+                    else:
+                        rounded += self._round(model, t, samples, originals, notes, t.weight.name in grids)
             checked = None
             if self.check and rounded:   # scored from the float model the codes were chosen for
                 new = {name: c.values for name, (c, _) in originals.items()}
