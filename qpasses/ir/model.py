@@ -109,9 +109,10 @@ class QModel:
 
     # -- conversion ----------------------------------------------------------------------
     @relaxed_gc()
-    def to_proto(self, *, metadata: bool = True, weights: dict | None = None) -> onnx.ModelProto:
+    def to_proto(self, *, metadata: bool = True, weights: dict | None = None, packed: bool = True) -> onnx.ModelProto:
         """Export to a ModelProto with our metadata (``metadata=False``: the user's only, e.g. for
-        an onnxruntime session), the original signature and a capped IR version.
+        an onnxruntime session; ``packed=False``: long entries as plain text, for a copy read back
+        at once), the original signature and a capped IR version.
 
         With a ``weights`` dict, top-level constants of numpy types and at least 1 KiB are not
         copied into the proto: they are exported as external data at location IN_MEMORY and their
@@ -144,7 +145,7 @@ class QModel:
         for key in sorted(meta):
             if key in KEYS and meta[key] in ("{}", "[]"):
                 continue
-            proto.metadata_props.add(key=key, value=pack(meta[key]) if key in KEYS else meta[key])
+            proto.metadata_props.add(key=key, value=pack(meta[key]) if packed and key in KEYS else meta[key])
         return proto
 
     def copy(self, *, share_weights: bool = False) -> "QModel":
@@ -153,13 +154,13 @@ class QModel:
         scratch copy that passes rewrite without holding the weights twice."""
         if share_weights:
             return self.copier()()
-        return from_proto(self.to_proto(), base_dir=self.base_dir)
+        return from_proto(self.to_proto(packed=False), base_dir=self.base_dir)
 
     def copier(self):
         """``copy(share_weights=True)`` for many scratch copies of a model that does not change
         meanwhile (trials): exported once, each call of the returned function only imports."""
         weights: dict = {}
-        proto = self.to_proto(weights=weights)
+        proto = self.to_proto(weights=weights, packed=False)   # read back by every call: not zlib-packed
         _share_constants(self.graph, weights)   # both hold the exported arrays
 
         def fresh() -> "QModel":
