@@ -150,21 +150,25 @@ def _symbolic_shapes(stripped: onnx.ModelProto) -> dict[str, tuple]:
 
 
 SYMBOLIC_MODULE = "onnxruntime.tools.symbolic_shape_infer"
+LOADED_AS = "qpasses._symbolic_shape_infer"
 
 
 def _symbolic_inference():
     """onnxruntime's SymbolicShapeInference, loaded from its own file: importing it by name runs
     onnxruntime/tools/__init__.py, which imports torch when torch is installed (1.2 s of yolo_detector's
-    10 s quantization here); the module itself needs only onnx, numpy and sympy."""
-    module = sys.modules.get(SYMBOLIC_MODULE) or sys.modules.get("qpasses._symbolic_shape_infer")
+    10 s quantization here); the module itself needs only onnx, numpy and sympy. By name when an
+    onnxruntime build keeps it elsewhere."""
+    module = sys.modules.get(SYMBOLIC_MODULE) or sys.modules.get(LOADED_AS)
     if module is None:
         import onnxruntime
 
         path = Path(onnxruntime.__file__).parent / "tools" / "symbolic_shape_infer.py"
-        spec = importlib.util.spec_from_file_location("qpasses._symbolic_shape_infer", path)
+        if not path.is_file():
+            return importlib.import_module(SYMBOLIC_MODULE).SymbolicShapeInference
+        spec = importlib.util.spec_from_file_location(LOADED_AS, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        sys.modules[spec.name] = module
+        sys.modules[LOADED_AS] = module
     return module.SymbolicShapeInference
 
 

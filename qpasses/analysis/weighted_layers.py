@@ -137,10 +137,10 @@ def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then, sam
     start = (model.decisions.get("calibration", {}).get("held_out_from") or 0 if search.get("held_out") else 0)
     start = max(start + search.get("feeds", 0), after)
     half = max(1, samples // 2)
-    kept = ctx.cache.get(KeptSamples.CACHE_KEY)   # the float outputs calibrate kept: no float run on those
-    reference = Reference.for_rest(model, ctx.calibration_data, kept, start, False, half)
+    floats = ctx.cache.get(KeptSamples.CACHE_KEY)   # the float outputs calibrate kept: no float run on those
+    reference = Reference.for_rest(model, ctx.calibration_data, floats, start, False, half)
     if reference is None:   # no feed left after those
-        start, reference = 0, Reference.for_rest(model, ctx.calibration_data, kept, 0, False, half)
+        start, reference = 0, Reference.for_rest(model, ctx.calibration_data, floats, 0, False, half)
     objective = Objective(search.get("metric", ctx.config.accuracy.metric), model=model)   # its weights as stubs: not copied
 
     def edit(trial: QModel) -> None:
@@ -155,7 +155,7 @@ def checked_values(model: QModel, ctx, changed: dict[str, np.ndarray], then, sam
     before, score = _overall(objective, ref_runs, runs, reference.names)
     allowed = tolerance_db if objective.metric == "snr" else 0.0
     if not (np.isfinite(score) and score >= before + max(0.0, -allowed)) and len(reference.feeds) < samples:
-        more = Reference.for_rest(model, ctx.calibration_data, kept, start + len(reference.feeds), False,
+        more = Reference.for_rest(model, ctx.calibration_data, floats, start + len(reference.feeds), False,
                                   samples - len(reference.feeds))
         if more is not None:
             runs = [r + more.runs_of(trial, judged=True) for r, trial in zip(runs, trials)]

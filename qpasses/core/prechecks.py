@@ -28,6 +28,7 @@ from .instruments import Instrument
 FLOAT32_LIMIT = float(np.finfo(np.float32).max) / 2   # a range [-x, x] must fit in float32
 TYPE_PASSES = frozenset({"annotate-types", "propagate-mixed-precision", "search-precision"})
 FOUR_BIT = ("int4", "uint4")
+THROUGH_MOVERS = " through float Reshape/Transpose/... nodes"   # which onnxruntime moves Q/DQ past
 
 
 class QuantizableValues(Instrument):
@@ -179,11 +180,11 @@ def unloadable_4bit(model) -> list[str]:
         through = ""
         if node.op == "MaxPool" and qt is None:   # onnxruntime moves a DQ down to it through float movers
             x, qt = _moved_from(model, node)
-            through = " through float Reshape/Transpose/... nodes, which onnxruntime moves its DequantizeLinear past"
+            through = THROUGH_MOVERS + ", which onnxruntime moves its DequantizeLinear past"
         ahead = ""
         if node.op == "MaxPool" and written is None:   # onnxruntime moves a Q up to it through float movers
             out, written = _moved_to(model, node)
-            ahead = " through float Reshape/Transpose/... nodes"
+            ahead = THROUGH_MOVERS
         if node.op == "MaxPool" and qt not in FOUR_BIT and written in FOUR_BIT:
             problems.append(f"node '{node.name}' (MaxPool) writes '{out}' as {written}{ahead} (onnxruntime moves "
                             f"the quantization before it; MaxPool has no {written} kernel)")
