@@ -221,13 +221,12 @@ class Hessian:
         pending, self._pending = self._pending, []
         if self.cross is None:
             self.cross, self.ref_xtx, self.ref_sum = np.zeros_like(self.xtx), np.zeros_like(self.xtx), np.zeros_like(self.sum)
-        if self.geo.groups == 1:   # plain GEMMs on copies (numpy's stacked path and its X X^T path are slower)
+        if self.geo.groups == 1:   # 2-D products: X X^T through BLAS syrk (one triangle), X R^T without a copy
             c, r = (np.concatenate([p[i][0] for p in pending], axis=1, dtype=np.float64) for i in (0, 1))
-            ct, rt = (np.concatenate([p[i][0].T for p in pending], axis=0, dtype=np.float64) for i in (0, 1))
             cols, ref = c[None], r[None]
-            self.xtx[0] += c @ ct
-            self.cross[0] += c @ rt
-            self.ref_xtx[0] += r @ rt
+            self.xtx[0] += c @ c.T
+            self.cross[0] += c @ r.T
+            self.ref_xtx[0] += r @ r.T
         else:
             cols, ref = (np.concatenate([p[i] for p in pending], axis=2, dtype=np.float64) for i in (0, 1))
             self.xtx += cols @ cols.transpose(0, 2, 1)
