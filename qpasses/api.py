@@ -139,8 +139,8 @@ def replayable(source):
 def run_summary_lines(model: QModel) -> list[str]:
     """What the command line prints about a quantized model without measuring it: the share of
     weighted ops in 8 bits and the tensors kept float (or the weights a weight-only run quantized),
-    and a target the search missed."""
-    from .evaluation.summary import shortfall, summary_line
+    a target the search missed, and a search that kept most of the int8 speed-up float."""
+    from .evaluation.summary import shortfall, slow_share, summary_line
     from .ir.decisions import float_reasons
 
     lines = []
@@ -152,4 +152,6 @@ def run_summary_lines(model: QModel) -> list[str]:
     search = model.decisions.get("precision_search", {})
     if search and not search.get("met", True):
         lines.append(f"warning: search-precision {shortfall(search)}")
+    if search and slow_share(search):
+        lines.append(f"warning: {slow_share(search)}")
     return lines

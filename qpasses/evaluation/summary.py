@@ -117,6 +117,23 @@ def run_summary(model, floats: dict, proto=None, optimized=None) -> tuple[str, i
     return summary_line(proto, floats, kernels), kernels
 
 
+# Below this share of the weighted ops' int8 latency gain left 8-bit, the search's float ops cost
+# the speed users quantize for: yolo_detector's 12 dB target left 0.29 and its output ran 1.1x the
+# float model's latency, 1.8x onnxruntime's all-int8 model (tools/RESULTS.md).
+SLOW_SHARE = 0.5
+
+
+def slow_share(decision: dict) -> str:
+    """A line on a search that left under SLOW_SHARE of the weighted ops' int8 latency gain 8-bit, else ''."""
+    share = decision.get("int8_share")
+    if share is None or share >= SLOW_SHARE:
+        return ""
+    return (f"search-precision kept {100 * (1 - share):.0f} % of the latency the weighted ops' int8 kernels save "
+            f"in float for the {decision['metric']} target {decision['target']:g}: the model may run no faster "
+            f"than the float one (--vs-onnxruntime measures it; --target {decision['metric']}=0 keeps every "
+            f"weighted op 8-bit)")
+
+
 def shortfall(decision: dict) -> str:
     """How a search that missed its target fell short, in a line (the CLI's warning)."""
     reached, counted, confidence = decision["reached"], decision.get("reached_counted"), decision.get("confidence", 0)

@@ -271,6 +271,23 @@ def test_the_shortfall_line_says_what_the_score_counted_as():
                                       "feeds it confirmed on, short of the target 25, with 2 tensors promoted")
 
 
+def test_a_search_that_kept_most_of_the_int8_speed_up_float_says_so():
+    """yolo_detector's 12 dB target left 29 % of the weighted ops' int8 latency gain 8-bit: its output ran
+    slower than the float model. The run's summary warns, with the ways to measure and to trade."""
+    from qpasses.api import run_summary_lines
+    from qpasses.evaluation.summary import slow_share
+
+    decision = {"metric": "snr", "target": 12.0, "int8_share": 0.286, "met": True}
+    assert slow_share(decision) == (
+        "search-precision kept 71 % of the latency the weighted ops' int8 kernels save in float for the snr "
+        "target 12: the model may run no faster than the float one (--vs-onnxruntime measures it; --target "
+        "snr=0 keeps every weighted op 8-bit)")
+    assert slow_share(decision | {"int8_share": 0.8}) == "" and slow_share({"metric": "snr", "target": 12.0}) == ""
+    model = from_proto(parse(OUTLIERS))
+    model.decisions["precision_search"] = decision
+    assert run_summary_lines(model)[-1] == f"warning: {slow_share(decision)}"
+
+
 def _chain(layers: int = 5, d: int = 32):
     """x -> (MatMul -> Tanh) x layers, seeded weights."""
     rng = np.random.default_rng(0)
