@@ -8,9 +8,11 @@ output channel, nearest; ``u8-act-in`` those ops' data inputs fake-quantized uin
 (calibration min/max, 0 included), ``u8-act`` every float activation so, ``int8-w+u8-act`` both;
 ``noise-E`` the input plus Gaussian noise of E times its RMS. For each row and each quantized model
 given: agreement, output SNR (of the softmax of logits), flipped samples with their float top-1
-margin (softmax top-1 minus top-2).
+margin (softmax top-1 minus top-2). With ``--task NAME`` (a tools/accuracy_models.py model: any
+model, a detector or OCR too) each row gives that task metric against the float model instead.
 
     python tools/measure_flip_floor.py MODEL.onnx CALIB.npz EVAL.npz [QUANTIZED.onnx ...]
+    python tools/measure_flip_floor.py MODEL.onnx CALIB.npz EVAL.npz --task crnn_lstm
 """
 from __future__ import annotations
 
@@ -107,19 +109,8 @@ def fake_quant_acts(model, calib, inputs_only):
     return m, len(lo)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model"), ap.add_argument("calib"), ap.add_argument("eval")
-    ap.add_argument("quantized", nargs="*", help="quantized models whose flipped samples to list")
-    ap.add_argument("--noise", default="1e-3,1e-2,3e-2,1e-1", help="relative input noise levels")
-    ap.add_argument("--seeds", type=int, default=3)
-    args = ap.parse_args(argv)
-    calib, feeds = load_feeds(args.calib), load_feeds(args.eval)
-    ref = first_output(args.model, feeds)
-    norm = (lambda p: p) if ref.min() >= 0 and np.allclose(ref.sum(-1), 1, atol=1e-3) else \
-        (lambda p: (e := np.exp(p - p.max(-1, keepdims=True))) / e.sum(-1, keepdims=True))   # logits: softmax
-    ref = norm(ref)
-    top, margin = ref.argmax(-1), np.diff(np.sort(ref, -1)[..., -2:])[..., 0].min(-1)
+def perturbed(args, calib) -> list:
+    """(label, model, (noise, seed) or None) per row."""
     with tempfile.TemporaryDirectory() as tmp:
         session(args.model, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, os.path.join(tmp, "basic.onnx"))
         base = onnx.load(os.path.join(tmp, "basic.onnx"))
@@ -129,8 +120,42 @@ def main(argv=None) -> int:
                                ("int8-w+u8-act", int8_weights(base), False)):
         m, count = fake_quant_acts(model, calib, only)
         rows.append((f"{label} ({count} tensors)", m, None))
-    rows += [(f"noise-{eps:g} seed {seed}", base, (eps, seed))
-             for eps in map(float, args.noise.split(",")) for seed in range(args.seeds)]
+    return rows + [(f"noise-{eps:g} seed {seed}", base, (eps, seed))
+                   for eps in map(float, args.noise.split(",")) for seed in range(args.seeds)]
+
+
+def by_task(args, rows, feeds) -> int:
+    """The task metric (accuracy_models.task_metric) of every row and quantized model against the float model."""
+    from accuracy_models import task_metric
+
+    def outputs(model, fs):
+        sess = session(model)
+        return [sess.run(None, f) for f in fs]
+
+    ref = outputs(args.model, feeds)
+    print(f"{len(feeds)} eval samples, {task_metric(args.task, ref, ref)[0]}\n\n| perturbation | task metric |\n|---|---|")
+    for label, model, noise in rows + [(os.path.basename(q), q, None) for q in args.quantized]:
+        print(f"| {label} | {task_metric(args.task, ref, outputs(model, feeds if noise is None else noisy(feeds, *noise)))[1]:.4f} |")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model"), ap.add_argument("calib"), ap.add_argument("eval")
+    ap.add_argument("quantized", nargs="*", help="quantized models whose flipped samples to list")
+    ap.add_argument("--noise", default="1e-3,1e-2,3e-2,1e-1", help="relative input noise levels")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--task", help="a tools/accuracy_models.py model name: its task metric per row, not top-1")
+    args = ap.parse_args(argv)
+    calib, feeds = load_feeds(args.calib), load_feeds(args.eval)
+    if args.task:
+        return by_task(args, perturbed(args, calib), feeds)
+    ref = first_output(args.model, feeds)
+    norm = (lambda p: p) if ref.min() >= 0 and np.allclose(ref.sum(-1), 1, atol=1e-3) else \
+        (lambda p: (e := np.exp(p - p.max(-1, keepdims=True))) / e.sum(-1, keepdims=True))   # logits: softmax
+    ref = norm(ref)
+    top, margin = ref.argmax(-1), np.diff(np.sort(ref, -1)[..., -2:])[..., 0].min(-1)
+    rows = perturbed(args, calib)
     print(f"{len(feeds)} eval samples; float top-1 margin median {np.median(margin):.4f}; lowest: "
           + ", ".join(f"{i} ({margin[i]:.3f})" for i in np.argsort(margin)[:12]) + "; below "
           + ", ".join(f"{t}: {int((margin < t).sum())}" for t in (0.1, 0.2, 0.5)) + "\n")
