@@ -12,9 +12,10 @@ saturate without VNNI), not what /proc/cpuinfo claims (qemu user mode passes the
 Sessions: CPUExecutionProvider at onnxruntime's default optimization level, one intra-op thread.
 With ``--work DIR`` every sample's outputs are kept (``DIR/<model>/<file stem>.<sha256 prefix>.<path>/<i>.npz``,
 the float model's under ``float.<path>``) and reused: ``--range a:b`` runs only those samples
-(onnxruntime's memory under qemu grows with every run: a few processes of 16 samples each), and the
-metric is printed once every sample is there. The float model's outputs come from ``float.vnni`` when complete
-(computing them natively first keeps the float kernels out of the comparison), else are run here.
+(qemu runs in chunks: a chunk of 32 samples of two files peaked at 0.7 GB RSS on ppocr_v4_rec), and the
+metric is printed once every sample is there (``--kernels avx2`` scores an emulated run's outputs
+natively). The float model's outputs come from ``float.vnni`` when complete (computing them natively
+first keeps the float kernels out of the comparison), else are run here.
 """
 from __future__ import annotations
 
@@ -90,10 +91,13 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, help="keep every sample's outputs here and reuse them")
     ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     ap.add_argument("--cache", type=Path, default=acc.DEFAULT_CACHE)
+    ap.add_argument("--kernels", choices=("vnni", "avx2"),
+                    help="score the outputs --work holds from that kernel path (e.g. an emulated run's, natively: "
+                         "the metric under qemu is slow); default: this CPU's")
     ap.add_argument("--json", type=Path, help="append one JSON line per quantized file")
     args = ap.parse_args(argv)
-    if args.range and not args.work:
-        print("eval_quantized: --range needs --work", file=sys.stderr)
+    if (args.range or args.kernels) and not args.work:
+        print("eval_quantized: --range and --kernels need --work", file=sys.stderr)
         return 2
 
     bm = bench_model(args.model, args.corpus, args.cache)
@@ -103,12 +107,19 @@ def main(argv=None) -> int:
     n = len(feeds)
     a, b = (int(v) for v in args.range.split(":")) if args.range else (0, n)
     todo = range(max(0, a), min(b, n))
-    path = kernel_path()
-    print(f"# {args.model}: onnxruntime's int8 kernels here: {path}; {n} eval samples of {bm.eval}", flush=True)
+    here = kernel_path()
+    path = args.kernels or here
+    print(f"# {args.model}: onnxruntime's int8 kernels here: {here}; {path} outputs scored; {n} eval samples of {bm.eval}",
+          flush=True)
     work = args.work / args.model if args.work else None
     for q in args.quantized:
         start = time.perf_counter()
         q_dir = work / f"{q.stem}.{hashlib.sha256(q.read_bytes()).hexdigest()[:8]}.{path}" if work else None
+        absent = [i for i in todo if not (q_dir / f"{i}.npz").is_file()] if work else []
+        if path != here and absent:
+            print(f"eval_quantized: {q_dir} lacks {len(absent)} samples, which only a CPU with {path} kernels can run",
+                  file=sys.stderr)
+            return 2
         cached_outputs(q, feeds, todo, q_dir)
         seconds = time.perf_counter() - start
         if work and (missing := [i for i in range(n) if not (q_dir / f"{i}.npz").is_file()]):
@@ -119,8 +130,8 @@ def main(argv=None) -> int:
         outs_q = [outs_q[i] for i in range(n)]
         # the float model's outputs: computed natively where they are (float.vnni), else here
         complete = [d for d in (work / "float.vnni", work / "float.avx2") if (d / f"{n - 1}.npz").is_file()] if work else []
-        float_dir = complete[0] if complete else (work / f"float.{path}" if work else None)
-        float_from = float_dir.name.split(".")[1] if float_dir else path
+        float_dir = complete[0] if complete else (work / f"float.{here}" if work else None)
+        float_from = float_dir.name.split(".")[1] if float_dir else here
         outs_f = cached_outputs(bm.path, feeds, range(n), float_dir)
         outs_f = [outs_f[i] for i in range(n)]
         name, value = bm.metric(outs_f, outs_q)
