@@ -152,6 +152,6 @@ def run_summary_lines(model: QModel) -> list[str]:
     search = model.decisions.get("precision_search", {})
     if search and not search.get("met", True):
         lines.append(f"warning: search-precision {shortfall(search)}")
-    if search and slow_share(search):
-        lines.append(f"warning: {slow_share(search)}")
+    if search and (slow := slow_share(search)):
+        lines.append(f"warning: {slow}")
     return lines

@@ -146,11 +146,10 @@ def _moved_from(model, node) -> tuple[str, str | None]:
     return t.name, _read_type(model, t.name, reader)
 
 
-def _moved_to(model, node) -> tuple[str, str | None]:
+def _moved_to(model, node, graph_outputs: set[str]) -> tuple[str, str | None]:
     """The tensor a MaxPool's output reaches through a chain of float movers, each its input's only
     reader, and the type it is written as (None: not quantized): onnxruntime moves its
     QuantizeLinear up past them to the MaxPool."""
-    graph_outputs = {t.name for t in model.graph.outputs}
     t = node.outputs[0]
     while (t.name not in model.quant and t.name not in graph_outputs and len(t.outputs) == 1
            and t.outputs[0].op in QDQ_PROPAGATED and t.outputs[0].outputs):
@@ -164,7 +163,7 @@ def unloadable_4bit(model) -> list[str]:
     (in the main graph and in its If/Loop/Scan bodies)."""
     from ..ir.model import body_graphs
 
-    problems = []
+    problems, graph_outputs = [], {t.name for t in model.graph.outputs}
     for node in [n for g in (model.graph, *body_graphs(model.graph)) for n in g.nodes]:
         if node.op not in ("Conv", "MaxPool", "Clip") or not node.inputs:
             continue
@@ -183,7 +182,7 @@ def unloadable_4bit(model) -> list[str]:
             through = THROUGH_MOVERS + ", which onnxruntime moves its DequantizeLinear past"
         ahead = ""
         if node.op == "MaxPool" and written is None:   # onnxruntime moves a Q up to it through float movers
-            out, written = _moved_to(model, node)
+            out, written = _moved_to(model, node, graph_outputs)
             ahead = THROUGH_MOVERS
         if node.op == "MaxPool" and qt not in FOUR_BIT and written in FOUR_BIT:
             problems.append(f"node '{node.name}' (MaxPool) writes '{out}' as {written}{ahead} (onnxruntime moves "
