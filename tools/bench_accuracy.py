@@ -250,16 +250,16 @@ def _child(tool: Tool, bm: BenchModel, n_calib: int | None, out_path: str, log_p
         else:
             if qp_src:
                 sys.path.insert(0, qp_src)
-            import qpasses
-            from qpasses.core.registry import all_passes
+            from models import import_qpasses, imported_since
 
-            all_passes()   # pass modules load on first use: an import, not timed (as the others')
+            qpasses, modules = import_qpasses()   # imports are not timed, as the others' are not
             result["qpasses_file"] = qpasses.__file__
             config = json.loads(Path(tool.config).read_text()) if tool.config else None
             start = time.perf_counter()
             model = qpasses.quantize(str(bm.path), feeds, config=config, passes=tool.passes)
             qpasses.save(model, out_path)
             result["seconds"] = time.perf_counter() - start
+            result["imported_in_timed_run"] = imported_since(modules)
         result["ok"] = True
     except BaseException as exc:  # the parent reports it and goes on
         result["ok"] = False
@@ -720,6 +720,9 @@ def main(argv=None) -> int:
                 d = run_child(tool, bm, n_calib, out_dir / f"{tool.name}{suffix}.onnx", args.timeout, qp_src,
                               (k, args.draws))
                 measure(d, bm, feeds, outs_f)
+                if d.get("imported_in_timed_run"):
+                    print(f"{name} {tool.name}: its timed run imported {', '.join(d['imported_in_timed_run'])} "
+                          "(tools/models.py LAZY_IMPORTS)", file=sys.stderr)
                 draws.append(d)
             print(f"{name:16s} {tool.name:10s} task {cell(draws[0], 'task'):>6s}  snr {cell(draws[0], 'snr', 2):>6s}  "
                   f"8-bit {cell(draws[0], 'share'):>7s}  {cell(draws[0], 'seconds', 1):>6s} s  {status(draws[0]) or 'ok'}",

@@ -127,6 +127,35 @@ class FeedReader:
         return iter(self.feeds)
 
 
+def import_qpasses():
+    """qpasses with everything a quantization imports on first use already imported (its pass
+    modules, onnxruntime, ...): imports are not timed, as onnxruntime's own are not. ``sys.modules``
+    after it is the baseline ``imported_since`` checks a timed run against."""
+    import importlib
+    import sys
+
+    import qpasses
+    from qpasses.core.registry import all_passes
+
+    all_passes()
+    for name in LAZY_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:   # an older revision (--qpasses-rev) without it
+            pass
+    return qpasses, set(sys.modules)
+
+
+LAZY_IMPORTS = ("numpy.random", "onnxruntime", "threadpoolctl", "qpasses.evaluation.summary", "qpasses.weightonly.config")
+
+
+def imported_since(before: set) -> list[str]:
+    """Modules a timed run imported (each one's import time is in its seconds): a bench reports them."""
+    import sys
+
+    return sorted(set(sys.modules) - before)
+
+
 def all_names() -> list[str]:
     light = [f"light_{n}{s}" for n in LIGHT_NETS for s in ("", "_rand")]
     return light + list(CORPUS_MODELS) + [f"{n}_init" for n in CORPUS_MODELS] + ["encoder_block"]

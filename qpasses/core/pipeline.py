@@ -287,12 +287,12 @@ def pipeline_option(default: str, help: str):
 
 
 BASE_PIPELINE = "fold-constants,fold-batchnorm,cleanup"
-# the default's reconstruction, bounded to models whose cost keeps the run within 4x onnxruntime's
-# quantize_static (reconstruct-weights' docstring); round-weights after it chooses the codes of the others
-BOUNDED_RECONSTRUCTION = "reconstruct-weights{max_weight_mb=1}"
 QUANTIZE_PIPELINE = (BASE_PIPELINE + ",smooth-quant,annotate-types,propagate-mixed-precision,calibrate,"
-                     "select-by-snr,search-precision,quantize-silu,compute-qparams,protect-pair-sums," + BOUNDED_RECONSTRUCTION
-                     + ",round-weights,correct-bias,fix-bias-scales,insert-qdq,insert-converts,quantize-gathers,cleanup")
+                     "select-by-snr,search-precision,quantize-silu,compute-qparams,protect-pair-sums,round-weights,"
+                     "correct-bias,fix-bias-scales,insert-qdq,insert-converts,quantize-gathers,cleanup")
+# effort: high reconstructs the weights against the quantized model's own inputs where the default
+# rounds them against the float model's (docs/decisions/weights.md)
+HIGH_EFFORT = {"round-weights": "reconstruct-weights"}
 
 
 WEIGHT_ONLY_PIPELINE = BASE_PIPELINE + ",quantize-weights,quantize-gathers,cleanup"
@@ -302,16 +302,16 @@ MODE_PIPELINES = {"weight_only": WEIGHT_ONLY_PIPELINE, "dynamic": BASE_PIPELINE 
 
 def default_pipeline(quantize: bool, mode: str = "static", format: str = "qdq", effort: str = "default") -> str:
     """The pipeline `qpasses run` uses without --passes: the ``mode``'s (config), else quantize
-    when calibration data is given; ``effort: high`` reconstructs the weights of every model against
-    the quantized model's own inputs (reconstruct-weights with its own defaults, instead of the
-    bounded one and round-weights); ``format: qoperator`` appends lower-qoperator."""
+    when calibration data is given; ``effort: high`` reconstructs the weights against the quantized
+    model's own inputs (reconstruct-weights instead of round-weights); ``format: qoperator`` appends
+    lower-qoperator."""
     if mode in MODE_PIPELINES:
         return MODE_PIPELINES[mode]
     if not quantize:
         return BASE_PIPELINE
     passes = QUANTIZE_PIPELINE
     if effort == "high":
-        passes = passes.replace(BOUNDED_RECONSTRUCTION + ",round-weights", "reconstruct-weights")
+        passes = ",".join(HIGH_EFFORT.get(p, p) for p in passes.split(","))
     return passes + ",lower-qoperator,cleanup" if format == "qoperator" else passes
 
 

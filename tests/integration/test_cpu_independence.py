@@ -68,9 +68,9 @@ def example_feeds():
 
 CASES = {"example": (example_model, example_feeds), "mask": (mask_model, mask_feeds), "silu": (silu_model, silu_feeds)}
 GOLDEN = {
-    "example": "c2dae070d3042b6fdd4ca2efa092fbc41683a6d38383beefab632d856549a0fe",
-    "mask": "9645909784d9b8c322b959ba0f67f0fa325c2650b125d0b4fa9680a3d2e6243a",
-    "silu": "b31789aa826be78c5844a5e6eb48f243be446d1d96a4725ad304921c4a3eed8b",
+    "example": "b1d851b47679c4e8a53eb89baa30d8bf13f33306de60a7a8baa4995d1dfa2cac",
+    "mask": "73a337981da344f74992b0a4bd909fbc3cda742382c19cfbecc62f80b4091d2a",
+    "silu": "925f2f988c3a40329ec05c29e67eccafda9b17ec555f0b9699a378941562ded8",
 }
 
 

@@ -5,7 +5,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qpasses.api import run_pipeline
 from qpasses.core.context import RunContext
-from qpasses.core.pipeline import BOUNDED_RECONSTRUCTION, QUANTIZE_PIPELINE
+from qpasses.core.pipeline import QUANTIZE_PIPELINE
 from qpasses.core.verify import check_onnx
 from qpasses.evaluation.evaluate import snr_db
 from qpasses.ir.model import from_proto
@@ -33,7 +33,7 @@ g (float[4, 16] x) => (float[4, 3] y)
 }
 """
 A16W8 = {"activation_type": "uint16", "weight_type": "int8", "per_channel": False}
-NO_SELECT = QUANTIZE_PIPELINE.replace(BOUNDED_RECONSTRUCTION + ",round-weights,", "")   # they leave no weight error to correct
+NO_SELECT = QUANTIZE_PIPELINE.replace("round-weights,", "")   # it leaves no weight error to correct
 SCORED = NO_SELECT.replace("select-by-snr", "select-by-snr{bias_correction=true}")
 WITHOUT = NO_SELECT.replace("correct-bias,", "")
 

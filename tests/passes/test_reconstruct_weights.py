@@ -7,7 +7,7 @@ import pytest
 from qpasses.analysis.weighted_layers import find_targets
 from qpasses.api import run_pipeline
 from qpasses.core.context import RunContext
-from qpasses.core.pipeline import BOUNDED_RECONSTRUCTION, QUANTIZE_PIPELINE, parse_pipeline
+from qpasses.core.pipeline import parse_pipeline
 from qpasses.core.verify import check_onnx
 from qpasses.errors import PipelineError
 from qpasses.evaluation.evaluate import session, snr_db
@@ -353,8 +353,8 @@ def test_refine_codes_never_raises_the_loss_and_keeps_bounds(seed):
 
 
 def test_effort_high_reconstructs_in_the_default_pipeline(tmp_path):
-    """config effort: high (or --effort high) puts unbounded reconstruct-weights where the default
-    has its bounded one and round-weights."""
+    """config effort: high (or --effort high) puts reconstruct-weights where the default has
+    round-weights, and nothing else changes."""
     from qpasses.cli import main
     from qpasses.cli.examples import write_example
     from qpasses.core.pipeline import default_pipeline
@@ -362,7 +362,9 @@ def test_effort_high_reconstructs_in_the_default_pipeline(tmp_path):
 
     high = default_pipeline(True, effort="high").split(",")
     assert "reconstruct-weights" in high and "round-weights" not in high
-    assert high == default_pipeline(True).replace(BOUNDED_RECONSTRUCTION + ",round-weights", "reconstruct-weights").split(",")
+    default = default_pipeline(True).split(",")
+    assert "reconstruct-weights" not in default
+    assert high == ["reconstruct-weights" if p == "round-weights" else p for p in default]
     model, calib, _ = write_example(tmp_path)
     out = tmp_path / "q.onnx"
     assert main(["run", str(model), "-o", str(out), "--calib", str(calib), "--effort", "high", "--quiet"]) == 0
@@ -385,14 +387,14 @@ def _dense(k: int, rows: int) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("k, reconstructed", [(256, True), (576, False)])   # 0.25 MB, 1.27 MB of weights
-def test_the_default_reconstructs_only_models_within_its_weight_bound(k, reconstructed):
-    """The default pipeline's reconstruction stands aside above 1 MB of weights; round-weights then
-    chooses the codes, as before (16-bit activations here, so that it has layers to round)."""
+def test_max_weight_mb_bounds_the_reconstruction(k, reconstructed):
+    """Above ``max_weight_mb`` of weights the pass stands aside (a finding says why) and round-weights
+    after it chooses the codes (16-bit activations here, so that it has layers to round)."""
     feeds = _feeds((1, 320, k), 48)
     model = load(_dense(k, 320))
     ctx = RunContext({"activation_type": "uint16"}, feeds)
-    run_passes(f"{PRELUDE},{BOUNDED_RECONSTRUCTION},round-weights", model, ctx=ctx)
+    run_passes(f"{PRELUDE},reconstruct-weights{{max_weight_mb=1}},round-weights", model, ctx=ctx)
     findings = ctx.findings.as_dict()
     assert findings["reconstruct-weights"].get("reconstructed", 0) == int(reconstructed)
+    assert ("skipped" in findings["reconstruct-weights"]) == (not reconstructed)
     assert findings["round-weights"].get("rounded", 0) == int(not reconstructed)
-    assert BOUNDED_RECONSTRUCTION + ",round-weights" in QUANTIZE_PIPELINE

@@ -4,7 +4,7 @@ import pytest
 
 from qpasses.api import run_pipeline
 from qpasses.core.context import RunContext
-from qpasses.core.pipeline import BOUNDED_RECONSTRUCTION, QUANTIZE_PIPELINE
+from qpasses.core.pipeline import QUANTIZE_PIPELINE
 from qpasses.core.verify import check_onnx
 from qpasses.evaluation.evaluate import snr_db
 from qpasses.quant.qparams import quantize as quantize_values
@@ -12,7 +12,7 @@ from qpasses.quant import rounding
 from qpasses.quant.rounding import Geometry, conv_geometry, input_rows, most_rows, round_codes, upper_inverse_cholesky
 from qpasses.testing import model_from_text, parse, run, run_passes
 
-WITH = QUANTIZE_PIPELINE.replace(BOUNDED_RECONSTRUCTION + ",", "")   # these small models: round-weights alone
+WITH = QUANTIZE_PIPELINE
 WITHOUT = WITH.replace("round-weights,", "")
 A16W8 = {"activation_type": "uint16", "weight_type": "int8"}
 
