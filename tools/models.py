@@ -146,7 +146,7 @@ def import_qpasses():
     return qpasses, set(sys.modules)
 
 
-LAZY_IMPORTS = ("numpy.random", "onnxruntime", "threadpoolctl", "qpasses.evaluation.summary", "qpasses.weightonly.config")
+LAZY_IMPORTS = ("numpy.ma", "numpy.random", "onnxruntime", "threadpoolctl", "qpasses.evaluation.summary", "qpasses.weightonly.config")
 
 
 def imported_since(before: set) -> list[str]:
