@@ -127,6 +127,11 @@ class FeedReader:
         return iter(self.feeds)
 
 
+# what a quantization imports on first use (a timed run that still imports one says so)
+LAZY_IMPORTS = ("numpy.ma", "numpy.random", "onnxruntime", "threadpoolctl", "qpasses.evaluation.summary",
+                "qpasses.weightonly.config")
+
+
 def import_qpasses():
     """qpasses with everything a quantization imports on first use already imported (its pass
     modules, onnxruntime, ...): imports are not timed, as onnxruntime's own are not. ``sys.modules``
@@ -144,9 +149,6 @@ def import_qpasses():
         except ImportError:   # an older revision (--qpasses-rev) without it
             pass
     return qpasses, set(sys.modules)
-
-
-LAZY_IMPORTS = ("numpy.ma", "numpy.random", "onnxruntime", "threadpoolctl", "qpasses.evaluation.summary", "qpasses.weightonly.config")
 
 
 def imported_since(before: set) -> list[str]:
