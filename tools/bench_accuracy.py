@@ -669,7 +669,7 @@ def main(argv=None) -> int:
                                  capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp.name], input=archive, check=True)
         qp_src = tmp.name
-    dirty = [line[3:] for line in _git("status", "--porcelain", "--", "qpasses").splitlines()]
+    dirty = [line.split(maxsplit=1)[-1] for line in _git("status", "--porcelain", "--", "qpasses").splitlines()]
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "qpasses_commit": _git("rev-parse", "--short", args.qpasses_rev or "HEAD"),
             "qpasses_source": ("git " + args.qpasses_rev) if args.qpasses_rev else (qp_src or "installed/work tree"),

@@ -302,22 +302,23 @@ def _chain(layers: int = 5, d: int = 32):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def _spiky_feeds(n: int, d: int = 32) -> list[dict]:
+def _spiky_feeds(n: int, d: int = 32, spike: float = 50.0) -> list[dict]:
     rng = np.random.default_rng(0)
     feeds = []
     for _ in range(n):
         x = rng.normal(0, 1, (1, d)).astype(np.float32)
-        x[0, rng.integers(0, d)] = 50.0 * rng.choice([-1, 1])
+        x[0, rng.integers(0, d)] = spike * rng.choice([-1, 1])
         feeds.append({"x": x})
     return feeds
 
 
 @pytest.mark.parametrize("options", [{}, {"target": 12.0}])
 def test_without_a_target_it_aims_higher_within_the_8_bit_share(options):
-    """The chain meets the 12 dB target as it is. Without a target given, search-precision goes on
-    towards 25 dB while 80 % of the 5 MatMuls stay 8-bit; a target given (even 12) stops there."""
+    """The chain meets the 12 dB target as it is, and reads measurably below 25 dB (spikes 1000x
+    the rest). Without a target given, search-precision goes on towards 25 dB while 80 % of the 5
+    MatMuls stay 8-bit; a target given (even 12) stops there."""
     model = from_proto(_chain())
-    ctx = RunContext({}, _spiky_feeds(40))
+    ctx = RunContext({}, _spiky_feeds(40, spike=1000.0))
     PassManager(PRELUDE).run(model, ctx)
     PassManager([SearchPrecision(**options)]).run(model, ctx)
     decision = model.decisions["precision_search"]
@@ -456,21 +457,25 @@ def test_a_confirmation_that_cannot_run_is_said_not_raised(monkeypatch):
     assert decision["met"] and decision["promoted"] == []
 
 
-def test_the_aim_is_not_chased_when_the_confirmation_reads_it_met():
-    """The chain reads 26.7 dB counted on 8 check feeds, 27.6 on all 40 the confirmation scores:
-    aiming at 27, the check feeds alone would promote (ddddocr_det: a float first Conv for noise at
-    10 % latency); with the confirmation's wider reading nothing is promoted, and the aim is met."""
-    decisions = {}
-    for confirm in (0, 32):
+def test_the_aim_is_chased_only_where_the_model_reads_measurably_below_it():
+    """The chain reads 27.8 dB on 8 check feeds (26.7 counted, one standard error down; about 29 one
+    up), 28.4 on all 40 the confirmation scores. Aiming at 29 nothing is promoted, with or without
+    the confirmation: its score plus the margin reaches the aim (ddddocr_det's aim kept two early
+    Convs float for +0.005 F1, within the eval set's standard error, at 1.26x onnxruntime's
+    latency). Aiming at 30 it is measurably below, and the search promotes."""
+    for aim, confirm in ((29, 0), (29, 32), (30, 0), (30, 32)):
         model = from_proto(_chain())
         ctx = RunContext({}, _spiky_feeds(40))
         PassManager("annotate-types,calibrate").run(model, ctx)
-        PassManager([SearchPrecision(samples=8, aim=27, confirm_samples=confirm)]).run(model, ctx)
-        decisions[confirm] = model.decisions["precision_search"]
-    alone, wider = decisions[0], decisions[32]
-    assert alone["quantized_counted"] < 27 and alone["promoted"]
-    assert wider["quantized_counted"] < 27 <= wider["confirmed"]["counted"]
-    assert wider["promoted"] == [] and wider["aim_met"] and wider["aimed"].startswith("nothing: the confirmation")
+        PassManager([SearchPrecision(samples=8, aim=aim, confirm_samples=confirm)]).run(model, ctx)
+        decision = model.decisions["precision_search"]
+        assert decision["quantized_counted"] < decision["quantized"] < 29, decision
+        assert ("confirmed" in decision) == bool(confirm)
+        if aim == 29:
+            assert decision["promoted"] == [] and decision["aim_met"], decision
+            assert decision["aimed"].startswith("nothing: not measurably below the aim")
+        else:
+            assert decision["promoted"] and decision["aimed"] in ("local-error ranking", "graph order"), decision
 
 
 def test_measured_costs_time_the_models_patterns_once_and_cache_them(tmp_path, monkeypatch):

@@ -51,6 +51,7 @@ class Checks:
         self.speculated: dict = {}   # rounds of speculative tasks, for speculate.LAST
         self.local_db, self.ranking = None, []   # root -> local error in dB; the roots, largest first
         self.aimed = ""   # which order the aim took
+        self.confirmed_upper: float | None = None   # the last confirmation's score plus its margin (recorded)
         self.shares: dict = {}   # keep_8bit -> EightBitShare (the model does not change during the search)
 
     def check(self, promoted: list[str]) -> float:
@@ -175,6 +176,7 @@ class Checks:
             self.bar.update(self.evaluations)
             bound = self.objective.lower_bound(summary["overall"], error, self.options.confidence)
             record |= {"score": recorded(summary["overall"]), "counted": recorded(bound)}
+            self.confirmed_upper = float(recorded(self.objective.lower_bound(summary["overall"], error, -self.options.confidence)))
             if bound >= self.target or self.evaluations >= self.budget:
                 break
             checked = len(self.check_ref.feeds)
@@ -184,6 +186,7 @@ class Checks:
             rest = rest.pick(sorted(set(range(len(rest.feeds))) - set(moved)))
             record["added"] += len(moved)
             del record["score"], record["counted"]   # read again on the new promotions, if evaluations are left
+            self.confirmed_upper = None
             self.scores, self.raw, self.uppers, self.known, self.shared, self.reuse = {}, {}, {}, {}, None, None
             ranked = chosen + [name for name in self.ranked() if name not in chosen]
             start = len(chosen)   # short of the target on all the feeds, so on the worst of them too
@@ -193,6 +196,7 @@ class Checks:
         if "counted" not in record and not rest.feeds:   # every feed is a check feed now
             key = frozenset(chosen)
             record |= {"score": recorded(self.raw[key]), "counted": recorded(self.scores[key])}
+            self.confirmed_upper = float(recorded(self.uppers[key]))
         record["met"] = record["counted"] >= self.target if "counted" in record else None
         return chosen, record
 
