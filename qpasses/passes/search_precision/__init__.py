@@ -56,8 +56,8 @@ class SearchPrecision(Pass):
     ops' float-vs-int8 latency is not tried; ties: the least sensitive first), until 4 fail in a row: at most 2*log2(tensors) + 16 evaluations of a quantized copy on
     the held-out feeds. A target met is confirmed on the next ``confirm_samples`` calibration feeds
     (one evaluation); while it misses there, the worst of them join the check feeds and the bisection
-    goes on from the promotions made, down the ranking (the same budget). Then, below ``aim`` (default:
-    25 dB of SNR when no target is given), it goes on promoting while ``keep_8bit`` of the latency the
+    goes on from the promotions made, down the ranking (the same budget). Then, measurably below ``aim``
+    (default: 25 dB of SNR when no target is given; see the invariants), it goes on promoting while ``keep_8bit`` of the latency the
     weighted ops' int8 kernels save stays 8-bit (analysis.op_costs: by op pattern, from the table
     shipped, or with ``cost`` measured, timed on this machine): each of two orders (the same ranking; the graph order, the inputs' end first, as
     errors made early grow through the rest) is cut where the share would drop below ``keep_8bit``,
