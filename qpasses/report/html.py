@@ -145,9 +145,10 @@ def _summary(info: dict) -> list[str]:
     if search:
         promoted = search.get("promoted", [])
         left = f", {100 * search['int8_share']:.0f} % left" if "int8_share" in search else ""
-        aim = (f" (aim {escape(str(search['aim']))} with {100 * search.get('keep_8bit', 0):.0f} % of the weighted ops' int8 latency gain "
-               f"8-bit{left}, {'met' if search.get('aim_met') else 'not met'}: {escape(str(search.get('aimed')))})"
-               if "aimed" in search else "")
+        share = (f" with {100 * search['keep_8bit']:.0f} % of the weighted ops' int8 latency gain 8-bit"
+                 if "keep_8bit" in search else "")   # absent when the aim was not chased
+        aim = (f" (aim {escape(str(search['aim']))}{share}{left}, {'met' if search.get('aim_met') else 'not met'}: "
+               f"{escape(str(search.get('aimed')))})" if "aimed" in search else "")
         out.append(f"<p>search-precision: target {escape(str(search.get('target')))} {escape(str(search.get('metric')))}{aim}, "
                    f"quantized {escape(str(search.get('quantized')))}, reached {escape(str(search.get('reached')))} "
                    f"on {escape(str(search.get('feeds')))} check feeds{_confirmation(search.get('confirmed'))}; "

@@ -154,6 +154,7 @@ def test_a_minus_one_batch_dimension_takes_any_batch(tmp_path, capsys):
 
 
 def test_the_summary_says_what_the_search_aimed_at():
+    from qpasses.passes.search_precision import AIM_WITHIN_MARGIN
     from qpasses.report import html
 
     search = {"metric": "snr", "target": 12.0, "fallback": "float", "quantized": 16.4, "reached": 22.1,
@@ -165,6 +166,10 @@ def test_the_summary_says_what_the_search_aimed_at():
     assert ("search-precision: target 12.0 snr (aim 25.0 with 80 % of the weighted ops' int8 latency gain 8-bit, "
             "83 % left, not met: graph order), quantized 16.4, reached 22.1 on 12 check feeds, confirmed on 24 calibration feeds (4 of "
             "them then added to the checks): 19.5, met; 2 tensors promoted to float: a, b") in text
+    within = {k: v for k, v in search.items() if k != "keep_8bit"} | {   # the aim not chased: no share spent
+        "promoted": [], "aimed": AIM_WITHIN_MARGIN, "aim_met": True, "int8_share": 1.0}
+    text = "".join(html._summary(info | {"decisions": {"precision_search": within}}))
+    assert f"(aim 25.0, 100 % left, met: {AIM_WITHIN_MARGIN})" in text and "latency gain" not in text
     del search["aimed"]   # an aim the 8-bit model met before any walk: nothing more to say
     search["confirmed"] = {"skipped": "calib.npz: gone"}
     text = "".join(html._summary(info))
