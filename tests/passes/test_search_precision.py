@@ -458,7 +458,7 @@ def test_a_confirmation_that_cannot_run_is_said_not_raised(monkeypatch):
 
 
 def test_the_aim_is_chased_only_where_the_model_reads_measurably_below_it():
-    """The chain reads 27.8 dB on 8 check feeds (26.7 counted, one standard error down; about 29 one
+    """The chain reads 27.8 dB on 8 check feeds (26.7 counted, one standard error down; 29.4 one
     up), 28.4 on all 40 the confirmation scores. Aiming at 29 nothing is promoted, with or without
     the confirmation: its score plus the margin reaches the aim (ddddocr_det's aim kept two early
     Convs float for +0.005 F1, within the eval set's standard error, at 1.26x onnxruntime's

@@ -13,7 +13,7 @@ from ...core.pipeline import Pass, PassResult, Pipeline, pipeline_option
 from ...core.registry import register
 from ...errors import CalibrationDataError, first_line
 from ...evaluation.evaluate import Reference, max_nodes_option, max_weight_mb_option, rerun_skip_reason
-from ...evaluation.objective import Objective, recorded
+from ...evaluation.objective import Objective
 from ...evaluation.scored_runs import ScoredRuns
 from ...ir.analyses import GRAPH, RANGES, WEIGHTS
 from ...ir.decisions import PRECISION_SEARCH
@@ -196,12 +196,7 @@ class SearchPrecision(Pass):
         elif reached >= needed and rest:
             decision |= {"confirmed": rest}
         if aim > needed and reached < aim:
-            # the aim spends latency: only where the widest reading (the confirmation's, else the
-            # check feeds') is measurably below it, its score plus the margin short of it
-            widest = search.confirmed_upper
-            if widest is None:
-                widest = float(recorded(search.uppers[frozenset(chosen)]))
-            if widest >= aim:
+            if search.widest_upper(chosen) >= aim:   # the aim spends latency: only measurably below it
                 decision |= {"aimed": AIM_WITHIN_MARGIN}
             else:
                 chosen, reached = search.aim(chosen, aim, keep)

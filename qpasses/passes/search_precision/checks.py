@@ -51,7 +51,7 @@ class Checks:
         self.speculated: dict = {}   # rounds of speculative tasks, for speculate.LAST
         self.local_db, self.ranking = None, []   # root -> local error in dB; the roots, largest first
         self.aimed = ""   # which order the aim took
-        self.confirmed_upper: float | None = None   # the last confirmation's score plus its margin (recorded)
+        self.confirmed_upper: float | None = None   # the last confirmation's score plus its margin
         self.shares: dict = {}   # keep_8bit -> EightBitShare (the model does not change during the search)
 
     def check(self, promoted: list[str]) -> float:
@@ -176,7 +176,7 @@ class Checks:
             self.bar.update(self.evaluations)
             bound = self.objective.lower_bound(summary["overall"], error, self.options.confidence)
             record |= {"score": recorded(summary["overall"]), "counted": recorded(bound)}
-            self.confirmed_upper = float(recorded(self.objective.lower_bound(summary["overall"], error, -self.options.confidence)))
+            self.confirmed_upper = self.objective.lower_bound(summary["overall"], error, -self.options.confidence)
             if bound >= self.target or self.evaluations >= self.budget:
                 break
             checked = len(self.check_ref.feeds)
@@ -196,9 +196,14 @@ class Checks:
         if "counted" not in record and not rest.feeds:   # every feed is a check feed now
             key = frozenset(chosen)
             record |= {"score": recorded(self.raw[key]), "counted": recorded(self.scores[key])}
-            self.confirmed_upper = float(recorded(self.uppers[key]))
         record["met"] = record["counted"] >= self.target if "counted" in record else None
         return chosen, record
+
+    def widest_upper(self, chosen: list[str]) -> float:
+        """``chosen``'s score plus its margin on the widest reading: the last confirmation's, else
+        the check feeds' (which then hold every feed read), to 0.01 as decisions record scores."""
+        upper = self.confirmed_upper if self.confirmed_upper is not None else self.uppers[frozenset(chosen)]
+        return float(recorded(upper))
 
     def blocking(self, chosen: list[str], count: int = 5) -> dict[str, float]:
         """The ``count`` tensors the ranking would promote next (not in ``chosen``), with their local
